@@ -1,0 +1,462 @@
+"""Run configuration: YAML file -> typed dataclasses, dotted overrides, validation before any compute.
+
+    cfg = load_config("configs/tiny.yaml", ["model.d_model=256", "train.steps=50"])
+
+Unknown keys are errors that name the key, the file (or "command line") and the closest valid key.
+`validate(cfg)` runs the cross-checks (heads and groups divide, batch triad, pattern letters) and is
+called by `load_config`, so a mistake fails before a model is built or a GPU is touched.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration mistake, with the key and where it came from."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sections
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MambaConfig:
+    """Mamba-2 mixer (`M`)."""
+
+    d_state: int = 128  # N
+    d_conv: int = 4
+    expand: int = 2  # d_inner = expand * d_model
+    headdim: int = 64  # P; heads H = d_inner / P
+    ngroups: int = 1  # G groups of B/C and of the gated norm
+    chunk_size: int = 256
+    dt_min: float = 1e-3
+    dt_max: float = 1e-1
+    dt_init_floor: float = 1e-4
+    dt_limit: list[float] | None = None  # clamp of dt after softplus, [lo, hi]
+    A_init_min: float = 1.0
+    A_init_max: float = 16.0
+    conv_bias: bool = True
+    proj_bias: bool = False
+    D_has_hdim: bool = False  # D per channel [H, P] instead of per head [H]
+    norm_before_gate: bool = False
+
+
+@dataclass
+class AttentionConfig:
+    """Attention (`*`): causal, GQA, optional RoPE and sliding window, SDPA."""
+
+    n_heads: int = 8
+    n_kv_heads: int | None = None  # None = n_heads (MHA)
+    head_dim: int | None = None  # None = d_model / n_heads
+    rope: bool = True
+    rope_theta: float = 10000.0
+    sliding_window: int = 0  # 0 = full causal attention
+    bias: bool = False
+    doc_mask: bool = True  # with seq_idx, attend only within the token's own document (positions restart)
+
+
+@dataclass
+class MLPConfig:
+    """Gated MLP (`-`): SwiGLU."""
+
+    ffn_hidden: int | None = None  # None = 8/3 * d_model rounded up to a multiple of 256
+    bias: bool = False
+
+
+@dataclass
+class ModelConfig:
+    pattern: str = "M*M-"
+    d_model: int = 256
+    vocab_size: int | None = None  # None = from the data (tokenizer); padded to pad_vocab_multiple
+    pad_vocab_multiple: int = 128
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    mamba: MambaConfig = field(default_factory=MambaConfig)
+    attn: AttentionConfig = field(default_factory=AttentionConfig)
+    mlp: MLPConfig = field(default_factory=MLPConfig)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    seq_len: int = 512
+    micro_batch: int = 4
+    global_batch: int = 4  # = micro_batch x accumulation x data-parallel ranks
+    bptt: bool = False
+    bptt_windows: int = 1
+    seed: int = 1234
+    precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32
+    grad_clip: float = 1.0  # 0 disables clipping
+    device: str = "auto"  # auto | cpu | cuda
+    eval_interval: int = 100  # 0 disables periodic eval
+    eval_batches: int = 4
+    log_interval: int = 10
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 100
+    decay: str = "cosine"  # cosine | linear | constant
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    fused: str = "auto"  # auto (fused AdamW on GPU) | true | false
+
+
+@dataclass
+class DataConfig:
+    builtin: str | None = None  # "stdlib": the Python standard library's sources, built on first use
+    paths: list[str] = field(default_factory=list)  # shard prefixes (PREFIX.bin/.idx or PREFIX-00000...)
+    weights: list[float] | None = None  # blend weights, one per path
+    tokenizer: str = "byte"  # tokenizer for the builtin corpus
+    split: list[float] = field(default_factory=lambda: [98.0, 1.0, 1.0])  # train/valid/test by document
+    prefetch: int = 2  # batches prepared ahead in a background thread; 0 = synchronous
+    cache_dir: str | None = None  # default ~/.cache/megassm/data or $MEGASSM_CACHE
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    sp: bool = False
+    engine: str = "ddp"  # ddp | fsdp2 | deepspeed
+    zero_stage: int = 0
+    world_size: int | None = None  # None = from the launcher's environment (WORLD_SIZE), else 1
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/default"
+    save_interval: int = 0  # steps between checkpoints; 0 = only at the end
+    keep_last: int = 3
+    resume: str = "none"  # none | auto | path of a checkpoint directory
+    tensorboard: bool = True
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+# Pattern letters: the ones built now. `|` is a pipeline-stage boundary (no block of its own).
+PATTERN_LETTERS = {"M": "Mamba-2", "*": "attention", "-": "gated MLP"}
+PATTERN_SEPARATORS = {"|"}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Building dataclasses from nested dicts, with typed values and helpful errors
+# ----------------------------------------------------------------------------------------------------
+
+
+def _all_keys(cls, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cls):
+        name = prefix + f.name
+        if dataclasses.is_dataclass(f.type if isinstance(f.type, type) else _resolve(cls, f)):
+            keys.extend(_all_keys(_resolve(cls, f), name + "."))
+        else:
+            keys.append(name)
+    return keys
+
+
+def _resolve(cls, f) -> Any:
+    hints = typing.get_type_hints(cls)
+    return hints[f.name]
+
+
+def _closest(key: str, candidates: list[str]) -> str:
+    match = difflib.get_close_matches(key, candidates, n=1, cutoff=0.0)
+    return match[0] if match else "?"
+
+
+_NONE_WORDS = ("none", "null", "~")
+
+
+def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
+    """Convert `value` to type `tp` (from the dataclass annotation) or raise ConfigError."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if type(None) in args and (value is None or (isinstance(value, str) and value.lower() in _NONE_WORDS)):
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, key, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{where}: {key}: cannot be {value!r}")
+    if origin is list:
+        if isinstance(value, str):  # command line: a,b,c or [a, b]
+            try:
+                value = yaml.safe_load(value if value.strip().startswith("[") else "[" + value + "]")
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{where}: {key}: cannot read {value!r} as a list: {e}") from None
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: {key}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{key}[{i}]", where) for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{where}: {key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: {key}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: {key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: {key}: expected a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: {key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{where}: {key}: expected a string, got {value!r}")
+    raise ConfigError(f"{where}: {key}: unsupported type {tp}")
+
+
+def _apply(obj: Any, data: dict, where: str, prefix: str = "") -> None:
+    """Set fields of dataclass `obj` from nested dict `data`; unknown keys raise ConfigError."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: {prefix.rstrip('.') or 'top level'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    for k, v in data.items():
+        key = prefix + str(k)
+        if k not in names:
+            while isinstance(v, dict) and len(v) == 1:  # name the full dotted key, not just its section
+                (sub, v), = v.items()
+                key += f".{sub}"
+            valid = _all_keys(Config)
+            raise ConfigError(
+                f"{where}: unknown key '{key}' (closest valid key: '{_closest(key, valid)}')"
+            )
+        tp = hints[k]
+        if dataclasses.is_dataclass(tp):
+            _apply(getattr(obj, k), v, where, key + ".")
+        else:
+            setattr(obj, k, _coerce(v, tp, key, where))
+
+
+def parse_override(text: str) -> tuple[str, str]:
+    """`model.d_model=256` -> ('model.d_model', '256'). The text is converted by the key's type later,
+    so a pattern such as `-` or `*` stays the string it is."""
+    if "=" not in text:
+        raise ConfigError(f"command line: override '{text}' must look like key=value (e.g. train.steps=50)")
+    key, raw = text.split("=", 1)
+    return key.strip(), raw.strip()
+
+
+def _nest(key: str, value: Any) -> dict:
+    out: dict = {}
+    cur = out
+    parts = key.split(".")
+    for p in parts[:-1]:
+        cur[p] = {}
+        cur = cur[p]
+    cur[parts[-1]] = value
+    return out
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] = (), validate_config: bool = True) -> Config:
+    """Read a YAML file (or start from defaults when path is None), apply dotted overrides, validate."""
+    cfg = Config()
+    if path is not None:
+        path = str(path)
+        if not os.path.exists(path):
+            raise ConfigError(f"{path}: config file not found")
+        with open(path) as f:
+            try:
+                data = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{path}: invalid YAML: {e}") from None
+        _apply(cfg, data, path)
+    for text in overrides:
+        key, value = parse_override(text)
+        _apply(cfg, _nest(key, value), "command line")
+    if validate_config:
+        validate(cfg)
+    return cfg
+
+
+def config_to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Cross-checks
+# ----------------------------------------------------------------------------------------------------
+
+
+def blocks_of(pattern: str) -> list[str]:
+    """The residual blocks of a pattern, in order (stage separators dropped)."""
+    return [c for c in pattern if c not in PATTERN_SEPARATORS]
+
+
+def mamba_dims(model: ModelConfig) -> dict:
+    d_inner = model.mamba.expand * model.d_model
+    return {"d_inner": d_inner, "nheads": d_inner // model.mamba.headdim}
+
+
+def ffn_hidden(model: ModelConfig) -> int:
+    if model.mlp.ffn_hidden is not None:
+        return model.mlp.ffn_hidden
+    return -(-int(8 * model.d_model / 3) // 256) * 256
+
+
+def attn_dims(model: ModelConfig) -> dict:
+    a = model.attn
+    head_dim = a.head_dim if a.head_dim is not None else model.d_model // a.n_heads
+    return {"head_dim": head_dim, "n_heads": a.n_heads, "n_kv_heads": a.n_kv_heads or a.n_heads}
+
+
+def world_size(cfg: Config) -> int:
+    if cfg.parallel.world_size is not None:
+        return cfg.parallel.world_size
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def data_parallel_size(cfg: Config) -> int:
+    p = cfg.parallel
+    return world_size(cfg) // (p.tp * p.cp * p.pp)
+
+
+def validate(cfg: Config) -> None:
+    """Every cross-check that can fail before compute. Raises ConfigError naming the keys."""
+    m, t, o, p = cfg.model, cfg.train, cfg.optim, cfg.parallel
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ConfigError(msg)
+
+    # pattern
+    need(len(blocks_of(m.pattern)) > 0, f"model.pattern: '{m.pattern}' has no blocks")
+    for i, c in enumerate(m.pattern):
+        need(
+            c in PATTERN_LETTERS or c in PATTERN_SEPARATORS,
+            f"model.pattern: unknown letter '{c}' at position {i} of '{m.pattern}' "
+            f"(known: {', '.join(f'{k} {v}' for k, v in PATTERN_LETTERS.items())}, | stage boundary)",
+        )
+    need(m.d_model > 0, f"model.d_model must be positive, got {m.d_model}")
+    need(m.pad_vocab_multiple > 0, "model.pad_vocab_multiple must be positive")
+    need(m.vocab_size is None or m.vocab_size > 0, f"model.vocab_size must be positive, got {m.vocab_size}")
+    letters = set(blocks_of(m.pattern))
+
+    if "M" in letters:
+        mb = m.mamba
+        d_inner = mb.expand * m.d_model
+        need(d_inner % mb.headdim == 0,
+             f"model.mamba.headdim={mb.headdim} must divide d_inner = model.mamba.expand x model.d_model = {d_inner}")
+        nheads = d_inner // mb.headdim
+        need(mb.ngroups >= 1 and nheads % mb.ngroups == 0,
+             f"model.mamba.ngroups={mb.ngroups} must divide the number of heads {nheads} (d_inner {d_inner} / headdim {mb.headdim})")
+        need(2 <= mb.d_conv <= 4, f"model.mamba.d_conv must be 2..4, got {mb.d_conv}")
+        need(mb.chunk_size > 0, f"model.mamba.chunk_size must be positive, got {mb.chunk_size}")
+        need(0 < mb.dt_min <= mb.dt_max, "model.mamba.dt_min must be in (0, model.mamba.dt_max]")
+        need(0 < mb.A_init_min <= mb.A_init_max, "model.mamba.A_init_min must be in (0, model.mamba.A_init_max]")
+        if mb.dt_limit is not None:
+            need(len(mb.dt_limit) == 2 and mb.dt_limit[0] < mb.dt_limit[1],
+                 f"model.mamba.dt_limit must be [lo, hi] with lo < hi, got {mb.dt_limit}")
+        need(nheads % p.tp == 0, f"parallel.tp={p.tp} must divide the Mamba-2 heads ({nheads})")
+    if "*" in letters:
+        a = attn_dims(m)
+        need(m.attn.n_heads > 0, "model.attn.n_heads must be positive")
+        need(m.attn.head_dim is not None or m.d_model % m.attn.n_heads == 0,
+             f"model.attn.n_heads={m.attn.n_heads} must divide model.d_model={m.d_model} (or set model.attn.head_dim)")
+        need(a["n_heads"] % a["n_kv_heads"] == 0,
+             f"model.attn.n_kv_heads={a['n_kv_heads']} must divide model.attn.n_heads={a['n_heads']}")
+        need(not m.attn.rope or a["head_dim"] % 2 == 0, f"RoPE needs an even head dim, got {a['head_dim']}")
+        need(m.attn.sliding_window >= 0, "model.attn.sliding_window must be >= 0 (0 = full attention)")
+        need(a["n_heads"] % p.tp == 0, f"parallel.tp={p.tp} must divide model.attn.n_heads ({a['n_heads']})")
+    if "-" in letters:
+        need(ffn_hidden(m) > 0, "model.mlp.ffn_hidden must be positive")
+        need(ffn_hidden(m) % p.tp == 0, f"parallel.tp={p.tp} must divide model.mlp.ffn_hidden ({ffn_hidden(m)})")
+
+    # training
+    need(t.steps > 0, f"train.steps must be positive, got {t.steps}")
+    need(t.seq_len > 0, f"train.seq_len must be positive, got {t.seq_len}")
+    need(t.micro_batch > 0, f"train.micro_batch must be positive, got {t.micro_batch}")
+    need(t.precision in ("auto", "bf16", "fp32"), f"train.precision must be auto, bf16 or fp32, got '{t.precision}'")
+    need(t.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got '{t.device}'")
+    need(t.eval_interval >= 0 and t.eval_batches >= 0, "train.eval_interval and train.eval_batches must be >= 0")
+    need(t.log_interval > 0, "train.log_interval must be positive")
+    need(t.grad_clip >= 0, "train.grad_clip must be >= 0 (0 disables clipping)")
+    need(t.bptt_windows >= 1, "train.bptt_windows must be >= 1")
+
+    # optimizer
+    need(o.lr > 0, f"optim.lr must be positive, got {o.lr}")
+    need(0 <= o.min_lr <= o.lr, f"optim.min_lr={o.min_lr} must be in [0, optim.lr={o.lr}]")
+    need(o.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
+    need(o.decay in ("cosine", "linear", "constant"), f"optim.decay must be cosine, linear or constant, got '{o.decay}'")
+    need(o.fused in ("auto", "true", "false"), f"optim.fused must be auto, true or false, got '{o.fused}'")
+    need(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
+
+    # data
+    d = cfg.data
+    need(d.builtin is not None or len(d.paths) > 0,
+         "data: set data.paths (shard prefixes from megassm-preprocess) or data.builtin (e.g. stdlib)")
+    need(d.builtin in (None, "stdlib"), f"data.builtin must be 'stdlib' or unset, got '{d.builtin}'")
+    need(d.weights is None or len(d.weights) == len(d.paths),
+         f"data.weights has {0 if d.weights is None else len(d.weights)} entries but data.paths has {len(d.paths)}")
+    need(len(d.split) == 3 and all(x >= 0 for x in d.split) and d.split[0] > 0,
+         f"data.split must be three non-negative numbers train,valid,test with train > 0, got {d.split}")
+
+    # parallel layout and the batch triad
+    for k in ("tp", "cp", "pp"):
+        need(getattr(p, k) >= 1, f"parallel.{k} must be >= 1")
+    need(p.engine in ("ddp", "fsdp2", "deepspeed"), f"parallel.engine must be ddp, fsdp2 or deepspeed, got '{p.engine}'")
+    need(p.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage must be 0..3, got {p.zero_stage}")
+    ws = world_size(cfg)
+    model_par = p.tp * p.cp * p.pp
+    need(ws % model_par == 0,
+         f"world size {ws} is not divisible by parallel.tp x parallel.cp x parallel.pp = {p.tp}x{p.cp}x{p.pp}")
+    dp = ws // model_par
+    need(t.global_batch % (t.micro_batch * dp) == 0,
+         f"batch triad: train.global_batch={t.global_batch} must be a multiple of "
+         f"train.micro_batch x data-parallel ranks = {t.micro_batch} x {dp}")
+    n_stages = m.pattern.count("|") + 1
+    need(p.pp == 1 or n_stages in (1, p.pp),
+         f"model.pattern has {n_stages} stages (cut by '|') but parallel.pp={p.pp}")
