@@ -1,0 +1,201 @@
+"""Attention (`*`): causal, grouped-query, optional RoPE and sliding window, torch SDPA.
+
+Document masking (attn.doc_mask, default on): with `seq_idx`, a token attends only to earlier tokens of its
+own document (block-diagonal causal mask) and RoPE positions restart at each document, so a document's
+outputs are the same wherever it sits in a packed row, and equal to what token-by-token decoding with a
+reset gives. When every row holds one document the SDPA `is_causal` fast path is used (no mask tensor).
+With doc_mask off, seq_idx is ignored here (packed documents see each other, positions run over the row).
+
+Sliding window W: a token attends to itself and the W-1 tokens before it.
+
+Carried state (KVCache, see state.py): keys are cached after RoPE. A forward with a cache prepends the
+cached columns; they are visible to the row's first document only (and only where still `valid`).
+
+Projections are separate q/k/v/o Linears (q: n_heads*head_dim rows, head-major; k/v: n_kv_heads*head_dim),
+so tensor parallelism splits heads by slicing rows of q/k/v and columns of o.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megassm.config import ModelConfig, attn_dims
+
+from .init import make_linear
+from .state import KVCache
+
+__all__ = ["Attention", "doc_positions", "rope_rotate", "single_document"]
+
+
+def single_document(seq_idx: torch.Tensor | None) -> bool:
+    """True when every row holds one document (ids are nondecreasing per row). One host sync."""
+    if seq_idx is None:
+        return True
+    return bool((seq_idx[:, 0] == seq_idx[:, -1]).all())
+
+
+def doc_positions(seq_idx: torch.Tensor | None, offset: torch.Tensor | None, bsz: int, seqlen: int, device):
+    """In-document position of every token [B, L] (int64). `offset` [B]: position of the first token of
+    the row's first document (tokens already seen through a carried state)."""
+    t = torch.arange(seqlen, device=device)
+    if seq_idx is None:
+        pos = t.expand(bsz, seqlen)
+        return pos if offset is None else pos + offset.to(device)[:, None]
+    start = torch.ones(bsz, seqlen, dtype=torch.bool, device=device)
+    start[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
+    start_at = torch.where(start, t, torch.zeros_like(t)).cummax(dim=1).values
+    pos = t - start_at
+    if offset is not None:
+        first = seq_idx == seq_idx[:, :1]
+        pos = pos + torch.where(first, offset.to(device)[:, None], torch.zeros_like(pos))
+    return pos
+
+
+def rope_rotate(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding, half-split convention. x [B, L, heads, D], pos [B, L] -> x.dtype.
+    Angles are taken in fp64 (exact for long positions), the rotation in fp32."""
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float64) / half)
+    ang = pos.to(torch.float64)[..., None] * inv_freq  # [B, L, half]
+    cos = torch.cos(ang).to(torch.float32)[:, :, None, :]
+    sin = torch.sin(ang).to(torch.float32)[:, :, None, :]
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, n_layer: int):
+        super().__init__()
+        a = cfg.attn
+        dims = attn_dims(cfg)
+        self.n_heads, self.n_kv_heads, self.head_dim = dims["n_heads"], dims["n_kv_heads"], dims["head_dim"]
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"attention: n_kv_heads {self.n_kv_heads} must divide n_heads {self.n_heads}")
+        if a.rope and self.head_dim % 2:
+            raise ValueError(f"attention: RoPE needs an even head_dim, got {self.head_dim}")
+        self.rope = a.rope
+        self.rope_theta = a.rope_theta
+        self.window = a.sliding_window
+        self.doc_mask = a.doc_mask
+        std = cfg.init_std
+        d = cfg.d_model
+        self.q_proj = make_linear(d, self.n_heads * self.head_dim, a.bias, std)
+        self.k_proj = make_linear(d, self.n_kv_heads * self.head_dim, a.bias, std)
+        self.v_proj = make_linear(d, self.n_kv_heads * self.head_dim, a.bias, std)
+        self.o_proj = make_linear(self.n_heads * self.head_dim, d, a.bias, std / math.sqrt(2 * n_layer))
+
+    def allocate_state(self, batch_size: int, device=None, dtype=torch.float32) -> KVCache:
+        kv = torch.zeros(batch_size, self.n_kv_heads, 0, self.head_dim, device=device, dtype=dtype)
+        return KVCache(
+            k=kv,
+            v=kv.clone(),
+            valid=torch.zeros(batch_size, 0, dtype=torch.bool, device=device),
+            pos=torch.zeros(batch_size, dtype=torch.long, device=device),
+        )
+
+    def _qkv(self, u: torch.Tensor):
+        lead = u.shape[:-1]
+        q = self.q_proj(u).view(*lead, self.n_heads, self.head_dim)
+        k = self.k_proj(u).view(*lead, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(u).view(*lead, self.n_kv_heads, self.head_dim)
+        return q, k, v
+
+    def _sdpa(self, q, k, v, mask=None, is_causal=False):
+        """q [B, H, Lq, D], k/v [B, Hkv, Lk, D]."""
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=self.n_heads != self.n_kv_heads
+        )
+
+    def forward(
+        self,
+        u: torch.Tensor,
+        seq_idx: torch.Tensor | None = None,
+        state: KVCache | None = None,
+        return_state: bool = False,
+        single_doc: bool | None = None,
+    ) -> tuple[torch.Tensor, KVCache | None]:
+        """u [B, L, d_model] -> (out [B, L, d_model], new cache or None). `single_doc` (every row is one
+        document) may be passed by the caller so that the host sync happens once per model call."""
+        bsz, seqlen, _ = u.shape
+        dev = u.device
+        if not self.doc_mask:
+            seq_idx = None
+        if seq_idx is None:
+            single_doc = True
+        elif single_doc is None:
+            single_doc = single_document(seq_idx)
+
+        q, k, v = self._qkv(u)  # [B, L, heads, D]
+        pos = None
+        if self.rope or return_state:
+            offset = None if state is None else state.pos
+            pos = doc_positions(None if single_doc else seq_idx, offset, bsz, seqlen, dev)
+        if self.rope:
+            q = rope_rotate(q, pos, self.rope_theta)
+            k = rope_rotate(k, pos, self.rope_theta)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, L, D]
+
+        past = 0 if state is None else state.length
+        if past:
+            k_all = torch.cat([state.k.to(k.dtype), k], dim=2)
+            v_all = torch.cat([state.v.to(v.dtype), v], dim=2)
+        else:
+            k_all, v_all = k, v
+
+        key_doc = None
+        if not single_doc:
+            key_doc = seq_idx if not past else torch.cat([seq_idx[:, :1].expand(bsz, past), seq_idx], dim=1)
+        if past == 0 and self.window == 0 and single_doc:
+            out = self._sdpa(q, k_all, v_all, is_causal=True)
+        else:
+            qi = torch.arange(seqlen, device=dev)[:, None] + past  # stream index of each query
+            kj = torch.arange(past + seqlen, device=dev)[None, :]
+            mask = kj <= qi
+            if self.window:
+                mask = mask & (qi - kj < self.window)
+            mask = mask[None]  # [1, L, S]
+            if key_doc is not None:
+                mask = mask & (seq_idx[:, :, None] == key_doc[:, None, :])
+            if past:
+                valid = torch.cat([state.valid, torch.ones(bsz, seqlen, dtype=torch.bool, device=dev)], dim=1)
+                mask = mask & valid[:, None, :]
+            out = self._sdpa(q, k_all, v_all, mask=mask[:, None])
+        out = self.o_proj(out.transpose(1, 2).reshape(bsz, seqlen, self.n_heads * self.head_dim))
+
+        new_state = None
+        if return_state:
+            valid = torch.ones(bsz, past + seqlen, dtype=torch.bool, device=dev)
+            if past:
+                valid[:, :past] = state.valid
+            if key_doc is not None:
+                valid = valid & (key_doc == seq_idx[:, -1:])
+            last_pos = pos[:, -1]
+            k_keep, v_keep = k_all, v_all
+            if self.window and k_keep.shape[2] > self.window:
+                w = self.window
+                k_keep, v_keep, valid = k_keep[:, :, -w:], v_keep[:, :, -w:], valid[:, -w:]
+            new_state = KVCache(k=k_keep, v=v_keep, valid=valid, pos=last_pos + 1)
+        return out, new_state
+
+    def step(self, u: torch.Tensor, state: KVCache) -> tuple[torch.Tensor, KVCache]:
+        """One token: u [B, d_model] -> (out [B, d_model], new cache). Resets are applied by the caller."""
+        bsz = u.shape[0]
+        q, k, v = self._qkv(u[:, None])  # [B, 1, heads, D]
+        if self.rope:
+            pos = state.pos[:, None]
+            q = rope_rotate(q, pos, self.rope_theta)
+            k = rope_rotate(k, pos, self.rope_theta)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        k_all = torch.cat([state.k.to(k.dtype), k], dim=2)
+        v_all = torch.cat([state.v.to(v.dtype), v], dim=2)
+        valid = torch.cat([state.valid, torch.ones(bsz, 1, dtype=torch.bool, device=u.device)], dim=1)
+        if self.window and k_all.shape[2] > self.window:
+            w = self.window
+            k_all, v_all, valid = k_all[:, :, -w:], v_all[:, :, -w:], valid[:, -w:]
+        out = self._sdpa(q, k_all, v_all, mask=valid[:, None, None, :])
+        out = self.o_proj(out.transpose(1, 2).reshape(bsz, self.n_heads * self.head_dim))
+        return out, KVCache(k=k_all, v=v_all, valid=valid, pos=state.pos + 1)

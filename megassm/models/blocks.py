@@ -1,0 +1,74 @@
+"""Residual blocks: pre-norm, with the residual stream kept in fp32.
+
+A block takes (hidden, residual) -- the previous block's mixer output and the fp32 residual stream before
+that output is added -- and returns its own (hidden, residual):
+
+    normed, residual = add_rmsnorm(hidden, residual)      residual <- residual + hidden, in fp32
+    hidden = mixer(normed)
+
+so the add and the norm are one fused kernel and the stream never goes through bf16, even under autocast.
+The first block gets (embedding, None); the model closes the stack with the same fused add + final norm.
+The pair is also what crosses a pipeline-stage boundary.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megassm.config import ModelConfig
+
+from .attention import Attention
+from .mamba2 import Mamba2Mixer
+from .mlp import GatedMLP
+from .norm import RMSNorm
+
+__all__ = ["Block", "MIXERS"]
+
+MIXERS = {"M": Mamba2Mixer, "*": Attention, "-": GatedMLP}
+
+
+class Block(nn.Module):
+    def __init__(self, kind: str, cfg: ModelConfig, n_layer: int):
+        super().__init__()
+        if kind not in MIXERS:
+            raise ValueError(f"unknown block letter {kind!r} (known: {', '.join(MIXERS)})")
+        self.kind = kind
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer = MIXERS[kind](cfg, n_layer)
+
+    @property
+    def has_state(self) -> bool:
+        return self.kind in ("M", "*")
+
+    def allocate_state(self, batch_size: int, device=None):
+        return self.mixer.allocate_state(batch_size, device=device) if self.has_state else None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        seq_idx: torch.Tensor | None = None,
+        state=None,
+        return_state: bool = False,
+        single_doc: bool | None = None,
+    ):
+        """Returns (hidden, residual fp32, new state or None)."""
+        normed, residual = self.norm.add_forward(hidden, residual)
+        if self.kind == "M":
+            out, new_state = self.mixer(normed, seq_idx=seq_idx, state=state, return_state=return_state)
+        elif self.kind == "*":
+            out, new_state = self.mixer(
+                normed, seq_idx=seq_idx, state=state, return_state=return_state, single_doc=single_doc
+            )
+        else:
+            out, new_state = self.mixer(normed), None
+        return out, residual, new_state
+
+    def step(self, hidden: torch.Tensor, residual: torch.Tensor | None, state=None):
+        """One token: hidden [B, d_model]. Returns (hidden, residual fp32, new state or None)."""
+        normed, residual = self.norm.add_forward(hidden, residual)
+        if self.has_state:
+            out, new_state = self.mixer.step(normed, state)
+        else:
+            out, new_state = self.mixer(normed), None
+        return out, residual, new_state

@@ -1,0 +1,223 @@
+"""The language model: embedding -> blocks from the pattern -> final norm -> LM head.
+
+    model = build_model(cfg.model, vocab_size=V, device=None)   # device may be "meta"
+    model.init_weights(seed)                                     # canonical: a function of the seed only
+    out = model(tokens, seq_idx=None, labels=None, states=None, return_states=False)
+    out.loss, out.logits, out.states
+    logits, states = model.step(tokens, states, reset=None)     # decode one token
+
+Precision policy: parameters are fp32 master weights (the trainer runs the forward under bf16 autocast);
+the residual stream is fp32 in every block (fused add + norm), recurrent states are fp32, and the SSD,
+conv and norm kernels compute in fp32 internally. A_log, dt_bias, D and the norm weights are created fp32
+and are never decayed. Casting the whole model with `.to(torch.bfloat16)` is not a supported training
+mode (it would cast those too).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megassm.config import PATTERN_SEPARATORS, ModelConfig, blocks_of
+
+from .attention import single_document
+from .blocks import Block
+from .init import InitRule, canonical_init, make_linear, rule_of
+from .norm import RMSNorm
+from .state import reset_states
+
+__all__ = ["LanguageModel", "LMOutput", "build_model", "padded_vocab_size"]
+
+IGNORE_INDEX = -100
+
+
+def padded_vocab_size(vocab_size: int, multiple: int) -> int:
+    return -(-vocab_size // multiple) * multiple
+
+
+def _stages(pattern: str) -> list[list[int]]:
+    """Block indices of each pipeline stage, cut at `|`."""
+    stages, cur, i = [], [], 0
+    for c in pattern:
+        if c in PATTERN_SEPARATORS:
+            stages.append(cur)
+            cur = []
+        else:
+            cur.append(i)
+            i += 1
+    stages.append(cur)
+    return stages
+
+
+@dataclass
+class LMOutput:
+    loss: torch.Tensor | None = None  # fp32 scalar: mean cross-entropy over labels != -100
+    logits: torch.Tensor | None = None  # [B, L, vocab_size_padded], only when no labels were given
+    states: list | None = None  # per block (None for MLP blocks), after the last token
+
+
+class LanguageModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, vocab_size: int):
+        super().__init__()
+        self.config = cfg
+        self.pattern = cfg.pattern
+        self.block_kinds = blocks_of(cfg.pattern)
+        if not self.block_kinds:
+            raise ValueError(f"model.pattern '{cfg.pattern}' has no blocks")
+        self.n_layers = len(self.block_kinds)
+        self.stages = _stages(cfg.pattern)
+        self.vocab_size = vocab_size
+        self.vocab_size_padded = padded_vocab_size(vocab_size, cfg.pad_vocab_multiple)
+        self.tie_embeddings = cfg.tie_embeddings
+
+        self.embedding = nn.Embedding(self.vocab_size_padded, cfg.d_model)
+        self.embedding.init_rules = {"weight": InitRule("normal", std=cfg.init_std)}
+        self.layers = nn.ModuleList(Block(k, cfg, self.n_layers) for k in self.block_kinds)
+        self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = (
+            None if cfg.tie_embeddings else make_linear(cfg.d_model, self.vocab_size_padded, False, cfg.init_std)
+        )
+        self._attn_doc_mask = "*" in self.block_kinds and cfg.attn.doc_mask
+
+    # ------------------------------------------------------------------------------------------------
+    # parameters
+    def init_weights(self, seed: int) -> None:
+        """Canonical init (see init.py): identical weights for a seed at any device, dtype or layout."""
+        canonical_init(self, seed)
+
+    def num_parameters(self, non_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())  # parameters() yields a tied weight once
+        if non_embedding:
+            n -= self.embedding.weight.numel()
+            if self.lm_head is not None:
+                n -= self.lm_head.weight.numel()
+        return n
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """AdamW groups: matrices (projections, conv weights, embeddings, head) decay; biases, norm weights,
+        A_log, dt_bias and D do not."""
+        decay, no_decay = [], []
+        for name, p in self.named_parameters():
+            if not p.requires_grad:
+                continue
+            (no_decay if rule_of(self, name).no_wd else decay).append(p)
+        groups = [{"params": decay, "weight_decay": weight_decay}]
+        if no_decay:
+            groups.append({"params": no_decay, "weight_decay": 0.0})
+        return groups
+
+    def no_weight_decay_names(self) -> set[str]:
+        return {name for name, _ in self.named_parameters() if rule_of(self, name).no_wd}
+
+    # ------------------------------------------------------------------------------------------------
+    # states
+    def allocate_states(self, batch_size: int, device=None) -> list:
+        """Zero states, one entry per block (None for MLP blocks)."""
+        if device is None:
+            device = self.embedding.weight.device
+        return [layer.allocate_state(batch_size, device=device) for layer in self.layers]
+
+    @staticmethod
+    def reset_states(states: list, reset: torch.Tensor | None) -> list:
+        """Clear the rows where reset [B] is True (those rows start a new document)."""
+        return reset_states(states, reset)
+
+    # ------------------------------------------------------------------------------------------------
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            return F.linear(h, self.embedding.weight)
+        return self.lm_head(h)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        seq_idx: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        states: list | None = None,
+        return_states: bool = False,
+    ) -> LMOutput:
+        """tokens [B, L] int64; seq_idx [B, L] document ids (nondecreasing per row; no state crosses a
+        change); labels [B, L] (-100 = ignored); states: per-block initial states, applied to the first
+        document of each row (zero a row's state first if that row starts a new document)."""
+        if states is not None and len(states) != self.n_layers:
+            raise ValueError(f"states has {len(states)} entries, the model has {self.n_layers} blocks")
+        if seq_idx is not None:
+            if seq_idx.shape != tokens.shape:
+                raise ValueError(f"seq_idx {tuple(seq_idx.shape)} must match tokens {tuple(tokens.shape)}")
+            if seq_idx.dtype != torch.int32:
+                seq_idx = seq_idx.to(torch.int32)
+        single_doc = single_document(seq_idx) if (self._attn_doc_mask and seq_idx is not None) else None
+
+        hidden = self.embedding(tokens)
+        residual = None
+        new_states = [] if return_states else None
+        for i, layer in enumerate(self.layers):
+            hidden, residual, st = layer(
+                hidden,
+                residual,
+                seq_idx=seq_idx,
+                state=None if states is None else states[i],
+                return_state=return_states,
+                single_doc=single_doc,
+            )
+            if return_states:
+                new_states.append(st)
+        normed, _ = self.norm_f.add_forward(hidden, residual)
+        logits = self._head(normed)
+        if labels is None:
+            return LMOutput(loss=None, logits=logits, states=new_states)
+        return LMOutput(loss=self.loss_fn(logits, labels), logits=None, states=new_states)
+
+    @staticmethod
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over labels != -100 in fp32 (0 when every label is ignored); no host sync."""
+        flat = labels.reshape(-1)
+        total = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), flat, ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        count = (flat != IGNORE_INDEX).sum().clamp(min=1)
+        return total / count
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, states: list, reset: torch.Tensor | None = None):
+        """Decode one token per row (no autograd). tokens [B]; reset [B] bool: this token starts a new
+        document (that row's states are cleared first). Returns (logits [B, vocab_size_padded], new states);
+        the states passed in are not modified. Padded vocabulary entries are not masked: sample from
+        logits[:, :model.vocab_size]."""
+        if len(states) != self.n_layers:
+            raise ValueError(f"states has {len(states)} entries, the model has {self.n_layers} blocks")
+        if reset is not None:
+            states = reset_states(states, reset)
+        hidden = self.embedding(tokens)
+        residual = None
+        new_states = []
+        for layer, st in zip(self.layers, states):
+            hidden, residual, st = layer.step(hidden, residual, st)
+            new_states.append(st)
+        normed, _ = self.norm_f.add_forward(hidden, residual)
+        return self._head(normed), new_states
+
+
+def build_model(model_cfg: ModelConfig, vocab_size: int | None = None, device=None) -> LanguageModel:
+    """Build the model of `model_cfg`. `vocab_size` is the tokenizer's (unpadded) vocabulary, used when
+    model_cfg.vocab_size is None; model_cfg.vocab_size wins when set but must not be smaller. The
+    embedding is padded to a multiple of model_cfg.pad_vocab_multiple. Parameters are created on `device`
+    ("meta" builds a shape-only model: materialize with .to_empty(device=...), then init_weights(seed)).
+    Weights are not canonical until init_weights(seed) is called."""
+    cfg_v = model_cfg.vocab_size
+    if cfg_v is None and vocab_size is None:
+        raise ValueError("build_model: no vocabulary size: set model.vocab_size or pass vocab_size=")
+    if cfg_v is not None and vocab_size is not None and vocab_size > cfg_v:
+        raise ValueError(
+            f"build_model: the tokenizer's vocabulary ({vocab_size}) is larger than model.vocab_size ({cfg_v}); "
+            "token ids would fall outside the embedding"
+        )
+    v = cfg_v if cfg_v is not None else vocab_size
+    if v <= 0:
+        raise ValueError(f"build_model: vocabulary size must be positive, got {v}")
+    if device is None:
+        return LanguageModel(model_cfg, v)
+    with torch.device(device):
+        return LanguageModel(model_cfg, v)

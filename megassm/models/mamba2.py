@@ -1,0 +1,178 @@
+"""Mamba-2 mixer (`M`), written to the contract in design.md.
+
+    zxbcdt = in_proj(u)                    d_model -> [z | x | B | C | dt] = [d_inner, d_inner, G*N, G*N, H]
+    xBC    = silu(causal_conv1d(x|B|C))    depthwise, width d_conv, conv_dim = d_inner + 2*G*N channels
+    y      = SSD(x, dt, A, B, C, D)        A = -exp(A_log) per head, dt = softplus(dt + dt_bias) (clamped
+                                           to dt_limit if set), D skip per head (or per channel)
+    y      = gated_rmsnorm(y, z)           norm_g(y * silu(z)) * w, G groups (or norm before the gate)
+    out    = out_proj(y)                   d_inner -> d_model
+
+All the math runs in megassm.kernels (ssd, causal_conv1d, gated_rmsnorm and their one-token steps), so the
+Triton kernels replace the references without touching this file.
+
+Tensor-parallel layout (applied from outside, not here): `in_proj.weight` rows are the concatenation of the
+five components listed in `in_proj_sizes`, `conv1d.weight`/`bias` rows are [x | B | C] (`conv_sizes`); a TP
+plan slices each component separately (heads and groups divide by TP) and keeps the canonical layout in
+checkpoints. A_log, dt_bias, D and the norm weight are per head/group and shard with the heads.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from megassm import kernels
+from megassm.config import ModelConfig, mamba_dims
+
+from .init import InitRule, make_linear
+from .norm import GatedRMSNorm
+from .state import MambaState
+
+__all__ = ["Mamba2Mixer", "CausalConv1d"]
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    """States are fp32 (fp64 stays fp64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+class CausalConv1d(nn.Module):
+    """Parameters of the depthwise causal conv: weight [channels, width] (weight[:, -1] multiplies the
+    current token), bias [channels]. Init like torch's Conv1d default: U(+-1/sqrt(fan_in)), fan_in = width."""
+
+    def __init__(self, channels: int, width: int, bias: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, width, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.empty(channels, dtype=torch.float32)) if bias else None
+        bound = 1.0 / math.sqrt(width)
+        self.init_rules = {
+            "weight": InitRule("uniform", low=-bound, high=bound),
+            "bias": InitRule("uniform", low=-bound, high=bound, no_wd=True),
+        }
+
+    def extra_repr(self) -> str:
+        return f"channels={self.weight.shape[0]}, width={self.weight.shape[1]}, bias={self.bias is not None}"
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, cfg: ModelConfig, n_layer: int):
+        super().__init__()
+        mc = cfg.mamba
+        dims = mamba_dims(cfg)
+        self.d_model = cfg.d_model
+        self.d_inner = dims["d_inner"]
+        self.nheads = dims["nheads"]
+        self.headdim = mc.headdim
+        self.ngroups = mc.ngroups
+        self.d_state = mc.d_state
+        self.d_conv = mc.d_conv
+        self.chunk_size = mc.chunk_size
+        self.dt_limit = tuple(mc.dt_limit) if mc.dt_limit is not None else None
+        if self.d_inner % self.headdim or self.nheads % self.ngroups:
+            raise ValueError(
+                f"Mamba-2: headdim {self.headdim} must divide d_inner {self.d_inner} and ngroups {self.ngroups} "
+                f"must divide the heads {self.nheads}"
+            )
+        gn = self.ngroups * self.d_state
+        self.conv_dim = self.d_inner + 2 * gn
+        self.in_proj_sizes = [self.d_inner, self.d_inner, gn, gn, self.nheads]  # z, x, B, C, dt
+        self.conv_sizes = [self.d_inner, gn, gn]  # x, B, C
+
+        std = cfg.init_std
+        self.in_proj = make_linear(cfg.d_model, sum(self.in_proj_sizes), mc.proj_bias, std)
+        self.conv1d = CausalConv1d(self.conv_dim, mc.d_conv, bias=mc.conv_bias)
+        self.dt_bias = nn.Parameter(torch.empty(self.nheads, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.empty(self.nheads, dtype=torch.float32))
+        d_shape = (self.nheads, self.headdim) if mc.D_has_hdim else (self.nheads,)
+        self.D = nn.Parameter(torch.empty(d_shape, dtype=torch.float32))
+        self.norm = GatedRMSNorm(self.d_inner, self.ngroups, cfg.norm_eps, mc.norm_before_gate)
+        self.out_proj = make_linear(self.d_inner, cfg.d_model, mc.proj_bias, std / math.sqrt(2 * n_layer))
+        self.init_rules = {
+            "dt_bias": InitRule("dt_bias", low=mc.dt_min, high=mc.dt_max, floor=mc.dt_init_floor, no_wd=True),
+            "A_log": InitRule("A_log", low=mc.A_init_min, high=mc.A_init_max, no_wd=True),
+            "D": InitRule("ones", no_wd=True),
+        }
+
+    # ------------------------------------------------------------------------------------------------
+    def allocate_state(self, batch_size: int, device=None) -> MambaState:
+        return MambaState(
+            conv=torch.zeros(batch_size, self.conv_dim, self.d_conv - 1, device=device, dtype=torch.float32),
+            ssm=torch.zeros(
+                batch_size, self.nheads, self.headdim, self.d_state, device=device, dtype=torch.float32
+            ),
+        )
+
+    def _A(self) -> torch.Tensor:
+        # at least fp32 (fp64 stays fp64, so the oracle tests can compare tightly)
+        return -torch.exp(self.A_log.to(torch.promote_types(self.A_log.dtype, torch.float32)))
+
+    def forward(
+        self,
+        u: torch.Tensor,
+        seq_idx: torch.Tensor | None = None,
+        state: MambaState | None = None,
+        return_state: bool = False,
+    ) -> tuple[torch.Tensor, MambaState | None]:
+        """u [B, L, d_model]; seq_idx [B, L] int32 document ids; state: carried into the first document of
+        each row. Returns (out [B, L, d_model], final state or None)."""
+        bsz, seqlen, _ = u.shape
+        zxbcdt = self.in_proj(u)
+        z, xBC, dt = torch.split(zxbcdt, [self.d_inner, self.conv_dim, self.nheads], dim=-1)
+        conv_out = kernels.causal_conv1d(
+            xBC,
+            self.conv1d.weight,
+            self.conv1d.bias,
+            initial_state=None if state is None else state.conv,
+            seq_idx=seq_idx,
+            activation="silu",
+            return_final_state=return_state,
+        )
+        xBC, conv_state = conv_out if return_state else (conv_out, None)
+        x, B, C = torch.split(xBC, self.conv_sizes, dim=-1)
+        ssd_out = kernels.ssd(
+            x.reshape(bsz, seqlen, self.nheads, self.headdim),
+            dt,
+            self._A(),
+            B.reshape(bsz, seqlen, self.ngroups, self.d_state),
+            C.reshape(bsz, seqlen, self.ngroups, self.d_state),
+            D=self.D,
+            z=None,  # the gate is applied inside the grouped norm below
+            dt_bias=self.dt_bias,
+            dt_softplus=True,
+            dt_limit=self.dt_limit,
+            initial_states=None if state is None else state.ssm,
+            seq_idx=seq_idx,
+            chunk_size=self.chunk_size,
+            return_final_states=return_state,
+        )
+        y, ssm_state = ssd_out if return_state else (ssd_out, None)
+        y = self.norm(y.reshape(bsz, seqlen, self.d_inner), z)
+        out = self.out_proj(y)
+        new_state = MambaState(conv=_fp32(conv_state), ssm=_fp32(ssm_state)) if return_state else None
+        return out, new_state
+
+    def step(self, u: torch.Tensor, state: MambaState) -> tuple[torch.Tensor, MambaState]:
+        """One token: u [B, d_model] -> (out [B, d_model], new state). Resets are applied by the caller."""
+        bsz = u.shape[0]
+        zxbcdt = self.in_proj(u)
+        z, xBC, dt = torch.split(zxbcdt, [self.d_inner, self.conv_dim, self.nheads], dim=-1)
+        xBC, conv_state = kernels.causal_conv1d_step(
+            state.conv, xBC, self.conv1d.weight, self.conv1d.bias, activation="silu"
+        )
+        x, B, C = torch.split(xBC, self.conv_sizes, dim=-1)
+        y, ssm_state = kernels.ssd_step(
+            state.ssm,
+            x.reshape(bsz, self.nheads, self.headdim),
+            dt,
+            self._A(),
+            B.reshape(bsz, self.ngroups, self.d_state),
+            C.reshape(bsz, self.ngroups, self.d_state),
+            D=self.D,
+            z=None,
+            dt_bias=self.dt_bias,
+            dt_softplus=True,
+            dt_limit=self.dt_limit,
+        )
+        y = self.norm(y.reshape(bsz, self.d_inner), z)
+        return self.out_proj(y), MambaState(conv=_fp32(conv_state), ssm=_fp32(ssm_state))
