@@ -1,0 +1,297 @@
+"""The training loop: one loop for every scale.
+
+    Trainer(cfg).fit()
+
+Single device for now (CPU, or one GPU with bf16 autocast). Parallel plans (TP/SP -> CP -> PP ->
+activation checkpointing -> compile -> data parallel) are applied to the model from outside by their
+own modules when they exist; until then a multi-process launch is refused before any compute.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from megassm.config import Config, ConfigError, data_parallel_size, dump_config, world_size
+from megassm.training import checkpoint as ckpt
+from megassm.training.flops import flops_per_sequence, mfu, peak_flops_for
+from megassm.training.metrics import MetricsLogger, ProgressBar, memory_scalars
+from megassm.training.optim import LRScheduler, build_optimizer, clip_grad_norm
+
+log = logging.getLogger("megassm.train")
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training produced a NaN/inf loss or gradient norm; the message names the last good checkpoint."""
+
+
+def check_supported(cfg: Config) -> None:
+    """Refuse layouts this build cannot run yet, before any model is built or a GPU is touched."""
+    p = cfg.parallel
+    missing = [f"parallel.{k}={getattr(p, k)}" for k in ("tp", "cp", "pp") if getattr(p, k) != 1]
+    if p.sp:
+        missing.append("parallel.sp=true")
+    if missing:
+        raise ConfigError(
+            f"{', '.join(missing)}: tensor, sequence, context and pipeline parallelism are not built in this "
+            "version of megassm; set them to 1 (single-device training)"
+        )
+    if world_size(cfg) != 1:
+        raise ConfigError(
+            f"world size {world_size(cfg)}: multi-process (data-parallel) training is not built in this version; "
+            "run one process"
+        )
+    if cfg.train.bptt or cfg.train.bptt_windows != 1:
+        raise ConfigError("train.bptt: carrying recurrent state across windows is not built in this version")
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA device is visible (use train.device=auto or cpu)")
+    if cfg.train.precision == "bf16" and _pick_device(cfg).type == "cpu":
+        log.warning("train.precision=bf16 on CPU: autocast to bf16 on CPU is slow; fp32 is the CPU default")
+
+
+def _pick_device(cfg: Config) -> torch.device:
+    if cfg.train.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(cfg.train.device)
+
+
+def _autocast_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
+    """None means plain fp32; otherwise autocast to this dtype (parameters stay fp32 masters)."""
+    prec = cfg.train.precision
+    if prec == "auto":
+        prec = "bf16" if device.type == "cuda" else "fp32"
+    return torch.bfloat16 if prec == "bf16" else None
+
+
+def config_hash(cfg: Config) -> str:
+    return hashlib.sha256(dump_config(cfg).encode()).hexdigest()[:16]
+
+
+def write_resolved_config(cfg: Config, run_dir: str) -> str:
+    """Write run_dir/config.yaml atomically: temp name, then rename."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, "config.yaml")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(dump_config(cfg))
+    os.replace(tmp, path)
+    return path
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens: int
+    step_time: float
+    data_time: float
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        check_supported(cfg)
+        self.cfg = cfg
+        self.device = _pick_device(cfg)
+        self.amp_dtype = _autocast_dtype(cfg, self.device)
+        self.run_dir = cfg.run.dir
+        self.dp = data_parallel_size(cfg)
+        self.accum = cfg.train.global_batch // (cfg.train.micro_batch * self.dp)
+        self.tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
+        self.step = 0
+
+        write_resolved_config(cfg, self.run_dir)
+        torch.manual_seed(cfg.train.seed)
+
+        from megassm.data_tools.loader import build_data
+        from megassm.models import build_model
+
+        self.data = build_data(
+            cfg.data,
+            seq_len=cfg.train.seq_len,
+            micro_batch=cfg.train.micro_batch,
+            global_batch=cfg.train.global_batch,
+            dp_rank=0,
+            dp_size=self.dp,
+            seed=cfg.train.seed,
+        )
+        model = build_model(cfg.model, vocab_size=self.data.vocab_size, device="cpu")
+        model.init_weights(cfg.train.seed)
+        self.model = model.to(self.device)
+        self.optimizer = build_optimizer(
+            self.model.param_groups(cfg.optim.weight_decay), cfg.optim, self.device.type
+        )
+        self.scheduler = LRScheduler(self.optimizer, cfg.optim, cfg.train.steps)
+
+        vocab_padded = self.model.vocab_size_padded
+        fl = flops_per_sequence(cfg.model, vocab_padded, cfg.train.seq_len)
+        self.train_flops_per_token = 3.0 * fl["total"] / cfg.train.seq_len
+        self.peak_flops = peak_flops_for(self.device)
+        self.n_params = self.model.num_parameters()
+
+        self.last_checkpoint: str | None = None
+        resume_path = ckpt.resolve_resume(self.run_dir, cfg.run.resume)
+        if resume_path is not None:
+            self._load(resume_path)
+
+        # resume_step: lines a crashed run wrote after this checkpoint are superseded, not repeated
+        self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.run.tensorboard,
+                                     resume_step=self.step if resume_path is not None else None)
+        log.info(
+            "model: %s blocks '%s', %.2fM parameters, vocab %d (padded %d); device %s, %s; "
+            "global batch %d = micro %d x accumulation %d x dp %d; %.3g train FLOPs/token",
+            self.model.n_layers, cfg.model.pattern, self.n_params / 1e6, self.data.vocab_size, vocab_padded,
+            self.device, "bf16 autocast" if self.amp_dtype else "fp32", cfg.train.global_batch,
+            cfg.train.micro_batch, self.accum, self.dp, self.train_flops_per_token,
+        )
+
+    # ------------------------------------------------------------------------------------------------
+    def _autocast(self):
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    def _to_device(self, batch: dict) -> dict:
+        nb = self.device.type == "cuda"
+        return {k: v.to(self.device, non_blocking=nb) for k, v in batch.items()}
+
+    def train_step(self) -> StepResult:
+        """One optimizer step over `accum` micro-batches."""
+        t0 = time.perf_counter()
+        data_time = 0.0
+        lr = self.scheduler.step_to(self.step)
+        self.model.train()
+        loss_sum = torch.zeros((), device=self.device)
+        for _ in range(self.accum):
+            td = time.perf_counter()
+            batch = self._to_device(self.data.next_batch())
+            data_time += time.perf_counter() - td
+            with self._autocast():
+                out = self.model(batch["tokens"], seq_idx=batch["seq_idx"], labels=batch["labels"])
+            (out.loss / self.accum).backward()
+            loss_sum += out.loss.detach()
+        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip)
+        loss = (loss_sum / self.accum).item()  # one host sync per step
+        if not math.isfinite(loss) or not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteLossError(self._non_finite_message(loss, grad_norm))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return StepResult(loss, grad_norm, lr, self.tokens_per_step, time.perf_counter() - t0, data_time)
+
+    def _non_finite_message(self, loss: float, grad_norm: float) -> str:
+        where = (
+            f"the last good checkpoint is {self.last_checkpoint} (resume with --resume auto, "
+            "perhaps with a lower optim.lr)"
+            if self.last_checkpoint
+            else "no checkpoint was written yet in this run (set run.save_interval to keep one)"
+        )
+        return f"non-finite loss {loss} (grad norm {grad_norm}) at step {self.step + 1}; training stopped; {where}"
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        self.model.eval()
+        total, n = 0.0, 0
+        for batch in self.data.valid_batches(self.cfg.train.eval_batches):
+            batch = self._to_device(batch)
+            with self._autocast():
+                out = self.model(batch["tokens"], seq_idx=batch["seq_idx"], labels=batch["labels"])
+            total += out.loss.item()
+            n += 1
+        self.model.train()
+        if n == 0:
+            return {}
+        val = total / n
+        return {"loss/val": val, "loss/val_ppl": math.exp(min(val, 50.0))}
+
+    # ------------------------------------------------------------------------------------------------
+    def _extra_state(self) -> dict:
+        return {
+            "scheduler": self.scheduler.state_dict(),
+            "data": self.data.state_dict(),
+            "rng": ckpt.capture_rng_state(),
+            "config_hash": config_hash(self.cfg),
+            "consumed_tokens": self.step * self.tokens_per_step,
+        }
+
+    def save(self) -> str:
+        path = ckpt.save_checkpoint(
+            self.run_dir, self.step, model=self.model, optimizer=self.optimizer,
+            extra=self._extra_state(), keep_last=self.cfg.run.keep_last,
+        )
+        self.last_checkpoint = path
+        log.info("saved checkpoint %s", path)
+        return path
+
+    def _load(self, path: str) -> None:
+        extra = ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer)
+        self.step = int(extra["step"])
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.data.load_state_dict(extra["data"])
+        ckpt.restore_rng_state(extra["rng"])
+        if extra.get("config_hash") != config_hash(self.cfg):
+            log.warning("resuming %s with a config that differs from the one it was saved with", path)
+        self.last_checkpoint = path
+        log.info("resumed from %s at step %d", path, self.step)
+
+    # ------------------------------------------------------------------------------------------------
+    def fit(self) -> list[float]:
+        """Train to cfg.train.steps. Returns the per-step training losses of this invocation."""
+        cfg = self.cfg
+        losses: list[float] = []
+        bar = ProgressBar(cfg.train.steps, self.step, enabled=cfg.run.progress)
+        window_tokens, window_time, window_data = 0, 0.0, 0.0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            while self.step < cfg.train.steps:
+                r = self.train_step()
+                self.step += 1
+                losses.append(r.loss)
+                window_tokens += r.tokens
+                window_time += r.step_time
+                window_data += r.data_time
+                tps = r.tokens / r.step_time
+                bar.update(self.step, loss=r.loss, tokens_per_s=tps)
+
+                if self.step % cfg.train.log_interval == 0 or self.step == cfg.train.steps:
+                    w_tps = window_tokens / max(window_time, 1e-9)
+                    scalars = {
+                        "loss/train": r.loss,
+                        "optim/lr": r.lr,
+                        "optim/grad_norm": r.grad_norm,
+                        "throughput/tokens_per_s": w_tps,
+                        **memory_scalars(self.device),
+                        "time/data_wait_pct": 100.0 * window_data / max(window_time, 1e-9),
+                    }
+                    if self.peak_flops:
+                        scalars["throughput/mfu"] = mfu(w_tps, self.train_flops_per_token, self.peak_flops)
+                    self.metrics.log(self.step, scalars)
+                    window_tokens, window_time, window_data = 0, 0.0, 0.0
+
+                if cfg.train.eval_interval and (
+                    self.step % cfg.train.eval_interval == 0 or self.step == cfg.train.steps
+                ):
+                    ev = self.evaluate()
+                    if ev:
+                        self.metrics.log(self.step, ev)
+                        bar.write(f"step {self.step}: val loss {ev['loss/val']:.4f} ppl {ev['loss/val_ppl']:.2f}")
+
+                if (cfg.run.save_interval and self.step % cfg.run.save_interval == 0) or self.step == cfg.train.steps:
+                    self.save()
+        finally:
+            bar.close()
+            self.metrics.close()
+            self.data.close()
+        return losses
