@@ -1,0 +1,127 @@
+"""Data pipeline speed, printed as JSON.
+
+    python benchmarks/data_throughput.py [--tokenizers byte,mistral] [--workers 1,2] [--max-mb 16]
+
+Corpus: the Python standard library's sources (one document per file), written once as JSONL and as
+Parquet. For each tokenizer x format x worker count: end-to-end `preprocess()` tokens/s (reading,
+tokenizing, writing, hashing), and the speedup of the largest worker count over one worker. Then random
+packed-sample reads (tokens/s in one process) from the byte-level shards at several sequence lengths.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+
+import numpy as np
+
+
+def _corpus(tmp: str, max_mb: float) -> tuple[str, str, int]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from megassm.data_tools.builtin import stdlib_files
+
+    texts = []
+    for path, _ in stdlib_files(int(max_mb * 1e6)):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            texts.append(f.read())
+    jsonl = os.path.join(tmp, "stdlib.jsonl")
+    with open(jsonl, "w", encoding="utf-8") as f:
+        for t in texts:
+            f.write(json.dumps({"text": t}) + "\n")
+    parquet = os.path.join(tmp, "stdlib.parquet")
+    pq.write_table(pa.table({"text": texts}), parquet, row_group_size=256)
+    return jsonl, parquet, sum(len(t.encode()) for t in texts)
+
+
+def _mistral_model() -> str | None:
+    try:
+        import mistral_common
+        import sentencepiece  # noqa: F401
+    except ImportError:
+        return None
+    path = os.path.join(os.path.dirname(mistral_common.__file__), "data", "tokenizer.model.v1")
+    return path if os.path.exists(path) else None
+
+
+def bench_preprocess(inp: str, tok: str, workers: int, tmp: str, repeats: int = 1) -> dict:
+    from megassm.data_tools.preprocess import preprocess
+
+    best = None
+    for _ in range(repeats):
+        out = os.path.join(tmp, "out", "o")
+        t0 = time.perf_counter()
+        m = preprocess([inp], out, tokenizer=tok, workers=workers, overwrite=True, quiet=True, progress=False)
+        dt = time.perf_counter() - t0
+        best = dt if best is None else min(best, dt)
+        shutil.rmtree(os.path.dirname(out))
+    return {"seconds": round(best, 3), "tokens": m["num_tokens"], "documents": m["num_documents"],
+            "tokens_per_s": round(m["num_tokens"] / best), "input_mb_per_s": round(os.path.getsize(inp) / 1e6 / best, 2)}
+
+
+def bench_reads(prefix: str, seq_lens=(512, 2048, 8192), seconds: float = 2.0) -> list[dict]:
+    from megassm.data_tools.dataset import PackedSamples, TokenDataset
+
+    ds = TokenDataset(prefix)
+    out = []
+    for L in seq_lens:
+        ps = PackedSamples(ds, np.arange(ds.num_docs), L, seed=0, salt=0)
+        r = np.random.default_rng(0)
+        idx = r.integers(0, 50 * len(ps), size=1_000_000)  # random samples over ~50 epochs
+        n = tokens = 0
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            tokens += len(ps.sample(int(idx[n])).tokens)
+            n += 1
+        dt = time.perf_counter() - t0
+        out.append({"seq_len": L, "samples": n, "tokens_per_s": round(tokens / dt)})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokenizers", default="byte,mistral")
+    ap.add_argument("--workers", default="1,2")
+    ap.add_argument("--max-mb", type=float, default=16.0, help="cap on the stdlib text used")
+    ap.add_argument("--repeats", type=int, default=1, help="best of N preprocessing runs")
+    args = ap.parse_args()
+    workers = [int(w) for w in args.workers.split(",")]
+    tmp = tempfile.mkdtemp(prefix="megassm-bench-")
+    try:
+        jsonl, parquet, nbytes = _corpus(tmp, args.max_mb)
+        result = {
+            "benchmark": "data_throughput",
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+            "corpus": {"name": "python stdlib sources", "text_mb": round(nbytes / 1e6, 2)},
+            "preprocess": [],
+        }
+        toks = {"byte": "byte", "mistral": _mistral_model()}
+        for name in args.tokenizers.split(","):
+            tok = toks.get(name, name)
+            if tok is None:
+                result["preprocess"].append({"tokenizer": name, "skipped": "mistral-common / sentencepiece not installed"})
+                continue
+            for fmt, inp in (("jsonl", jsonl), ("parquet", parquet)):
+                runs = {w: bench_preprocess(inp, tok, w, tmp, args.repeats) for w in workers}
+                entry = {"tokenizer": name, "format": fmt, "runs": {str(w): r for w, r in runs.items()}}
+                if 1 in runs and len(runs) > 1:
+                    top = max(workers)
+                    entry[f"speedup_{top}_vs_1"] = round(runs[top]["tokens_per_s"] / runs[1]["tokens_per_s"], 2)
+                result["preprocess"].append(entry)
+        from megassm.data_tools.preprocess import preprocess
+
+        prefix = os.path.join(tmp, "reads", "byte")
+        preprocess([jsonl], prefix, tokenizer="byte", quiet=True, progress=False)
+        result["random_sample_reads"] = bench_reads(prefix)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,322 @@
+"""megassm-preprocess: corpus files -> Megatron-compatible token shards + a manifest.
+
+    megassm-preprocess --input data/*.jsonl.zst --output-prefix shards/web --tokenizer tokenizer.model --workers 8
+
+or from Python (what the built-in corpus and the tests use):
+
+    from megassm.data_tools.preprocess import preprocess
+    manifest = preprocess(["corpus/"], "shards/corpus", tokenizer="byte", workers=2)
+
+Pipeline: the main process reads inputs into tasks (sources.py), N worker processes decode and tokenize
+them (encode.py), the main process writes the results in task order (shard_writer.py). Output bytes depend
+only on the input and the options, never on N. Everything is written under PREFIX.partial/ and renamed
+into place at the end; `--resume` continues an interrupted run from its last checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import multiprocessing as mp
+import os
+import re
+import shutil
+import sys
+import time
+from typing import Iterable, Iterator
+
+from .encode import STAT_KEYS, EncodeOptions, encode_task, init_worker
+from .indexed import CODE_OF_DTYPE, bin_path, dtype_for_vocab, idx_path
+from .shard_writer import ShardWriter, read_progress, write_json_atomic
+from .sources import DataInputError, InputFile, expand_inputs, iter_tasks
+from .tokenizers import TokenizerError, load_tokenizer, tokenizer_info
+
+MANIFEST_VERSION = 1
+CHECKPOINT_SECONDS = 2.0
+
+
+def manifest_path(prefix: str) -> str:
+    return prefix + ".manifest.json"
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def parse_size(text: str | int | None) -> int | None:
+    """'500M' -> 500_000_000 tokens; also plain integers, 1e9, K/M/G/T suffixes."""
+    if text is None or isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgGtT]?)\s*", str(text))
+    if not m:
+        raise ValueError(f"--shard-size: cannot read {text!r} (examples: 100000000, 500M, 2G)")
+    value = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2).lower()]
+    if value < 1:
+        raise ValueError(f"--shard-size must be at least 1 token, got {text!r}")
+    return int(value)
+
+
+def existing_outputs(prefix: str) -> list[str]:
+    """Final-name files a previous run left for PREFIX (single or numbered shards, manifest)."""
+    folder = os.path.dirname(prefix) or "."
+    base = os.path.basename(prefix)
+    pattern = re.compile(re.escape(base) + r"(\.bin|\.idx|\.manifest\.json|-\d{5}\.(bin|idx))$")
+    if not os.path.isdir(folder):
+        return []
+    return sorted(os.path.join(folder, n) for n in os.listdir(folder) if pattern.match(n))
+
+
+def _ordered_map(workers: int, opts: EncodeOptions, tok, tasks: Iterable) -> Iterator[tuple[int, tuple]]:
+    """(task.nbytes, encode_task(task)) in task order, with at most a few tasks in flight per worker."""
+    if workers <= 1:
+        init_worker(opts, tok)
+        for t in tasks:
+            yield t.nbytes, encode_task(t)
+        return
+    # spawn, not fork: the caller may be a trainer with threads (prefetch) or CUDA state.
+    pool = mp.get_context("spawn").Pool(workers, initializer=init_worker, initargs=(opts,))
+    try:
+        pending: collections.deque = collections.deque()
+        for t in tasks:
+            pending.append((t.nbytes, pool.apply_async(encode_task, (t,))))
+            if len(pending) >= 4 * workers:
+                n, r = pending.popleft()
+                yield n, r.get()
+        while pending:
+            n, r = pending.popleft()
+            yield n, r.get()
+        pool.close()
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+def _fingerprint(files: list[InputFile], tok, opts: EncodeOptions, shard_size, text_per_line) -> dict:
+    return {
+        "inputs": [[f.path, f.size, os.stat(f.path).st_mtime_ns, f.format] for f in files],
+        "tokenizer_sha256": tok.sha256,
+        "options": {"text_key": opts.text_key, "append_eos": opts.append_eos, "skip_bad": opts.skip_bad,
+                    "shard_size": shard_size, "text_per_line": text_per_line, "dtype": opts.dtype},
+    }
+
+
+def _progress_bar(total: int, initial: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="B", unit_scale=True, desc="preprocess",
+                disable=not enabled, dynamic_ncols=True, file=sys.stderr)
+
+
+def preprocess(
+    inputs: list[str],
+    output_prefix: str,
+    tokenizer: str = "byte",
+    workers: int = 1,
+    text_key: str = "text",
+    text_per_line: bool = False,
+    input_format: str = "auto",
+    append_eos: bool = True,
+    skip_bad: bool = False,
+    shard_size: int | str | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+    quiet: bool = False,
+    _stop_after_tasks: int | None = None,  # tests: simulate an interruption after this many tasks
+) -> dict:
+    """Tokenize `inputs` into `output_prefix`.bin/.idx (or numbered shards); returns the manifest."""
+    t0 = time.perf_counter()
+    shard_size = parse_size(shard_size)
+    tok = load_tokenizer(tokenizer)
+    if append_eos and tok.eos_id is None:
+        raise TokenizerError(f"{tokenizer}: the tokenizer has no end-of-document token; pass --no-eos")
+    dtype = dtype_for_vocab(tok.vocab_size)
+    opts = EncodeOptions(tokenizer, text_key, append_eos, skip_bad, dtype.name)
+    files = expand_inputs(list(inputs), input_format)
+    fingerprint = _fingerprint(files, tok, opts, shard_size, text_per_line)
+
+    out_dir = os.path.dirname(os.path.abspath(output_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    work = output_prefix + ".partial"
+    old = existing_outputs(output_prefix)
+    if old and not overwrite:
+        raise FileExistsError(f"{output_prefix}: outputs already exist ({', '.join(old[:3])}...); pass --overwrite")
+
+    writer = ShardWriter(work, dtype, shard_size)
+    state = read_progress(work) if os.path.isdir(work) else None
+    if os.path.isdir(work) and not resume:
+        if not overwrite:
+            raise FileExistsError(
+                f"{work}: an interrupted run left this folder; pass --resume to continue it or --overwrite to start over"
+            )
+        shutil.rmtree(work)
+        state = None
+    if state is not None:
+        if state.get("fingerprint") != fingerprint:
+            raise ValueError(
+                f"{work}: cannot resume: the inputs, tokenizer or options differ from the interrupted run "
+                "(pass --overwrite to start over)"
+            )
+        writer.resume(state)
+        tasks_done = int(state["tasks_done"])
+        stats = dict(state["stats"])
+        done_bytes = int(state["input_bytes_done"])
+        if not quiet:
+            print(f"resuming {work}: {tasks_done} tasks, {stats['documents']} documents already written", file=sys.stderr)
+    else:
+        if os.path.isdir(work):
+            shutil.rmtree(work)
+        writer.start()
+        tasks_done, stats, done_bytes = 0, dict.fromkeys(STAT_KEYS, 0), 0
+
+    def save_checkpoint():
+        writer.checkpoint(tasks_done, {"fingerprint": fingerprint, "stats": stats, "input_bytes_done": done_bytes})
+
+    total_bytes = sum(f.size for f in files)
+    bar = _progress_bar(total_bytes, done_bytes, progress and not quiet)
+    all_tasks = iter_tasks(files, text_key, text_per_line)
+    for _ in range(tasks_done):  # deterministic task cutting: skip what the interrupted run wrote
+        next(all_tasks)
+    succeeded = False
+    try:
+        save_checkpoint()
+        last_ckpt = time.perf_counter()
+        t_run = time.perf_counter()
+        docs_run = toks_run = 0
+        for nbytes, (tokens, lengths, st) in _ordered_map(workers, opts, tok, all_tasks):
+            writer.add(tokens, lengths)
+            for k in STAT_KEYS:
+                stats[k] += st[k]
+            tasks_done += 1
+            done_bytes += nbytes
+            docs_run += st["documents"]
+            toks_run += st["tokens"]
+            bar.update(nbytes)
+            dt = max(time.perf_counter() - t_run, 1e-9)
+            bar.set_postfix_str(f"{docs_run / dt:,.0f} docs/s {toks_run / dt:,.0f} tok/s", refresh=False)
+            now = time.perf_counter()
+            if now - last_ckpt >= CHECKPOINT_SECONDS:
+                save_checkpoint()
+                last_ckpt = now
+            if _stop_after_tasks is not None and tasks_done >= _stop_after_tasks:
+                save_checkpoint()
+                raise KeyboardInterrupt("test interruption")
+        bar.close()
+        n_shards = writer.finish()
+        succeeded = True
+    except KeyboardInterrupt:
+        bar.close()
+        writer.close_files()
+        if not quiet:
+            print(f"interrupted: progress kept in {work}; rerun with --resume to continue", file=sys.stderr)
+        raise
+    finally:
+        if not succeeded:
+            writer.close_files()
+            exc = sys.exc_info()[1]
+            if not isinstance(exc, KeyboardInterrupt) and os.path.isdir(work):
+                shutil.rmtree(work)  # bad input or a bug: nothing worth resuming, leave nothing behind
+
+    # Hash, move into place, then write the manifest last: its presence marks a complete output.
+    numbered = shard_size is not None
+    shards = []
+    for i in range(n_shards):
+        b, x = os.path.join(work, f"shard-{i:05d}.bin"), os.path.join(work, f"shard-{i:05d}.idx")
+        final = f"{output_prefix}-{i:05d}" if numbered else output_prefix
+        shards.append({
+            "prefix": os.path.basename(final),
+            "bin": {"file": os.path.basename(bin_path(final)), "bytes": os.path.getsize(b), "sha256": sha256_file(b)},
+            "idx": {"file": os.path.basename(idx_path(final)), "bytes": os.path.getsize(x), "sha256": sha256_file(x)},
+            "tokens": os.path.getsize(b) // dtype.itemsize,
+        })
+    for p in existing_outputs(output_prefix):  # --overwrite: stale shards must not be picked up later
+        os.remove(p)
+    writer.move_into_place(n_shards, output_prefix, numbered)
+    manifest = {
+        "format": "megassm-shards",
+        "version": MANIFEST_VERSION,
+        "tokenizer": tokenizer_info(tok),
+        "dtype": dtype.name,
+        "dtype_code": CODE_OF_DTYPE[dtype],
+        "append_eos": append_eos,
+        "num_documents": stats["documents"],
+        "num_tokens": stats["tokens"],
+        "shards": shards,
+        "numbered_shards": numbered,
+        "shard_size": shard_size,
+        "stats": {k: stats[k] for k in STAT_KEYS if k not in ("documents", "tokens")},
+        "options": {"text_key": text_key, "text_per_line": text_per_line, "skip_bad": skip_bad},
+        "inputs": [{"path": f.path, "format": f.format, "bytes": f.size, "sha256": sha256_file(f.path)} for f in files],
+    }
+    write_json_atomic(manifest_path(output_prefix), manifest)
+    shutil.rmtree(work, ignore_errors=True)
+    if not quiet:
+        _summary(manifest, output_prefix, total_bytes, time.perf_counter() - t0)
+    return manifest
+
+
+def _summary(m: dict, prefix: str, nbytes: int, seconds: float) -> None:
+    s = m["stats"]
+    where = f"{prefix}.bin/.idx" if not m["numbered_shards"] else f"{prefix}-00000 ... ({len(m['shards'])} shards)"
+    print(
+        f"wrote {where}: {m['num_documents']:,} documents, {m['num_tokens']:,} tokens ({m['dtype']}), "
+        f"tokenizer {m['tokenizer']['name']}\n"
+        f"  {seconds:.1f} s: {m['num_tokens'] / max(seconds, 1e-9):,.0f} tokens/s, "
+        f"{nbytes / 1e6 / max(seconds, 1e-9):.1f} MB/s of input\n"
+        f"  skipped: {s['empty_skipped']} empty documents, {s['bad_skipped']} bad lines; "
+        f"{s['invalid_utf8_replaced']} documents had invalid UTF-8 replaced\n"
+        f"  manifest: {manifest_path(prefix)}",
+        file=sys.stderr,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="megassm-preprocess",
+        description="Tokenize JSONL (.gz/.zst), Parquet, Arrow IPC or plain-text corpora into "
+        "Megatron-compatible .bin/.idx shards with a manifest.",
+    )
+    p.add_argument("--input", nargs="+", required=True, metavar="PATH", help="files, folders or globs")
+    p.add_argument("--output-prefix", required=True, metavar="PREFIX", help="writes PREFIX.bin, PREFIX.idx, PREFIX.manifest.json")
+    p.add_argument("--tokenizer", default="byte", metavar="TOK", help="byte | SentencePiece .model | tokenizer.json (default byte)")
+    p.add_argument("--workers", type=int, default=1, metavar="N", help="tokenizer worker processes (default 1)")
+    p.add_argument("--text-key", default="text", help="JSON key / Parquet or Arrow column holding the text (default text)")
+    p.add_argument("--text-per-line", action="store_true", help="plain-text inputs: one document per line, not per file")
+    p.add_argument("--format", default="auto", choices=["auto", "jsonl", "parquet", "arrow", "text"],
+                   help="input format for every input (default: by file name)")
+    p.add_argument("--no-eos", dest="append_eos", action="store_false", help="do not append EOS to each document")
+    p.add_argument("--skip-bad", action="store_true", help="skip and count malformed JSON lines instead of failing")
+    p.add_argument("--shard-size", default=None, metavar="TOKENS",
+                   help="write numbered shards PREFIX-00000 ... of about this many tokens (e.g. 500M)")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run from PREFIX.partial/")
+    p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.workers < 1:
+        print("megassm-preprocess: error: --workers must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        preprocess(
+            args.input, args.output_prefix, tokenizer=args.tokenizer, workers=args.workers, text_key=args.text_key,
+            text_per_line=args.text_per_line, input_format=args.format, append_eos=args.append_eos,
+            skip_bad=args.skip_bad, shard_size=args.shard_size, resume=args.resume, overwrite=args.overwrite,
+            progress=not args.quiet, quiet=args.quiet,
+        )
+    except KeyboardInterrupt:
+        return 130
+    except (DataInputError, TokenizerError, FileExistsError, FileNotFoundError, ValueError) as e:
+        print(f"megassm-preprocess: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,303 @@
+"""Corpus readers: input paths -> an ordered stream of work units ("tasks") of raw documents.
+
+The main process only reads and groups raw data; decoding, JSON parsing and tokenization happen in the
+worker processes (see preprocess.py). Tasks are cut by content alone (about 256 KB or 4096 documents),
+never by timing or worker count, which is what makes the output identical for any number of workers and lets `--resume` skip exactly the tasks already written.
+
+Formats (by file name, after stripping .gz / .zst / .zstd):
+    .jsonl .ndjson .json  JSON Lines, one object per line, text under --text-key
+    .parquet              Parquet, column --text-key, read a record batch at a time
+    .arrow .ipc .feather  Arrow IPC (file or stream format), column --text-key, a batch at a time
+    anything else         plain text: one document per file, or per line with --text-per-line
+"""
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import os
+from dataclasses import dataclass, field
+from typing import Iterator
+
+TASK_BYTES = 1 << 18  # small tasks keep workers evenly loaded to the end
+TASK_DOCS = 4096
+RECORD_BATCH_ROWS = 2048
+
+COMPRESSED = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+JSONL_EXT = (".jsonl", ".ndjson", ".json")
+PARQUET_EXT = (".parquet",)
+ARROW_EXT = (".arrow", ".ipc", ".feather")
+
+
+class DataInputError(ValueError):
+    """Bad input data; the message starts with FILE or FILE:LINE."""
+
+
+@dataclass
+class InputFile:
+    path: str
+    format: str  # jsonl | parquet | arrow | text
+    compression: str | None
+    size: int
+
+
+@dataclass
+class Task:
+    """One unit of work. kind: 'json' (raw lines), 'lines' (raw lines), 'files' (raw file contents),
+    'strings' (already-decoded column values). `first` is the 1-based line or 0-based row of items[0]."""
+
+    kind: str
+    path: str
+    first: int
+    items: list = field(default_factory=list)
+    nbytes: int = 0  # input bytes this task accounts for (progress only)
+    firsts: list | None = None  # 'files': one path per item
+
+
+def detect(path: str, forced: str = "auto") -> InputFile:
+    name = os.path.basename(path).lower()
+    stem, ext = os.path.splitext(name)
+    compression = COMPRESSED.get(ext)
+    if compression:
+        name = stem
+    if forced != "auto":
+        fmt = forced
+    elif name.endswith(JSONL_EXT):
+        fmt = "jsonl"
+    elif name.endswith(PARQUET_EXT):
+        fmt = "parquet"
+    elif name.endswith(ARROW_EXT):
+        fmt = "arrow"
+    else:
+        fmt = "text"
+    if compression and fmt in ("parquet", "arrow"):
+        raise DataInputError(f"{path}: compressed {fmt} files are not supported (Parquet/Arrow compress internally)")
+    return InputFile(path, fmt, compression, os.path.getsize(path))
+
+
+def _walk(folder: str) -> list[str]:
+    out = []
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")  # bytecode is not text
+        out.extend(os.path.join(root, f) for f in sorted(files) if not f.startswith("."))
+    return out
+
+
+def expand_inputs(inputs: list[str], forced_format: str = "auto") -> list[InputFile]:
+    """Paths, folders (walked recursively, hidden entries and __pycache__ skipped) and globs -> files, in a fixed order:
+    the order given, and sorted paths inside each folder or glob."""
+    if not inputs:
+        raise DataInputError("no inputs given (--input PATH [PATH ...])")
+    files: list[str] = []
+    for spec in inputs:
+        if any(c in spec for c in "*?["):
+            matched = sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
+            if not matched:
+                raise DataInputError(f"{spec}: no files match this pattern")
+            files.extend(matched)
+        elif os.path.isdir(spec):
+            found = _walk(spec)
+            if not found:
+                raise DataInputError(f"{spec}: folder has no files")
+            files.extend(found)
+        elif os.path.isfile(spec):
+            files.append(spec)
+        else:
+            raise DataInputError(f"{spec}: no such file or folder")
+    seen, unique = set(), []
+    for f in files:
+        key = os.path.abspath(f)
+        if key not in seen:
+            seen.add(key)
+            unique.append(f)
+    return [detect(f, forced_format) for f in unique]
+
+
+# --- opening --------------------------------------------------------------------------------------
+
+
+class _Counting(io.RawIOBase):
+    """Wraps a raw file to report how many (compressed) bytes were consumed, for the progress bar."""
+
+    def __init__(self, f):
+        self.f = f
+        self.pos = 0
+
+    def readable(self):
+        return True
+
+    def readinto(self, b):
+        n = self.f.readinto(b)
+        self.pos += n or 0
+        return n
+
+    def close(self):
+        self.f.close()
+        super().close()
+
+
+def open_binary(inp: InputFile):
+    """(binary stream of the decompressed content, counter of raw bytes consumed)."""
+    raw = _Counting(open(inp.path, "rb"))
+    if inp.compression == "gzip":
+        return io.BufferedReader(gzip.GzipFile(fileobj=io.BufferedReader(raw), mode="rb"), 1 << 20), raw
+    if inp.compression == "zstd":
+        try:
+            import zstandard
+        except ImportError:
+            raise DataInputError(f"{inp.path}: .zst input needs the zstandard package (pip install zstandard)") from None
+        reader = zstandard.ZstdDecompressor().stream_reader(io.BufferedReader(raw), read_across_frames=True)
+        return io.BufferedReader(reader, 1 << 20), raw
+    return io.BufferedReader(raw, 1 << 20), raw
+
+
+# --- task streams per format ----------------------------------------------------------------------
+
+
+def _line_tasks(inp: InputFile, kind: str) -> Iterator[Task]:
+    stream, raw = open_binary(inp)
+    with stream:
+        task = Task(kind, inp.path, 1)
+        size, reported, lineno = 0, 0, 0
+        try:
+            for lineno, line in enumerate(stream, start=1):
+                if not task.items:
+                    task.first = lineno
+                task.items.append(line)
+                size += len(line)
+                if size >= TASK_BYTES or len(task.items) >= TASK_DOCS:
+                    task.nbytes, reported = raw.pos - reported, raw.pos
+                    yield task
+                    task, size = Task(kind, inp.path, lineno + 1), 0
+        except (OSError, EOFError) as e:  # corrupt or truncated .gz / .zst
+            raise DataInputError(f"{inp.path}:{lineno + 1}: cannot decompress: {e}") from None
+        except Exception as e:
+            if type(e).__module__.startswith("zstd"):
+                raise DataInputError(f"{inp.path}:{lineno + 1}: cannot decompress: {e}") from None
+            raise
+        task.nbytes = inp.size - reported
+        if task.items or task.nbytes:
+            yield task
+
+
+def _file_tasks(files: list[InputFile]) -> Iterator[Task]:
+    """Plain-text files, one document each, grouped until about TASK_BYTES."""
+    task = Task("files", "", 0, [], 0, [])
+    size = 0
+    for inp in files:
+        if inp.compression:
+            stream, _ = open_binary(inp)
+            with stream:
+                try:
+                    data = stream.read()
+                except (OSError, EOFError) as e:
+                    raise DataInputError(f"{inp.path}: cannot decompress: {e}") from None
+        else:
+            with open(inp.path, "rb") as f:
+                data = f.read()
+        task.items.append(data)
+        task.firsts.append(inp.path)
+        task.nbytes += inp.size
+        size += len(data)
+        if size >= TASK_BYTES or len(task.items) >= TASK_DOCS:
+            yield task
+            task, size = Task("files", "", 0, [], 0, []), 0
+    if task.items:
+        yield task
+
+
+def _column(schema, inp: InputFile, key: str) -> None:
+    import pyarrow as pa
+
+    names = schema.names
+    if key not in names:
+        raise DataInputError(
+            f"{inp.path}: no column '{key}' (columns: {', '.join(names) or 'none'}); choose one with --text-key"
+        )
+    t = schema.field(key).type
+    is_view = getattr(pa.types, "is_string_view", lambda _: False)
+    if not (pa.types.is_string(t) or pa.types.is_large_string(t) or is_view(t)):
+        raise DataInputError(f"{inp.path}: column '{key}' has type {t}, expected a string column")
+
+
+def _batch_tasks(inp: InputFile, batch, key: str, row: int, nbytes: int) -> Iterator[Task]:
+    """A record batch's text column, cut into tasks of about TASK_BYTES."""
+    values = batch.column(batch.schema.get_field_index(key)).to_pylist()
+    start, size = 0, 0
+    for j, v in enumerate(values):
+        size += len(v) if v else 0
+        if size >= TASK_BYTES or j + 1 - start >= TASK_DOCS:
+            yield Task("strings", inp.path, row + start, values[start : j + 1], 0)
+            start, size = j + 1, 0
+    # the batch's share of the file goes with its last task (progress only)
+    yield Task("strings", inp.path, row + start, values[start:], nbytes)
+
+
+def _parquet_tasks(inp: InputFile, key: str) -> Iterator[Task]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(inp.path, memory_map=True)
+    except Exception as e:
+        raise DataInputError(f"{inp.path}: not a readable Parquet file: {e}") from None
+    _column(pf.schema_arrow, inp, key)
+    total = max(pf.metadata.num_rows, 1)
+    row, done = 0, 0
+    for batch in pf.iter_batches(batch_size=RECORD_BATCH_ROWS, columns=[key]):
+        n = batch.num_rows
+        nb = inp.size * (row + n) // total - done
+        done += nb
+        yield from _batch_tasks(inp, batch, key, row, nb)
+        row += n
+
+
+def _arrow_tasks(inp: InputFile, key: str) -> Iterator[Task]:
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    source = pa.memory_map(inp.path, "r")
+    try:
+        reader = ipc.open_file(source)
+        batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        schema = reader.schema
+    except pa.ArrowInvalid:
+        try:
+            source.seek(0)
+            reader = ipc.open_stream(source)
+            batches, schema = iter(reader), reader.schema
+        except pa.ArrowInvalid as e:
+            raise DataInputError(f"{inp.path}: not an Arrow IPC file or stream: {e}") from None
+    _column(schema, inp, key)
+    row = 0
+    for i, batch in enumerate(batches):
+        # Big IPC batches are cut so one task stays small; slicing is zero-copy.
+        for start in range(0, batch.num_rows, RECORD_BATCH_ROWS):
+            part = batch.slice(start, RECORD_BATCH_ROWS)
+            yield from _batch_tasks(inp, part, key, row, inp.size if (i == 0 and start == 0) else 0)
+            row += part.num_rows
+    if row == 0:
+        yield Task("strings", inp.path, 0, [], inp.size)
+
+
+def iter_tasks(files: list[InputFile], text_key: str = "text", text_per_line: bool = False) -> Iterator[Task]:
+    """Every input's tasks, in input order. Consecutive plain-text files share tasks."""
+    pending_text: list[InputFile] = []
+    for inp in files:
+        if inp.format == "text" and not text_per_line:
+            pending_text.append(inp)
+            continue
+        if pending_text:
+            yield from _file_tasks(pending_text)
+            pending_text = []
+        if inp.format == "jsonl":
+            yield from _line_tasks(inp, "json")
+        elif inp.format == "text":
+            yield from _line_tasks(inp, "lines")
+        elif inp.format == "parquet":
+            yield from _parquet_tasks(inp, text_key)
+        elif inp.format == "arrow":
+            yield from _arrow_tasks(inp, text_key)
+        else:
+            raise DataInputError(f"{inp.path}: unknown format '{inp.format}'")
+    if pending_text:
+        yield from _file_tasks(pending_text)

@@ -1,0 +1,259 @@
+"""megassm-preprocess: formats, determinism across worker counts, manifest, bad input, shards, resume."""
+import glob
+import gzip
+import hashlib
+import json
+import os
+
+import numpy as np
+import pytest
+
+from megassm.data_tools import sources
+from megassm.data_tools.builtin import ensure_builtin_corpus, stdlib_files
+from megassm.data_tools.indexed import IndexedReader, ShardSet, shard_prefixes
+from megassm.data_tools.preprocess import main, preprocess
+from megassm.data_tools.sources import DataInputError
+from megassm.data_tools.tokenizers import load_tokenizer
+
+TEXTS = ["hello world", "ünïcödé ☃ text", "def f(x):\n    return x\n", "", "last one"]
+
+
+def write_jsonl(path, texts, key="text", opener=open):
+    with opener(path, "wt", encoding="utf-8") as f:
+        for i, t in enumerate(texts):
+            f.write(json.dumps({key: t, "id": i}) + "\n")
+    return str(path)
+
+
+def docs_of(prefix):
+    r = ShardSet(shard_prefixes(prefix))
+    return [bytes(r.document(i)[:-1].astype(np.uint8)).decode() for i in range(r.num_docs)]
+
+
+def sha(path):
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def test_jsonl_round_trip_and_manifest(tmp_path):
+    src = write_jsonl(tmp_path / "a.jsonl", TEXTS)
+    m = preprocess([src], str(tmp_path / "out"), quiet=True)
+    assert docs_of(str(tmp_path / "out")) == [t for t in TEXTS if t]
+    r = IndexedReader(str(tmp_path / "out"))
+    assert all(r.document(i)[-1] == 256 for i in range(r.num_docs))  # EOS per document
+    on_disk = json.load(open(tmp_path / "out.manifest.json"))
+    assert on_disk == m
+    assert m["tokenizer"]["name"] == "byte" and m["tokenizer"]["vocab_size"] == 257
+    assert m["tokenizer"]["sha256"] == load_tokenizer("byte").sha256
+    assert m["dtype"] == "uint16" and m["num_documents"] == 4 and m["stats"]["empty_skipped"] == 1
+    assert m["num_tokens"] == sum(len(t.encode()) + 1 for t in TEXTS if t)
+    assert m["shards"][0]["bin"]["sha256"] == sha(tmp_path / "out.bin")
+    assert m["shards"][0]["idx"]["sha256"] == sha(tmp_path / "out.idx")
+    assert m["inputs"][0]["sha256"] == sha(src)
+    assert sorted(os.listdir(tmp_path)) == ["a.jsonl", "out.bin", "out.idx", "out.manifest.json"]
+
+
+def test_same_bytes_for_1_and_2_workers(tmp_path, monkeypatch):
+    monkeypatch.setattr(sources, "TASK_DOCS", 7)  # many tasks, so ordering across workers matters
+    texts = [f"document {i} " + "x" * (i % 13) for i in range(200)]
+    src = write_jsonl(tmp_path / "a.jsonl", texts)
+    m1 = preprocess([src], str(tmp_path / "w1"), workers=1, quiet=True)
+    m2 = preprocess([src], str(tmp_path / "w2"), workers=2, quiet=True)
+    for ext in (".bin", ".idx"):
+        assert sha(str(tmp_path / "w1") + ext) == sha(str(tmp_path / "w2") + ext)
+    assert m1["shards"][0]["bin"]["sha256"] == m2["shards"][0]["bin"]["sha256"]
+    assert docs_of(str(tmp_path / "w2")) == texts
+
+
+def test_formats_compressed_parquet_arrow_text_glob(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    texts = [f"doc {i}" for i in range(10)]
+    write_jsonl(tmp_path / "a.jsonl.gz", texts[:3], opener=gzip.open)
+    with open(tmp_path / "b.jsonl.zst", "wb") as f:
+        f.write(zstandard.ZstdCompressor().compress(
+            "".join(json.dumps({"text": t}) + "\n" for t in texts[3:5]).encode()))
+    pq.write_table(pa.table({"text": texts[5:7], "n": [1, 2]}), tmp_path / "c.parquet", row_group_size=1)
+    table = pa.table({"text": texts[7:9]})
+    with pa.OSFile(str(tmp_path / "d.arrow"), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+        w.write_table(table)
+    with pa.OSFile(str(tmp_path / "e.arrow"), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+        w.write_table(pa.table({"text": texts[9:]}))
+    m = preprocess([str(tmp_path / "*.*")], str(tmp_path / "out" / "o"), quiet=True)
+    assert docs_of(str(tmp_path / "out" / "o")) == texts
+    assert [i["format"] for i in m["inputs"]] == ["jsonl", "jsonl", "parquet", "arrow", "arrow"]
+
+    folder = tmp_path / "txt"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "b.txt").write_text("second file\n")
+    (folder / "sub" / "a.py").write_text("print(1)\n")
+    (folder / ".hidden").write_text("skipped")
+    preprocess([str(folder)], str(tmp_path / "t"), quiet=True)
+    assert docs_of(str(tmp_path / "t")) == ["second file\n", "print(1)\n"]
+    preprocess([str(folder / "b.txt")], str(tmp_path / "lines"), text_per_line=True, quiet=True)
+    (folder / "c.txt").write_text("one\n\ntwo\r\nthree")
+    m = preprocess([str(folder / "c.txt")], str(tmp_path / "lines2"), text_per_line=True, quiet=True)
+    assert docs_of(str(tmp_path / "lines2")) == ["one", "two", "three"] and m["stats"]["empty_skipped"] == 1
+
+
+def test_bad_json_line_fails_with_file_and_line_or_is_skipped(tmp_path):
+    src = tmp_path / "bad.jsonl"
+    src.write_text('{"text": "ok"}\n\n{"text": "broken"\n{"text": "fine"}\n')
+    with pytest.raises(DataInputError, match=r"bad\.jsonl:3: invalid JSON: Expecting ',' delimiter"):
+        preprocess([str(src)], str(tmp_path / "o"), quiet=True)
+    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]  # a failed run leaves nothing behind
+    m = preprocess([str(src)], str(tmp_path / "o"), skip_bad=True, quiet=True)
+    assert m["stats"]["bad_skipped"] == 1 and m["stats"]["blank_lines"] == 1
+    assert docs_of(str(tmp_path / "o")) == ["ok", "fine"]
+
+
+def test_missing_key_lists_keys_and_invalid_utf8_is_counted(tmp_path):
+    src = write_jsonl(tmp_path / "k.jsonl", ["a", "b"], key="content")
+    with pytest.raises(DataInputError, match=r"k\.jsonl:1: no key 'text' \(keys present: 'content', 'id'\)"):
+        preprocess([src], str(tmp_path / "o"), quiet=True)
+    m = preprocess([src], str(tmp_path / "o"), text_key="content", quiet=True)
+    assert m["num_documents"] == 2
+
+    raw = tmp_path / "u.jsonl"
+    raw.write_bytes(b'{"text": "caf\xe9 ok"}\n{"text": "fine"}\n{"text": "lone \\ud800 surrogate"}\n')
+    m = preprocess([str(raw)], str(tmp_path / "u"), quiet=True)
+    assert m["stats"]["invalid_utf8_replaced"] == 2
+    assert docs_of(str(tmp_path / "u")) == ["caf\ufffd ok", "fine", "lone ? surrogate"]
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "bin.txt").write_bytes(b"\xff\xfebinary")
+    m = preprocess([str(tmp_path / "p")], str(tmp_path / "pp"), quiet=True)
+    assert m["stats"]["invalid_utf8_replaced"] == 1
+
+
+def test_parquet_missing_column_and_missing_inputs(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["x"], "url": ["u"]}), tmp_path / "c.parquet")
+    with pytest.raises(DataInputError, match=r"c\.parquet: no column 'text' \(columns: body, url\)"):
+        preprocess([str(tmp_path / "c.parquet")], str(tmp_path / "o"), quiet=True)
+    with pytest.raises(DataInputError, match="no files match"):
+        preprocess([str(tmp_path / "*.nothing")], str(tmp_path / "o"), quiet=True)
+    with pytest.raises(DataInputError, match="no such file or folder"):
+        preprocess([str(tmp_path / "absent.jsonl")], str(tmp_path / "o"), quiet=True)
+
+
+def test_numbered_shards(tmp_path):
+    texts = [f"document number {i}" for i in range(50)]
+    src = write_jsonl(tmp_path / "a.jsonl", texts)
+    m = preprocess([src], str(tmp_path / "s"), shard_size=200, quiet=True)
+    n = len(m["shards"])
+    assert n > 3 and [s["prefix"] for s in m["shards"]] == [f"s-{i:05d}" for i in range(n)]
+    assert docs_of(str(tmp_path / "s")) == texts
+    assert all(s["tokens"] >= 200 for s in m["shards"][:-1])
+    assert not os.path.exists(tmp_path / "s.bin")
+
+
+@pytest.mark.parametrize("shard_size", [None, 150])
+def test_resume_after_interruption(tmp_path, monkeypatch, shard_size):
+    monkeypatch.setattr(sources, "TASK_DOCS", 5)
+    texts = [f"resumable doc {i}" for i in range(60)]
+    src = write_jsonl(tmp_path / "a.jsonl", texts)
+    ref = preprocess([src], str(tmp_path / "ref"), shard_size=shard_size, quiet=True)
+    with pytest.raises(KeyboardInterrupt):
+        preprocess([src], str(tmp_path / "o"), shard_size=shard_size, quiet=True, _stop_after_tasks=4)
+    assert not [p for p in glob.glob(str(tmp_path / "o[.-]*")) if not p.endswith(".partial")]  # nothing final
+    assert os.path.isdir(tmp_path / "o.partial")
+    # simulate a crash after the checkpoint: extra garbage beyond the recorded point is discarded
+    with open(tmp_path / "o.partial" / "shard-00000.bin", "ab") as f:
+        f.write(b"garbage")
+    with pytest.raises(FileExistsError, match="--resume"):
+        preprocess([src], str(tmp_path / "o"), quiet=True, shard_size=shard_size)
+    m = preprocess([src], str(tmp_path / "o"), shard_size=shard_size, resume=True, quiet=True)
+    assert docs_of(str(tmp_path / "o")) == texts
+    assert [s["bin"]["sha256"] for s in m["shards"]] == [s["bin"]["sha256"] for s in ref["shards"]]
+    assert m["num_documents"] == 60 and not os.path.exists(tmp_path / "o.partial")
+
+
+def test_existing_outputs_need_overwrite(tmp_path):
+    src = write_jsonl(tmp_path / "a.jsonl", ["one", "two"])
+    preprocess([src], str(tmp_path / "o"), shard_size=3, quiet=True)
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        preprocess([src], str(tmp_path / "o"), quiet=True)
+    preprocess([src], str(tmp_path / "o"), overwrite=True, quiet=True)  # single file replaces the shards
+    assert shard_prefixes(str(tmp_path / "o")) == [str(tmp_path / "o")]
+    assert not glob.glob(str(tmp_path / "o-*"))
+
+
+def test_cli(tmp_path, capsys):
+    src = write_jsonl(tmp_path / "a.jsonl", ["cli text"])
+    assert main(["--input", src, "--output-prefix", str(tmp_path / "c"), "--workers", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "1 documents" in err and "tokens/s" in err and "manifest" in err
+    assert main(["--input", src, "--output-prefix", str(tmp_path / "c")]) == 1
+    assert "--overwrite" in capsys.readouterr().err
+    bad = tmp_path / "b.jsonl"
+    bad.write_text("{nope}\n")
+    assert main(["--input", str(bad), "--output-prefix", str(tmp_path / "d"), "--quiet"]) == 1
+    assert "b.jsonl:1: invalid JSON" in capsys.readouterr().err
+
+
+def _mistral_model():
+    mc = pytest.importorskip("mistral_common")
+    pytest.importorskip("sentencepiece")
+    path = os.path.join(os.path.dirname(mc.__file__), "data", "tokenizer.model.v1")
+    if not os.path.exists(path):
+        pytest.skip("mistral-common ships no tokenizer.model.v1")
+    return path
+
+
+def test_sentencepiece_mistral(tmp_path):
+    model = _mistral_model()
+    tok = load_tokenizer(model)
+    assert tok.vocab_size == 32000 and tok.eos_id == 2 and tok.name.startswith("sentencepiece:")
+    src = write_jsonl(tmp_path / "a.jsonl", TEXTS)
+    m = preprocess([src], str(tmp_path / "sp"), tokenizer=model, workers=2, quiet=True)
+    assert m["dtype"] == "uint16" and m["tokenizer"]["vocab_size"] == 32000
+    r = IndexedReader(str(tmp_path / "sp"))
+    assert [tok.decode(r.document(i)[:-1]) for i in range(r.num_docs)] == [t for t in TEXTS if t]
+    assert all(r.document(i)[-1] == 2 for i in range(r.num_docs))
+
+
+def test_hf_tokenizer_json(tmp_path):
+    tk = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    t = tk.Tokenizer(models.BPE(unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = __import__("tokenizers.decoders", fromlist=["ByteLevel"]).ByteLevel()
+    t.train_from_iterator(TEXTS * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"],
+                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    path = str(tmp_path / "tokenizer.json")
+    t.save(path)
+    tok = load_tokenizer(path)
+    assert tok.eos_id == 1 and tok.name == "hf:tokenizer.json"
+    src = write_jsonl(tmp_path / "a.jsonl", TEXTS)
+    preprocess([src], str(tmp_path / "hf"), tokenizer=path, quiet=True)
+    r = IndexedReader(str(tmp_path / "hf"))
+    assert [tok.decode(r.document(i)[:-1]) for i in range(r.num_docs)] == [t for t in TEXTS if t]
+
+
+def test_builtin_corpus_is_cached_and_atomic(tmp_path):
+    import sysconfig
+
+    files = stdlib_files()
+    rel = [os.path.relpath(p, sysconfig.get_paths()["stdlib"]) for p, _ in files]
+    assert rel == sorted(rel) and len(files) > 100 and sum(s for _, s in files) <= 16_000_000
+    assert not any(os.sep + "site-packages" + os.sep in p or os.sep + "test" + os.sep in p for p, _ in files)
+    p1 = ensure_builtin_corpus(cache_dir=str(tmp_path))
+    mtime = os.path.getmtime(p1 + ".bin")
+    p2 = ensure_builtin_corpus(cache_dir=str(tmp_path))
+    assert p1 == p2 and os.path.getmtime(p2 + ".bin") == mtime
+    m = json.load(open(p1 + ".manifest.json"))
+    assert m["tokenizer"]["name"] == "byte" and m["num_documents"] > 500
+    assert [n for n in os.listdir(tmp_path) if not n.startswith(".")] == [os.path.basename(os.path.dirname(p1))]
+    assert not [n for n in os.listdir(tmp_path) if "tmp" in n]
+
+
+def test_corrupt_compressed_input_names_file(tmp_path):
+    good = gzip.compress(b"".join(b'{"text": "line %d"}\n' % i for i in range(2000)))
+    (tmp_path / "t.jsonl.gz").write_bytes(good[: len(good) // 2])
+    with pytest.raises(DataInputError, match=r"t\.jsonl\.gz:\d+: cannot decompress"):
+        preprocess([str(tmp_path / "t.jsonl.gz")], str(tmp_path / "o"), quiet=True)
+    assert sorted(os.listdir(tmp_path)) == ["t.jsonl.gz"]
