@@ -115,15 +115,23 @@ class Trainer:
         from megassm.data_tools.loader import build_data
         from megassm.models import build_model
 
-        self.data = build_data(
-            cfg.data,
-            seq_len=cfg.train.seq_len,
-            micro_batch=cfg.train.micro_batch,
-            global_batch=cfg.train.global_batch,
-            dp_rank=0,
-            dp_size=self.dp,
-            seed=cfg.train.seed,
-        )
+        try:
+            self.data = build_data(
+                cfg.data,
+                seq_len=cfg.train.seq_len,
+                micro_batch=cfg.train.micro_batch,
+                global_batch=cfg.train.global_batch,
+                dp_rank=0,
+                dp_size=self.dp,
+                seed=cfg.train.seed,
+            )
+        except (ValueError, OSError) as e:  # missing/corrupt shards, bad blend: the message names the file
+            raise ConfigError(f"data: {e}") from e
+        if cfg.model.vocab_size is not None and self.data.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size={cfg.model.vocab_size} is smaller than the data's vocabulary "
+                f"({self.data.vocab_size}, from its tokenizer): token ids would fall outside the embedding"
+            )
         model = build_model(cfg.model, vocab_size=self.data.vocab_size, device="cpu")
         model.init_weights(cfg.train.seed)
         self.model = model.to(self.device)
