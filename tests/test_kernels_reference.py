@@ -516,7 +516,7 @@ def test_public_api_and_backend_log(caplog, monkeypatch):
     for name in ("ssd", "ssd_sequential", "ssd_step", "causal_conv1d", "causal_conv1d_step", "rmsnorm",
                  "gated_rmsnorm", "add_rmsnorm", "backend"):
         assert callable(getattr(K, name)), name
-    assert K.backend() == "reference"
+    assert K.backend() in ("reference", "triton")  # triton on a machine with CUDA + triton
     params = list(inspect.signature(K.ssd).parameters)
     assert params == ["x", "dt", "A", "B", "C", "D", "z", "dt_bias", "dt_softplus", "dt_limit", "initial_states",
                       "seq_idx", "chunk_size", "return_final_states"]

@@ -1,0 +1,139 @@
+"""megassm.kernels: the ops the models call, behind one stable set of signatures.
+
+This module is the dispatch point. Every op is a `torch.library.custom_op` (namespace "megassm", see
+`ops.py`) with fake and autograd registrations; inside, the backend is chosen per call from the environment
+variable MEGASSM_KERNELS=auto|triton|torch (auto, the default: the Triton kernels of `kernels/triton` when
+the tensors are on CUDA and triton imports, the pure-PyTorch references of `megassm.kernels.reference`
+otherwise). The references stay the test oracle. In eager mode a call that resolves to the reference runs it
+directly (plain autograd, no recompute in the backward); under torch.compile it goes through the custom op. The
+backend in use is logged once, at INFO on the "megassm.kernels" logger, on the first call of any op (and again
+only if a later call switches backend).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import ops, reference
+from .reference.ssd import _check_shapes as _check_ssd_shapes
+
+__all__ = [
+    "backend",
+    "ssd",
+    "ssd_sequential",
+    "ssd_step",
+    "causal_conv1d",
+    "causal_conv1d_step",
+    "rmsnorm",
+    "gated_rmsnorm",
+    "add_rmsnorm",
+]
+
+# name of the backend announced last ("reference" / "triton"), False before the first call
+_announced = False
+
+
+def backend() -> str:
+    """Backend a call on this machine's default device resolves to: "reference" (pure PyTorch) or "triton".
+
+    The decision is per call (device and dtype of the tensors): with MEGASSM_KERNELS=auto, CPU tensors use the
+    reference even on a machine with a GPU.
+    """
+    m = ops.mode()
+    if m == "torch":
+        return "reference"
+    if m == "triton":
+        return "triton"
+    return "triton" if torch.cuda.is_available() and ops.triton_available() else "reference"
+
+
+def _eager_reference(x) -> bool:
+    """Calls that resolve to the reference run it directly in eager mode (plain autograd: no recompute in the
+    backward, bit-identical by construction); under torch.compile they go through the custom op (one opaque
+    op in the graph). Triton calls always go through the custom op."""
+    if torch.compiler.is_compiling() or ops.use_triton(x):
+        return False
+    ops._announce(False, x)
+    return True
+
+
+def _tuple_or_none(v):
+    return None if v is None else tuple(float(a) for a in v)
+
+
+def ssd(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    D=None,
+    z=None,
+    dt_bias=None,
+    dt_softplus=True,
+    dt_limit=None,
+    initial_states=None,
+    seq_idx=None,
+    chunk_size=256,
+    return_final_states=False,
+):
+    """Chunked SSD scan (see megassm.kernels.reference.ssd for the math and shapes). Returns y [B,L,H,P]
+    (x.dtype), or (y, final_states [B,H,P,N] fp32) with return_final_states."""
+    _check_ssd_shapes(x, dt, A, B, C)
+    if _eager_reference(x):
+        return reference.ssd(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                             dt_limit=dt_limit, initial_states=initial_states, seq_idx=seq_idx,
+                             chunk_size=chunk_size, return_final_states=return_final_states)
+    y, fin = ops.ssd_op(x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), _tuple_or_none(dt_limit),
+                        initial_states, seq_idx, int(chunk_size), bool(return_final_states))
+    return (y, fin) if return_final_states else y
+
+
+def ssd_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_limit=None):
+    """One decode token: (y [B,H,P] in x.dtype, new_state [B,H,P,N] fp32). See reference.ssd_step."""
+    if _eager_reference(x):
+        return reference.ssd_step(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                                  dt_limit=dt_limit)
+    return ops.ssd_step_op(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), _tuple_or_none(dt_limit))
+
+
+def causal_conv1d(
+    x, weight, bias=None, initial_state=None, seq_idx=None, activation="silu", return_final_state=False
+):
+    """Causal depthwise conv1d (+SiLU), channels last x [B,L,C], weight [C,W]. See reference.causal_conv1d."""
+    if _eager_reference(x):
+        return reference.causal_conv1d(x, weight, bias, initial_state=initial_state, seq_idx=seq_idx,
+                                       activation=activation, return_final_state=return_final_state)
+    y, fin = ops.causal_conv1d_op(x, weight, bias, initial_state, seq_idx, activation, bool(return_final_state))
+    return (y, fin) if return_final_state else y
+
+
+def causal_conv1d_step(state, x, weight, bias=None, activation="silu"):
+    """One decode token: state [B,C,W-1], x [B,C] -> (y [B,C], new_state fp32)."""
+    if _eager_reference(x):
+        return reference.causal_conv1d_step(state, x, weight, bias, activation=activation)
+    return ops.causal_conv1d_step_op(state, x, weight, bias, activation)
+
+
+def rmsnorm(x, weight, eps=1e-5):
+    """x / rms(x) * weight over the last dim (fp32 statistics)."""
+    if _eager_reference(x):
+        return reference.rmsnorm(x, weight, eps)
+    return ops.rmsnorm_op(x, weight, float(eps))
+
+
+def gated_rmsnorm(x, z, weight, ngroups=1, eps=1e-5, norm_before_gate=False):
+    """Grouped RMS norm with a SiLU gate. See reference.gated_rmsnorm."""
+    if _eager_reference(x):
+        return reference.gated_rmsnorm(x, z, weight, ngroups=ngroups, eps=eps, norm_before_gate=norm_before_gate)
+    return ops.gated_rmsnorm_op(x, z, weight, int(ngroups), float(eps), bool(norm_before_gate))
+
+
+def add_rmsnorm(x, residual, weight, eps=1e-5):
+    """(rmsnorm(residual + x) * weight in x.dtype, new fp32 residual). See reference.add_rmsnorm."""
+    if _eager_reference(x):
+        return reference.add_rmsnorm(x, residual, weight, eps)
+    return ops.add_rmsnorm_op(x, residual, weight, float(eps))
+
+
+# the oracle is never dispatched: it is the definition every backend is checked against
+ssd_sequential = reference.ssd_sequential

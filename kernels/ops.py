@@ -1,0 +1,481 @@
+"""torch.library custom ops (namespace "megassm") behind the public functions of megassm.kernels.
+
+Every public op is one `torch.library.custom_op` with a fake (meta) implementation, so torch.compile and
+activation checkpointing see a single opaque op, and an autograd registration. Inside the op the backend is
+chosen per call from `MEGASSM_KERNELS`:
+
+  auto    (default) Triton when the tensors are on CUDA, triton imports and the dtype is not fp64;
+          the PyTorch reference otherwise.
+  triton  always Triton; CPU tensors are an error unless TRITON_INTERPRET=1 (Triton's CPU interpreter,
+          used by the tests). fp64 tensors still go to the reference (the kernels do not do fp64).
+  torch   always the PyTorch reference (megassm.kernels.reference).
+
+Reference backward: the reference forward is recomputed on detached inputs under autograd and
+differentiated with torch.autograd.grad, so gradients are the plain reference's autograd gradients exactly.
+Triton backward: the Triton backward kernels of the op (kernels/triton), which recompute what they need from
+the saved inputs (no activations beyond the op's inputs are kept).
+
+The decode-step ops have a Triton forward only; their backward (rarely needed) is the reference one.
+The public functions in kernels/__init__.py call these ops for every Triton call and under torch.compile; in
+eager mode a call that resolves to the reference skips the op and runs the reference directly (no recompute).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from . import reference
+
+logger = logging.getLogger("megassm.kernels")
+
+_MODES = ("auto", "triton", "torch")
+_triton_mod = None
+_triton_err: Optional[BaseException] = None
+_announced_state = {"last": None}
+
+
+def mode() -> str:
+    m = os.environ.get("MEGASSM_KERNELS", "auto").strip().lower() or "auto"
+    if m == "reference":
+        m = "torch"
+    if m not in _MODES:
+        raise ValueError(f"MEGASSM_KERNELS={m!r}: expected one of {', '.join(_MODES)}")
+    return m
+
+
+def interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def triton_kernels():
+    """The kernels/triton package, imported on first use (Triton reads TRITON_INTERPRET when its kernels are
+    decorated, i.e. at import). Returns None when triton cannot be imported."""
+    global _triton_mod, _triton_err
+    if _triton_mod is None and _triton_err is None:
+        try:
+            from . import triton as tk  # noqa: PLC0415
+
+            _triton_mod = tk
+        except Exception as e:  # ImportError, or a broken triton install
+            _triton_err = e
+    return _triton_mod
+
+
+def triton_available() -> bool:
+    return triton_kernels() is not None
+
+
+def use_triton(x: Tensor) -> bool:
+    """Backend decision for a call whose main tensor is `x`."""
+    m = mode()
+    if m == "torch" or x.dtype == torch.float64:
+        return False
+    if m == "triton":
+        if not x.is_cuda and not interpret():  # checked before importing: Triton reads the flag at import
+            raise RuntimeError(
+                "MEGASSM_KERNELS=triton with CPU tensors: Triton kernels need CUDA tensors "
+                "(or TRITON_INTERPRET=1 to run them in Triton's CPU interpreter). "
+                "Use MEGASSM_KERNELS=auto or torch for the PyTorch reference."
+            )
+        if triton_kernels() is None:
+            raise RuntimeError(f"MEGASSM_KERNELS=triton but triton cannot be imported: {_triton_err!r}")
+        return True
+    return x.is_cuda and triton_kernels() is not None
+
+
+def _announce(use: bool, x: Tensor) -> None:
+    # the "last announced" flag lives on the package (tests monkeypatch it)
+    K = sys.modules[__package__]
+
+    name = "triton" if use else "reference"
+    if K._announced != name:
+        K._announced = name
+        if use:
+            logger.info(
+                "megassm.kernels: using Triton kernels (MEGASSM_KERNELS=%s, %s tensors%s)",
+                mode(), x.device.type, ", interpreter" if not x.is_cuda else "",
+            )
+        else:
+            logger.info("megassm.kernels: using PyTorch reference ops (MEGASSM_KERNELS=%s, %s tensors)",
+                        mode(), x.device.type)
+
+
+def _pick(x: Tensor) -> bool:
+    use = use_triton(x)
+    _announce(use, x)
+    return use
+
+
+# --------------------------------------------------------------------------------------------------------
+# generic autograd plumbing
+
+
+def _save(ctx, inputs, output, keep_output=False):
+    tensors, spec = [], []
+    for a in inputs:
+        if isinstance(a, Tensor):
+            spec.append(len(tensors))
+            tensors.append(a)
+        else:
+            spec.append(("const", a))
+    n_in = len(tensors)
+    if keep_output:
+        outs = output if isinstance(output, tuple) else (output,)
+        tensors.extend(outs)
+    ctx.save_for_backward(*tensors)
+    ctx._spec = spec
+    ctx._n_in = n_in
+
+
+def _restore(ctx):
+    saved = ctx.saved_tensors
+    args = [saved[s] if isinstance(s, int) else s[1] for s in ctx._spec]
+    return args, saved[ctx._n_in:]
+
+
+def _reference_backward(full_ref: Callable, ctx, args, grads):
+    """Gradients of `full_ref(*args)` (which returns the op's output tuple) by recomputation under autograd."""
+    need = ctx.needs_input_grad
+    leaves = []
+    for i, a in enumerate(args):
+        if isinstance(a, Tensor) and need[i] and (a.is_floating_point() or a.is_complex()):
+            leaves.append(a.detach().requires_grad_(True))
+        else:
+            leaves.append(a)
+    wrt = [i for i, a in enumerate(leaves) if isinstance(a, Tensor) and a.requires_grad]
+    out = [None] * len(args)
+    if not wrt:
+        return tuple(out)
+    with torch.enable_grad():
+        outs = full_ref(*leaves)
+        if not isinstance(outs, tuple):
+            outs = (outs,)
+        sel_o, sel_g = [], []
+        for o, g in zip(outs, grads):
+            if g is not None and o is not None and o.requires_grad and o.numel() > 0:
+                sel_o.append(o)
+                sel_g.append(g)
+        if not sel_o:
+            return tuple(out)
+        gs = torch.autograd.grad(sel_o, [leaves[i] for i in wrt], sel_g, allow_unused=True)
+    for i, g in zip(wrt, gs):
+        out[i] = g
+    return tuple(out)
+
+
+def _fresh(t: Tensor) -> Tensor:
+    """Outputs are dense, contiguous, offset-0 tensors (what the fake implementations promise)."""
+    if t.is_contiguous() and t.storage_offset() == 0:
+        return t
+    return t.contiguous() if not t.is_contiguous() else t.clone()
+
+
+def _fresh_all(out):
+    if isinstance(out, tuple):
+        return tuple(_fresh(o) for o in out)
+    return _fresh(out)
+
+
+def _empty_f32(x: Tensor) -> Tensor:
+    return x.new_empty(0, dtype=torch.promote_types(x.dtype, torch.float32))
+
+
+def _cdt(x: Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+# --------------------------------------------------------------------------------------------------------
+# SSD
+
+
+def _ssd_ref_full(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states, seq_idx, chunk_size,
+                  return_final_states):
+    out = reference.ssd(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                        dt_limit=None if dt_limit is None else tuple(dt_limit), initial_states=initial_states,
+                        seq_idx=seq_idx, chunk_size=chunk_size, return_final_states=return_final_states)
+    if return_final_states:
+        return out
+    return out, _empty_f32(x)
+
+
+@torch.library.custom_op("megassm::ssd", mutates_args=())
+def ssd_op(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
+    dt_bias: Optional[Tensor], dt_softplus: bool, dt_limit: Optional[Sequence[float]],
+    initial_states: Optional[Tensor], seq_idx: Optional[Tensor], chunk_size: int, return_final_states: bool,
+) -> tuple[Tensor, Tensor]:
+    if _pick(x) and triton_kernels().ssd_supported(x, chunk_size):
+        tk = triton_kernels()
+        y, fin = tk.ssd_fwd(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states, seq_idx,
+                            chunk_size, return_final_states)
+        return y, (fin if return_final_states else _empty_f32(x))
+    return _fresh_all(_ssd_ref_full(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states,
+                                    seq_idx, chunk_size, return_final_states))
+
+
+@ssd_op.register_fake
+def _(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states, seq_idx, chunk_size,
+      return_final_states):
+    b, _, h, p = x.shape
+    n = B.shape[-1]
+    fin = x.new_empty((b, h, p, n), dtype=_cdt(x)) if return_final_states else _empty_f32(x)
+    return x.new_empty(x.shape), fin
+
+
+def _ssd_setup(ctx, inputs, output):
+    _save(ctx, inputs, output)
+
+
+def _ssd_bwd(ctx, gy, gfinal):
+    args, _ = _restore(ctx)
+    x = args[0]
+    if use_triton(x) and triton_kernels().HAS_SSD_BWD and triton_kernels().ssd_supported(x, args[12]):
+        (x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, init, seq_idx, chunk, ret) = args
+        grads = triton_kernels().ssd_bwd(
+            gy, gfinal if ret else None, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, init, seq_idx,
+            chunk)
+        dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit = grads
+        return dx, ddt, dA, dB, dC, dD, dz, ddt_bias, None, None, dinit, None, None, None
+    return _reference_backward(_ssd_ref_full, ctx, args, (gy, gfinal))
+
+
+ssd_op.register_autograd(_ssd_bwd, setup_context=_ssd_setup)
+
+
+# --------------------------------------------------------------------------------------------------------
+# SSD decode step
+
+
+def _ssd_step_ref(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit):
+    y, new = reference.ssd_step(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                                dt_limit=None if dt_limit is None else tuple(dt_limit))
+    return y, new
+
+
+@torch.library.custom_op("megassm::ssd_step", mutates_args=())
+def ssd_step_op(
+    state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
+    z: Optional[Tensor], dt_bias: Optional[Tensor], dt_softplus: bool, dt_limit: Optional[Sequence[float]],
+) -> tuple[Tensor, Tensor]:
+    if _pick(x) and triton_kernels().HAS_SSD_STEP:
+        return triton_kernels().ssd_step_fwd(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit)
+    return _fresh_all(_ssd_step_ref(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit))
+
+
+@ssd_step_op.register_fake
+def _(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit):
+    return x.new_empty(x.shape), state.new_empty(state.shape, dtype=_cdt(x))
+
+
+def _step_setup(ctx, inputs, output):
+    _save(ctx, inputs, output)
+
+
+def _ssd_step_bwd(ctx, gy, gstate):
+    args, _ = _restore(ctx)
+    return _reference_backward(_ssd_step_ref, ctx, args, (gy, gstate))
+
+
+ssd_step_op.register_autograd(_ssd_step_bwd, setup_context=_step_setup)
+
+
+# --------------------------------------------------------------------------------------------------------
+# causal conv1d
+
+
+def _conv_ref_full(x, weight, bias, initial_state, seq_idx, activation, return_final_state):
+    out = reference.causal_conv1d(x, weight, bias, initial_state=initial_state, seq_idx=seq_idx,
+                                  activation=activation, return_final_state=return_final_state)
+    if return_final_state:
+        return out
+    return out, _empty_f32(x)
+
+
+def _check_activation(activation):
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"causal_conv1d: unknown activation {activation!r} (expected 'silu' or None)")
+
+
+@torch.library.custom_op("megassm::causal_conv1d", mutates_args=())
+def causal_conv1d_op(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor],
+    seq_idx: Optional[Tensor], activation: Optional[str], return_final_state: bool,
+) -> tuple[Tensor, Tensor]:
+    _check_activation(activation)
+    if _pick(x):
+        y, fin = triton_kernels().causal_conv1d_fwd(x, weight, bias, initial_state, seq_idx,
+                                                    activation is not None, return_final_state)
+        return y, (fin if return_final_state else _empty_f32(x))
+    return _fresh_all(_conv_ref_full(x, weight, bias, initial_state, seq_idx, activation, return_final_state))
+
+
+@causal_conv1d_op.register_fake
+def _(x, weight, bias, initial_state, seq_idx, activation, return_final_state):
+    b, _, c = x.shape
+    w = weight.shape[-1]
+    fin = x.new_empty((b, c, w - 1), dtype=_cdt(x)) if return_final_state else _empty_f32(x)
+    return x.new_empty(x.shape), fin
+
+
+def _conv_setup(ctx, inputs, output):
+    _save(ctx, inputs, output)
+
+
+def _conv_bwd(ctx, gy, gfinal):
+    args, _ = _restore(ctx)
+    x, weight, bias, init, seq_idx, activation, ret = args
+    if use_triton(x):
+        dx, dw, db, dinit = triton_kernels().causal_conv1d_bwd(
+            x, weight, bias, init, seq_idx, activation is not None, gy, gfinal if ret else None)
+        need = ctx.needs_input_grad
+        return (dx if need[0] else None, dw if need[1] else None, db if need[2] else None,
+                dinit if need[3] else None, None, None, None)
+    return _reference_backward(_conv_ref_full, ctx, args, (gy, gfinal))
+
+
+causal_conv1d_op.register_autograd(_conv_bwd, setup_context=_conv_setup)
+
+
+def _conv_step_ref(state, x, weight, bias, activation):
+    y, new = reference.causal_conv1d_step(state, x, weight, bias, activation=activation)
+    return y, new.contiguous()
+
+
+@torch.library.custom_op("megassm::causal_conv1d_step", mutates_args=())
+def causal_conv1d_step_op(
+    state: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: Optional[str]
+) -> tuple[Tensor, Tensor]:
+    _check_activation(activation)
+    if _pick(x) and triton_kernels().HAS_CONV_STEP:
+        return triton_kernels().causal_conv1d_step_fwd(state, x, weight, bias, activation is not None)
+    return _fresh_all(_conv_step_ref(state, x, weight, bias, activation))
+
+
+@causal_conv1d_step_op.register_fake
+def _(state, x, weight, bias, activation):
+    return x.new_empty(x.shape), state.new_empty(state.shape, dtype=_cdt(x))
+
+
+def _conv_step_bwd(ctx, gy, gstate):
+    args, _ = _restore(ctx)
+    return _reference_backward(_conv_step_ref, ctx, args, (gy, gstate))
+
+
+causal_conv1d_step_op.register_autograd(_conv_step_bwd, setup_context=_step_setup)
+
+
+# --------------------------------------------------------------------------------------------------------
+# norms
+
+
+def _gated_ref(x, z, weight, ngroups, eps, norm_before_gate):
+    return reference.gated_rmsnorm(x, z, weight, ngroups=ngroups, eps=eps, norm_before_gate=norm_before_gate)
+
+
+@torch.library.custom_op("megassm::gated_rmsnorm", mutates_args=())
+def gated_rmsnorm_op(
+    x: Tensor, z: Optional[Tensor], weight: Optional[Tensor], ngroups: int, eps: float, norm_before_gate: bool
+) -> Tensor:
+    if x.shape[-1] % ngroups != 0:
+        raise ValueError(f"gated_rmsnorm: dim {x.shape[-1]} not divisible by ngroups {ngroups}")
+    if _pick(x):
+        return triton_kernels().gated_rmsnorm_fwd(x, z, weight, ngroups, eps, norm_before_gate)
+    out = _gated_ref(x, z, weight, ngroups, eps, norm_before_gate)
+    return _fresh(out.clone() if out is x else out)
+
+
+@gated_rmsnorm_op.register_fake
+def _(x, z, weight, ngroups, eps, norm_before_gate):
+    return x.new_empty(x.shape)
+
+
+def _norm_setup(ctx, inputs, output):
+    _save(ctx, inputs, output)
+
+
+def _gated_bwd(ctx, gout):
+    args, _ = _restore(ctx)
+    x, z, weight, ngroups, eps, nbg = args
+    if use_triton(x):
+        dx, dz, dw = triton_kernels().gated_rmsnorm_bwd(gout, x, z, weight, ngroups, eps, nbg)
+        return dx, dz, dw, None, None, None
+    return _reference_backward(_gated_ref, ctx, args, (gout,))
+
+
+gated_rmsnorm_op.register_autograd(_gated_bwd, setup_context=_norm_setup)
+
+
+def _rmsnorm_ref(x, weight, eps):
+    return reference.rmsnorm(x, weight, eps)
+
+
+@torch.library.custom_op("megassm::rmsnorm", mutates_args=())
+def rmsnorm_op(x: Tensor, weight: Optional[Tensor], eps: float) -> Tensor:
+    if _pick(x):
+        return triton_kernels().gated_rmsnorm_fwd(x, None, weight, 1, eps, False)
+    out = _rmsnorm_ref(x, weight, eps)
+    return _fresh(out.clone() if out is x else out)
+
+
+@rmsnorm_op.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape)
+
+
+def _rmsnorm_bwd(ctx, gout):
+    args, _ = _restore(ctx)
+    x, weight, eps = args
+    if use_triton(x):
+        dx, _, dw = triton_kernels().gated_rmsnorm_bwd(gout, x, None, weight, 1, eps, False)
+        return dx, dw, None
+    return _reference_backward(_rmsnorm_ref, ctx, args, (gout,))
+
+
+rmsnorm_op.register_autograd(_rmsnorm_bwd, setup_context=_norm_setup)
+
+
+def _add_ref(x, residual, weight, eps):
+    return reference.add_rmsnorm(x, residual, weight, eps)
+
+
+@torch.library.custom_op("megassm::add_rmsnorm", mutates_args=())
+def add_rmsnorm_op(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], eps: float
+                   ) -> tuple[Tensor, Tensor]:
+    if _pick(x):
+        return triton_kernels().add_rmsnorm_fwd(x, residual, weight, eps)
+    out, res = _add_ref(x, residual, weight, eps)
+    if res is x or res is residual:  # a custom op's outputs must not alias its inputs
+        res = res.clone()
+    if out is x:
+        out = out.clone()
+    return _fresh(out), _fresh(res)
+
+
+@add_rmsnorm_op.register_fake
+def _(x, residual, weight, eps):
+    cdt = _cdt(x) if residual is None else torch.promote_types(_cdt(x), residual.dtype)
+    return x.new_empty(x.shape), x.new_empty(x.shape, dtype=cdt)
+
+
+def _add_setup(ctx, inputs, output):
+    _save(ctx, inputs, output, keep_output=True)
+
+
+def _add_bwd(ctx, gout, gres):
+    args, outs = _restore(ctx)
+    x, residual, weight, eps = args
+    if use_triton(x):
+        new_res = outs[1]
+        dx, dres, dw = triton_kernels().add_rmsnorm_bwd(gout, gres, new_res, weight, eps, x.dtype,
+                                                        None if residual is None else residual.dtype)
+        need = ctx.needs_input_grad
+        return dx if need[0] else None, dres if need[1] else None, dw if need[2] else None, None
+    return _reference_backward(_add_ref, ctx, args, (gout, gres))
+
+
+add_rmsnorm_op.register_autograd(_add_bwd, setup_context=_add_setup)

@@ -1,0 +1,13 @@
+"""Triton kernels of megassm.kernels (imported lazily by kernels/ops.py: Triton reads TRITON_INTERPRET when the
+kernels are decorated, i.e. at import). The ops' dispatch, autograd and fake registrations live in ops.py."""
+import triton  # noqa: F401  (ImportError here means: no Triton backend)
+
+from .conv import causal_conv1d_bwd, causal_conv1d_fwd  # noqa: E402
+from .norm import add_rmsnorm_bwd, add_rmsnorm_fwd, gated_rmsnorm_bwd, gated_rmsnorm_fwd  # noqa: E402
+from .ssd import ssd_bwd, ssd_fwd  # noqa: E402
+from .ssd import supported as ssd_supported  # noqa: E402
+from .step import causal_conv1d_step_fwd, ssd_step_fwd  # noqa: E402
+
+HAS_SSD_BWD = True
+HAS_SSD_STEP = True
+HAS_CONV_STEP = True

@@ -1,0 +1,26 @@
+"""Small replacements for triton.language's standard-library helpers (tl.sum, tl.cumsum, tl.sigmoid; tl.zeros is
+replaced by tl.full at the call sites).
+
+Those are @triton.jit functions decorated when triton.language is first imported; if that import happened
+before TRITON_INTERPRET=1 was set (torch imports triton for torch.compile / the flop counter), they are
+compiled-mode functions that the CPU interpreter cannot call. These helpers are decorated with the kernels,
+and use only builtins (tl.reduce / tl.associative_scan with the standard sum combiner, which the interpreter
+recognizes without calling it). On the GPU they compile to exactly what tl.sum / tl.cumsum do.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tsum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._sum_combine)
+
+
+@triton.jit
+def tcumsum(x, axis: tl.constexpr):
+    return tl.associative_scan(x, axis, tl.standard._sum_combine)
+
+
+@triton.jit
+def tsigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))

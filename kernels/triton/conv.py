@@ -1,0 +1,238 @@
+"""Triton causal depthwise conv1d (+SiLU), channels-last x [B, L, C] (any strides), width W <= 4 (any W works).
+
+    pre_t = bias + sum_k weight[:, k] * x_{t-(W-1)+k}     (taps of another document read as 0)
+    y_t   = silu(pre_t)
+
+Positions -(W-1)..-1 read initial_state[:, :, pos + W-1] and belong to the row's first document.
+Forward: one program per (row, block of positions, block of channels). Backward: one program per (row, block
+of input positions s in [-(W-1), L), block of channels); it recomputes pre at the W output positions each
+input feeds, writes dx (s >= 0) or d initial_state (s < 0), and per-program partial sums of dweight/dbias that
+torch reduces afterwards (no atomics: deterministic). The final state (last W-1 inputs, earlier documents
+zeroed) is a small gather done in torch.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._lang import tcumsum, tsigmoid, tsum  # noqa: F401
+
+
+@triton.jit
+def _load_in(X, INIT, b, pos, c, mask_c, L, sxb, sxl, sxc, sib, sic, sil, W: tl.constexpr,
+             HAS_INIT: tl.constexpr):
+    in_x = (pos >= 0) & (pos < L)
+    pos_x = tl.where(in_x, pos, 0)
+    v = tl.load(X + b * sxb + pos_x[:, None] * sxl + c[None, :] * sxc, mask=in_x[:, None] & mask_c[None, :],
+                other=0.0).to(tl.float32)
+    if HAS_INIT:
+        j = pos + (W - 1)
+        in_i = (pos < 0) & (j >= 0)
+        j = tl.where(in_i, j, 0)
+        v += tl.load(INIT + b * sib + c[None, :] * sic + j[:, None] * sil, mask=in_i[:, None] & mask_c[None, :],
+                     other=0.0).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _load_seq(SEQ, b, pos, L, ssb, ssl):
+    p = tl.minimum(tl.maximum(pos, 0), L - 1)
+    return tl.load(SEQ + b * ssb + p * ssl)
+
+
+@triton.jit
+def _pre(X, INIT, SEQ, WT, BIAS, b, t, c, mask_c, L, sxb, sxl, sxc, sib, sic, sil, ssb, ssl, swc, sww,
+         W: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_BIAS: tl.constexpr,
+         BL: tl.constexpr, BC: tl.constexpr):
+    acc = tl.full([BL, BC], 0.0, tl.float32)
+    if HAS_SEQ:
+        st = _load_seq(SEQ, b, t, L, ssb, ssl)
+    for k in tl.static_range(W):
+        pos = t - (W - 1) + k
+        v = _load_in(X, INIT, b, pos, c, mask_c, L, sxb, sxl, sxc, sib, sic, sil, W, HAS_INIT)
+        if HAS_SEQ:
+            v = tl.where((_load_seq(SEQ, b, pos, L, ssb, ssl) == st)[:, None], v, 0.0)
+        wk = tl.load(WT + c * swc + k * sww, mask=mask_c, other=0.0).to(tl.float32)
+        acc += v * wk[None, :]
+    if HAS_BIAS:
+        acc += tl.load(BIAS + c, mask=mask_c, other=0.0).to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
+def _conv_fwd_kernel(X, INIT, SEQ, WT, BIAS, Y, L, C, sxb, sxl, sxc, sib, sic, sil, ssb, ssl, swc, sww,
+                     syb, syl, syc,
+                     W: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     SILU: tl.constexpr, BL: tl.constexpr, BC: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BL + tl.arange(0, BL)
+    c = tl.program_id(2) * BC + tl.arange(0, BC)
+    mask_c = c < C
+    acc = _pre(X, INIT, SEQ, WT, BIAS, b, t, c, mask_c, L, sxb, sxl, sxc, sib, sic, sil, ssb, ssl, swc, sww,
+               W, HAS_INIT, HAS_SEQ, HAS_BIAS, BL, BC)
+    if SILU:
+        acc = acc * tsigmoid(acc)
+    mask = (t < L)[:, None] & mask_c[None, :]
+    tl.store(Y + b * syb + t[:, None] * syl + c[None, :] * syc, acc.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _conv_bwd_kernel(X, INIT, SEQ, WT, BIAS, DY, DFIN, DX, DINIT, DW_PART, DB_PART, L, C, n_sblocks, sb_per_prog,
+                     n_prog_l, sxb, sxl, sxc, sib, sic, sil, ssb, ssl, swc, sww, sdyb, sdyl, sdyc, sfb, sfc, sfl,
+                     W: tl.constexpr, WP: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_DFIN: tl.constexpr, WANT_DINIT: tl.constexpr,
+                     BL: tl.constexpr, BC: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    pl = tl.program_id(1)
+    c = tl.program_id(2) * BC + tl.arange(0, BC)
+    mask_c = c < C
+    kk = tl.arange(0, WP)
+    dw_acc = tl.full([WP, BC], 0.0, tl.float32)
+    db_acc = tl.full([BC], 0.0, tl.float32)
+    for i in range(sb_per_prog):
+        sblk = pl * sb_per_prog + i
+        s = sblk * BL - (W - 1) + tl.arange(0, BL)  # input positions handled here (none past the end)
+        if HAS_SEQ:
+            seq_s = _load_seq(SEQ, b, s, L, ssb, ssl)
+        dx = tl.full([BL, BC], 0.0, tl.float32)
+        for m in tl.static_range(W):
+            t = s + m  # output position fed by input s through tap k = W-1-m
+            valid_t = (t >= 0) & (t < L)
+            t_c = tl.where(valid_t, t, 0)
+            dy = tl.load(DY + b * sdyb + t_c[:, None] * sdyl + c[None, :] * sdyc,
+                         mask=valid_t[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+            if SILU:
+                pre = _pre(X, INIT, SEQ, WT, BIAS, b, t, c, mask_c, L, sxb, sxl, sxc, sib, sic, sil, ssb, ssl, swc,
+                           sww, W, HAS_INIT, HAS_SEQ, HAS_BIAS, BL, BC)
+                sg = tsigmoid(pre)
+                dpre = dy * sg * (1.0 + pre * (1.0 - sg))
+            else:
+                dpre = dy
+            wk = tl.load(WT + c * swc + (W - 1 - m) * sww, mask=mask_c, other=0.0).to(tl.float32)
+            contrib = dpre * wk[None, :]
+            if HAS_SEQ:
+                same = _load_seq(SEQ, b, t, L, ssb, ssl) == seq_s
+                contrib = tl.where(same[:, None], contrib, 0.0)
+            dx += contrib
+            if m == 0:
+                # weight / bias gradients over the output positions t = s of this block
+                db_acc += tsum(dpre, 0)
+                if HAS_SEQ:
+                    st = _load_seq(SEQ, b, t, L, ssb, ssl)
+                for k in tl.static_range(W):
+                    pos = t - (W - 1) + k
+                    v = _load_in(X, INIT, b, pos, c, mask_c, L, sxb, sxl, sxc, sib, sic, sil, W, HAS_INIT)
+                    if HAS_SEQ:
+                        v = tl.where((_load_seq(SEQ, b, pos, L, ssb, ssl) == st)[:, None], v, 0.0)
+                    dwk = tsum(dpre * v, 0)
+                    dw_acc += tl.where(kk[:, None] == k, dwk[None, :], 0.0)
+        if HAS_DFIN:
+            # final_state[:, :, j] is input position L-(W-1)+j (zeroed if of an earlier document than the last)
+            j = s - (L - (W - 1))
+            in_f = (j >= 0) & (j < W - 1)
+            jc = tl.where(in_f, j, 0)
+            df = tl.load(DFIN + b * sfb + c[None, :] * sfc + jc[:, None] * sfl,
+                         mask=in_f[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+            if HAS_SEQ:
+                same_last = _load_seq(SEQ, b, s, L, ssb, ssl) == _load_seq(SEQ, b, s * 0 + (L - 1), L, ssb, ssl)
+                df = tl.where(same_last[:, None], df, 0.0)
+            dx += df
+        in_x = (s >= 0) & (s < L)
+        s_x = tl.where(in_x, s, 0)
+        tl.store(DX + b * L * C + s_x[:, None] * C + c[None, :], dx.to(DX.dtype.element_ty),
+                 mask=in_x[:, None] & mask_c[None, :])
+        if WANT_DINIT:
+            jj = s + (W - 1)
+            in_i = (s < 0) & (jj >= 0)
+            jj = tl.where(in_i, jj, 0)
+            tl.store(DINIT + b * C * (W - 1) + c[None, :] * (W - 1) + jj[:, None], dx,
+                     mask=in_i[:, None] & mask_c[None, :])
+    part = b * n_prog_l + pl
+    if HAS_BIAS:
+        tl.store(DB_PART + part * C + c, db_acc, mask=mask_c)
+    tl.store(DW_PART + (part * W + kk[:, None]) * C + c[None, :], dw_acc, mask=(kk < W)[:, None] & mask_c[None, :])
+
+
+def _blocks(L, C, bwd=False):
+    """Tiles sized from ptxas reports for sm_90 (benchmarks/kernels_compile_check.py): the [BL, BC] tiles of
+    64-bit pointers cost registers; forward 16 x 128 (8 warps, ~100 registers), backward 16 x 64 (8 warps,
+    ~200 registers, no spills; 64 x 128 spilled tens of KB)."""
+    BC = min(64 if bwd else 128, triton.next_power_of_2(max(C, 1)))
+    BL = min(16, triton.next_power_of_2(max(L, 1)))
+    return BL, BC
+
+
+def _final_state(x, initial_state, seq_idx, width):
+    bsz, seqlen, channels = x.shape
+    cdt = torch.promote_types(x.dtype, torch.float32)
+    if initial_state is None:
+        prev = x.new_zeros(bsz, width - 1, channels, dtype=cdt)
+    else:
+        prev = initial_state.to(cdt).transpose(1, 2)
+    k = min(seqlen, width - 1)
+    last = torch.cat([prev, x[:, seqlen - k:].to(cdt)], dim=1)[:, -(width - 1):] if width > 1 else prev
+    if seq_idx is not None and width > 1:
+        sp = torch.cat([seq_idx[:, :1].expand(bsz, width - 1), seq_idx], dim=1)[:, -(width - 1):]
+        last = torch.where((sp == seq_idx[:, -1:])[..., None], last, torch.zeros_like(last))
+    return last.transpose(1, 2).contiguous()
+
+
+def causal_conv1d_fwd(x, weight, bias, initial_state, seq_idx, silu, return_final_state):
+    bsz, seqlen, channels = x.shape
+    width = weight.shape[-1]
+    y = torch.empty(bsz, seqlen, channels, dtype=x.dtype, device=x.device)
+    if seqlen > 0 and bsz > 0 and channels > 0:
+        BL, BC = _blocks(seqlen, channels)
+        init = initial_state if initial_state is not None else x
+        seq = seq_idx if seq_idx is not None else x
+        grid = (bsz, triton.cdiv(seqlen, BL), triton.cdiv(channels, BC))
+        _conv_fwd_kernel[grid](
+            x, init, seq, weight, bias if bias is not None else weight, y, seqlen, channels,
+            x.stride(0), x.stride(1), x.stride(2),
+            *(initial_state.stride() if initial_state is not None else (0, 0, 0)),
+            *(seq_idx.stride() if seq_idx is not None else (0, 0)),
+            weight.stride(0), weight.stride(1), y.stride(0), y.stride(1), y.stride(2),
+            W=width, HAS_INIT=initial_state is not None, HAS_SEQ=seq_idx is not None, HAS_BIAS=bias is not None,
+            SILU=bool(silu), BL=BL, BC=BC, num_warps=8 if BL * BC >= 2048 else 4,
+        )
+    fin = _final_state(x, initial_state, seq_idx, width) if return_final_state else None
+    return y, fin
+
+
+def causal_conv1d_bwd(x, weight, bias, initial_state, seq_idx, silu, dy, dfinal):
+    bsz, seqlen, channels = x.shape
+    width = weight.shape[-1]
+    dx = torch.empty(bsz, seqlen, channels, dtype=x.dtype, device=x.device)
+    dinit = (torch.zeros(bsz, channels, width - 1, dtype=torch.float32, device=x.device)
+             if initial_state is not None else None)
+    BL, BC = _blocks(seqlen + width - 1, channels, bwd=True)
+    n_sblocks = triton.cdiv(seqlen + width - 1, BL)
+    sb_per_prog = min(8, n_sblocks)  # 128 positions per program: small dweight partials, enough programs
+    n_prog_l = triton.cdiv(n_sblocks, sb_per_prog)
+    # positions past the end (the last program's extra blocks) load nothing and store nothing
+    dw_part = torch.empty(bsz * n_prog_l, width, channels, dtype=torch.float32, device=x.device)
+    db_part = torch.empty(bsz * n_prog_l, channels, dtype=torch.float32, device=x.device)
+    if bsz > 0 and channels > 0:
+        init = initial_state if initial_state is not None else x
+        seq = seq_idx if seq_idx is not None else x
+        grid = (bsz, n_prog_l, triton.cdiv(channels, BC))
+        _conv_bwd_kernel[grid](
+            x, init, seq, weight, bias if bias is not None else weight, dy,
+            dfinal if dfinal is not None else dy, dx, dinit if dinit is not None else dx, dw_part, db_part,
+            seqlen, channels, n_sblocks, sb_per_prog, n_prog_l,
+            x.stride(0), x.stride(1), x.stride(2),
+            *(initial_state.stride() if initial_state is not None else (0, 0, 0)),
+            *(seq_idx.stride() if seq_idx is not None else (0, 0)),
+            weight.stride(0), weight.stride(1), dy.stride(0), dy.stride(1), dy.stride(2),
+            *(dfinal.stride() if dfinal is not None else (0, 0, 0)),
+            W=width, WP=triton.next_power_of_2(width), HAS_INIT=initial_state is not None,
+            HAS_SEQ=seq_idx is not None, HAS_BIAS=bias is not None,
+            SILU=bool(silu), HAS_DFIN=dfinal is not None, WANT_DINIT=initial_state is not None,
+            BL=BL, BC=BC, num_warps=8 if BL * BC >= 1024 else 4,
+        )
+    dw = dw_part.sum(0).t().to(weight.dtype)
+    db = db_part.sum(0).to(bias.dtype) if bias is not None else None
+    if dinit is not None:
+        dinit = dinit.to(initial_state.dtype)
+    return dx, dw, db, dinit

@@ -1,0 +1,848 @@
+"""Triton SSD (Mamba-2 chunked scan), forward and backward. Written from the math in reference/ssd.py.
+
+Per batch row b, head h (group g = h // (H/G)), chunk c of T tokens, positions t, s inside the chunk:
+
+    dt_t   = clamp(softplus(dt_raw_t + dt_bias)),  a_t = dt_t * A,  cs_t = a_0 + .. + a_t  (within the chunk)
+    CB_ts  = C_t . B_s                                                   (per group)
+    L_ts   = exp(cs_t - cs_s) if s <= t and doc(s) == doc(t) else 0
+    S_0    = initial state;  S_{c+1} = exp(cs_last) keep_c S_c + sum_s exp(cs_last - cs_s) m'_s dt_s x_s (x) B_s
+    y_t    = sum_s L_ts CB_ts dt_s x_s + exp(cs_t) m_t S_c C_t ;   out = (y + D x) * silu(z)
+
+m'_s: s is of the chunk's last document; m_t: t is of the document of the state entering the chunk; keep_c:
+the entering state's document is the chunk's last document. Pad positions (t >= L) carry dt = 0, x = 0.
+
+Forward kernels:  _dt_kernel (dt processing + in-chunk cumsum), _cb_kernel (C B^T per chunk and group),
+_states_kernel (chunk end states and the passing across chunks fused: one program walks the chunks of its
+(b, h, P-block, N-block) in order, so the chunk states never round-trip through memory),
+_scan_kernel (outputs: state read-out + masked intra-chunk quadratic form, D skip and z gate fused).
+
+Backward (recomputes dt/cs, CB, the entering states and the SSM output, then):
+  _dstates_kernel: reverse pass over chunks, dS_{c+1} (gradient of the state leaving chunk c) for every
+      chunk, d initial_states, and <dS_{c+1}, S_{c+1}> (the gradient of cs_last through every term scaled by it);
+  _dx_kernel (per head, block of s): dx, the direct dt gradient x_s . Q_s and the cs_s gradient;
+  _dbc_kernel (per group, block of positions, block of N; loops over the group's heads): dB and dC;
+  torch: the cs gradients -> reverse cumsum -> ddt, dA, then softplus/clamp/bias; dD, dz.
+No atomics anywhere: every reduction is a loop inside one program or a torch sum over partials, so results
+are deterministic run to run.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ._lang import tcumsum, tsigmoid, tsum  # noqa: F401
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+_AUTOTUNE = os.environ.get("MEGASSM_TRITON_AUTOTUNE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _autotune(configs, key):
+    """Autotune num_warps / num_stages per shape; off (first config only) under the interpreter and with
+    MEGASSM_TRITON_AUTOTUNE=0 (the GPU tests: compiling every config of every variant costs minutes)."""
+    if _INTERPRET or not _AUTOTUNE:
+        configs = configs[:1]
+    return triton.autotune(configs=configs, key=key)
+
+
+# --------------------------------------------------------------------------------------------------------
+# shared helpers
+
+# Triton 3.6's CPU interpreter computes tl.dot on bf16/fp16 operands wrongly; there the operands are upcast
+# first (bf16 x bf16 products are exact in fp32, so this matches the GPU's fp32-accumulating tensor cores).
+_UPCAST_DOT = tl.constexpr(_INTERPRET)
+
+
+@triton.jit
+def _dot_lp(a, b):
+    """Both operands bf16 (exact products, fp32 accumulation)."""
+    if _UPCAST_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _split(a):
+    hi = a.to(tl.bfloat16)
+    return hi, (a - hi.to(tl.float32)).to(tl.bfloat16)
+
+
+# Matrix products. PREC "bf16": the inputs are bf16; a raw input operand goes to the tensor cores as is, a
+# derived fp32 operand (decay-weighted, states, ...) as a bf16 hi + lo pair (about 16 mantissa bits: two bf16
+# products instead of one rounding to 8 bits). PREC "ieee": fp32 / fp16 inputs, fp32 products.
+@triton.jit
+def _mm_raw(a, b, PREC: tl.constexpr):
+    if PREC == "bf16" or PREC == "bf16fast":
+        return _dot_lp(a, b)
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def _mm_af(a, b, PREC: tl.constexpr):
+    """a fp32 (derived), b raw input."""
+    if PREC == "bf16fast":
+        return _dot_lp(a.to(tl.bfloat16), b)
+    elif PREC == "bf16":
+        hi, lo = _split(a)
+        return _dot_lp(hi, b) + _dot_lp(lo, b)
+    else:
+        return tl.dot(a, b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def _mm_bf(a, b, PREC: tl.constexpr):
+    """a raw input, b fp32 (derived)."""
+    if PREC == "bf16fast":
+        return _dot_lp(a, b.to(tl.bfloat16))
+    elif PREC == "bf16":
+        hi, lo = _split(b)
+        return _dot_lp(a, hi) + _dot_lp(a, lo)
+    else:
+        return tl.dot(a.to(tl.float32), b, input_precision="ieee")
+
+
+@triton.jit
+def _mm_ff(a, b, PREC: tl.constexpr):
+    """Both fp32 (derived)."""
+    if PREC == "bf16fast":
+        return _dot_lp(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif PREC == "bf16":
+        ahi, alo = _split(a)
+        bhi, blo = _split(b)
+        return _dot_lp(ahi, bhi) + (_dot_lp(ahi, blo) + _dot_lp(alo, bhi))
+    else:
+        return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _softplus(x):
+    # max(x, 0) + log1p(exp(-|x|)), log1p by Goldberg's trick (accurate for tiny arguments)
+    u = tl.exp(-tl.abs(x))
+    w = 1.0 + u
+    l1p = tl.where(w == 1.0, u, tl.log(w) * u / (w - 1.0))
+    return tl.maximum(x, 0.0) + l1p
+
+
+@triton.jit
+def _seq_at(SEQ, b, pos, L, ssb, ssl):
+    p = tl.minimum(tl.maximum(pos, 0), L - 1)
+    return tl.load(SEQ + b * ssb + p * ssl)
+
+
+@triton.jit
+def _dt_kernel(DT, DT_BIAS, A, DTP, CS, L, H, NC, sdb, sdl, sdh, dt_lo, dt_hi,
+               T: tl.constexpr, BH: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+               HAS_LIMIT: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    h = tl.program_id(2) * BH + tl.arange(0, BH)
+    t = tl.arange(0, T)
+    pos = c * T + t
+    mt = pos < L
+    mh = h < H
+    m = mt[:, None] & mh[None, :]
+    dt = tl.load(DT + b * sdb + pos[:, None] * sdl + h[None, :] * sdh, mask=m, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        dt += tl.load(DT_BIAS + h, mask=mh, other=0.0).to(tl.float32)[None, :]
+    if SOFTPLUS:
+        dt = _softplus(dt)
+    if HAS_LIMIT:
+        dt = tl.minimum(tl.maximum(dt, dt_lo), dt_hi)
+    dt = tl.where(m, dt, 0.0)
+    a = dt * tl.load(A + h, mask=mh, other=0.0).to(tl.float32)[None, :]
+    cs = tcumsum(a, axis=0)
+    off = ((b * H + h[None, :]) * NC + c) * T + t[:, None]
+    tl.store(DTP + off, dt, mask=mh[None, :])
+    tl.store(CS + off, cs, mask=mh[None, :])
+
+
+@triton.jit
+def _cb_kernel(Cp, Bp, CB, L, G, NC, scb, scl, scg, scn, sbb, sbl, sbg, sbn,
+               N: tl.constexpr, T: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    bc = tl.program_id(0)
+    b = (bc // NC).to(tl.int64)
+    c = bc % NC
+    g = tl.program_id(1)
+    nsb: tl.constexpr = T // BT
+    tb = tl.program_id(2) // nsb
+    sb = tl.program_id(2) % nsb
+    if sb <= tb:  # blocks above the diagonal are never read
+        t = tb * BT + tl.arange(0, BT)
+        s = sb * BT + tl.arange(0, BT)
+        pt = c * T + t
+        ps = c * T + s
+        acc = tl.full([BT, BT], 0.0, tl.float32)
+        for k0 in range(0, N, BK):
+            k = k0 + tl.arange(0, BK)
+            mk = k < N
+            cv = tl.load(Cp + b * scb + pt[:, None] * scl + g * scg + k[None, :] * scn,
+                         mask=(pt < L)[:, None] & mk[None, :], other=0.0)
+            bv = tl.load(Bp + b * sbb + ps[None, :] * sbl + g * sbg + k[:, None] * sbn,
+                         mask=(ps < L)[None, :] & mk[:, None], other=0.0)
+            acc += _mm_raw(cv, bv, PREC)
+        off = (((b * NC + c) * G + g) * T + t[:, None]) * T + s[None, :]
+        tl.store(CB + off, acc)
+
+
+@_autotune([triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=4, num_stages=2),
+            triton.Config({}, num_warps=4, num_stages=3)], key=["T", "BP", "BN", "BS"])
+@triton.jit
+def _states_kernel(X, Bp, DTP, CS, SEQ, INIT, STATES, FINAL, L, H, G, NC,
+                   sxb, sxl, sxh, sxp, sbb, sbl, sbg, sbn, ssb, ssl, sib, sih, sip, sin,
+                   P: tl.constexpr, N: tl.constexpr, T: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+                   BS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, PREC: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    npb: tl.constexpr = (P + BP - 1) // BP
+    pb = tl.program_id(2) % npb
+    nb = tl.program_id(2) // npb
+    g = h // (H // G)
+    p = pb * BP + tl.arange(0, BP)
+    n = nb * BN + tl.arange(0, BN)
+    mp = p < P
+    mn = n < N
+    if HAS_INIT:
+        S = tl.load(INIT + b * sib + h * sih + p[:, None] * sip + n[None, :] * sin,
+                    mask=mp[:, None] & mn[None, :], other=0.0).to(tl.float32)
+    else:
+        S = tl.full([BP, BN], 0.0, tl.float32)
+    st_base = (b * NC * H + h) * P * N
+    for c in range(NC):
+        off = st_base + c * H * P * N + p[:, None] * N + n[None, :]
+        tl.store(STATES + off, S, mask=mp[:, None] & mn[None, :])
+        dbase = ((b * H + h) * NC + c) * T
+        cs_last = tl.load(CS + dbase + T - 1)
+        last = tl.minimum(c * T + T, L) - 1
+        if HAS_SEQ:
+            seq_last = _seq_at(SEQ, b, last, L, ssb, ssl)
+        acc = tl.full([BP, BN], 0.0, tl.float32)
+        for s0 in range(0, T, BS):
+            s = s0 + tl.arange(0, BS)
+            pos = c * T + s
+            ms = pos < L
+            xv = tl.load(X + b * sxb + pos[:, None] * sxl + h * sxh + p[None, :] * sxp,
+                         mask=ms[:, None] & mp[None, :], other=0.0)
+            bv = tl.load(Bp + b * sbb + pos[:, None] * sbl + g * sbg + n[None, :] * sbn,
+                         mask=ms[:, None] & mn[None, :], other=0.0)
+            dts = tl.load(DTP + dbase + s)
+            css = tl.load(CS + dbase + s)
+            scale = dts * tl.exp(tl.minimum(cs_last - css, 0.0))
+            ok = ms
+            if HAS_SEQ:
+                ok = ok & (_seq_at(SEQ, b, pos, L, ssb, ssl) == seq_last)
+            scale = tl.where(ok, scale, 0.0)
+            xs = xv.to(tl.float32) * scale[:, None]
+            acc += _mm_af(tl.trans(xs), bv, PREC)
+        decay = tl.exp(cs_last)
+        if HAS_SEQ:
+            sid_in = _seq_at(SEQ, b, c * T - 1, L, ssb, ssl)  # clamps to position 0 for c = 0
+            decay = tl.where(sid_in == seq_last, decay, 0.0)
+        S = S * decay + acc
+    tl.store(FINAL + (b * H + h) * P * N + p[:, None] * N + n[None, :], S, mask=mp[:, None] & mn[None, :])
+
+
+@_autotune([triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=4, num_stages=2),
+            triton.Config({}, num_warps=4, num_stages=3)], key=["T", "P", "N", "BT", "BS", "BK"])
+@triton.jit
+def _scan_kernel(X, Z, Cp, CB, DTP, CS, SEQ, STATES, Dp, Y, DOUT, DY, DZ, DCST, DDP, L, H, G, NC,
+                 sxb, sxl, sxh, sxp, szb, szl, szh, szp, scb, scl, scg, scn, ssb, ssl,
+                 syb, syl, syh, syp, sdob, sdol, sdoh, sdop,
+                 P: tl.constexpr, N: tl.constexpr, T: tl.constexpr, BP: tl.constexpr,
+                 BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
+                 HAS_SEQ: tl.constexpr, HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr,
+                 BWD: tl.constexpr, PREC: tl.constexpr):
+    """Forward: Y = (y + D x) * silu(z). BWD: y (the SSM part) stays in registers and the epilogue takes the
+    output gradient: DY = dout * silu(z) (only stored with z; else dout is dy), DZ, DCST = dy . y (the
+    gradient of cs_t, per P-block) and DDP = per-program partial sums of dy * x (for dD)."""
+    # axis 0 runs over (head, T-block, P-block) of one chunk, so the programs sharing a chunk's CB and C
+    # tiles run together (L2 reuse across heads)
+    bc = tl.program_id(1)
+    b = (bc // NC).to(tl.int64)
+    c = bc % NC
+    npb: tl.constexpr = (P + BP - 1) // BP
+    ntp: tl.constexpr = (T // BT) * npb
+    h = tl.program_id(0) // ntp
+    tp = tl.program_id(0) % ntp
+    g = h // (H // G)
+    tb = tp // npb
+    pb = tp % npb
+    t = tb * BT + tl.arange(0, BT)
+    p = pb * BP + tl.arange(0, BP)
+    mp = p < P
+    pt = c * T + t
+    mt = pt < L
+    dbase = ((b * H + h) * NC + c) * T
+    cs_t = tl.load(CS + dbase + t)
+    if HAS_SEQ:
+        seq_t = _seq_at(SEQ, b, pt, L, ssb, ssl)
+    # read-out of the entering state: exp(cs_t) m_t C_t S^T
+    acc = tl.full([BT, BP], 0.0, tl.float32)
+    st_off = ((b * NC + c) * H + h) * P * N
+    for k0 in range(0, N, BK):
+        k = k0 + tl.arange(0, BK)
+        mk = k < N
+        cv = tl.load(Cp + b * scb + pt[:, None] * scl + g * scg + k[None, :] * scn,
+                     mask=mt[:, None] & mk[None, :], other=0.0)
+        sv = tl.load(STATES + st_off + p[None, :] * N + k[:, None], mask=mk[:, None] & mp[None, :], other=0.0)
+        acc += _mm_bf(cv, sv, PREC)
+    row = tl.exp(cs_t)
+    if HAS_SEQ:
+        sid_in = _seq_at(SEQ, b, c * T - 1, L, ssb, ssl)
+        row = tl.where(seq_t == sid_in, row, 0.0)
+    acc = acc * row[:, None]
+    # intra-chunk: sum_s L_ts CB_ts dt_s x_s
+    cb_base = ((b * NC + c) * G + g) * T * T
+    for s0 in range(0, tb * BT + BT, BS):
+        s = s0 + tl.arange(0, BS)
+        ps = c * T + s
+        ms = ps < L
+        cb = tl.load(CB + cb_base + t[:, None] * T + s[None, :])
+        cs_s = tl.load(CS + dbase + s)
+        dt_s = tl.load(DTP + dbase + s)
+        ok = (s[None, :] <= t[:, None]) & ms[None, :]
+        if HAS_SEQ:
+            seq_s = _seq_at(SEQ, b, ps, L, ssb, ssl)
+            ok = ok & (seq_s[None, :] == seq_t[:, None])
+        w = tl.where(ok, cb * tl.exp(tl.where(ok, cs_t[:, None] - cs_s[None, :], 0.0)) * dt_s[None, :], 0.0)
+        xv = tl.load(X + b * sxb + ps[:, None] * sxl + h * sxh + p[None, :] * sxp,
+                     mask=ms[:, None] & mp[None, :], other=0.0)
+        acc += _mm_af(w, xv, PREC)
+    m = mt[:, None] & mp[None, :]
+    if BWD:
+        do = tl.load(DOUT + b * sdob + pt[:, None] * sdol + h * sdoh + p[None, :] * sdop, mask=m,
+                     other=0.0).to(tl.float32)
+        if HAS_D:
+            xt = tl.load(X + b * sxb + pt[:, None] * sxl + h * sxh + p[None, :] * sxp, mask=m,
+                         other=0.0).to(tl.float32)
+        if HAS_Z:
+            zv = tl.load(Z + b * szb + pt[:, None] * szl + h * szh + p[None, :] * szp, mask=m,
+                         other=0.0).to(tl.float32)
+            sz = tsigmoid(zv)
+            pre = acc
+            if HAS_D:
+                if D_PER_CHANNEL:
+                    dv = tl.load(Dp + h * P + p, mask=mp, other=0.0).to(tl.float32)[None, :]
+                else:
+                    dv = tl.load(Dp + h).to(tl.float32)
+                pre = acc + xt * dv
+            dz = do * pre * (sz * (1.0 + zv * (1.0 - sz)))
+            tl.store(DZ + ((b * L + pt[:, None]) * H + h) * P + p[None, :], dz.to(DZ.dtype.element_ty), mask=m)
+            dy = do * (zv * sz)
+            tl.store(DY + ((b * L + pt[:, None]) * H + h) * P + p[None, :], dy, mask=m)
+        else:
+            dy = do
+        npb2: tl.constexpr = (P + BP - 1) // BP
+        tl.store(DCST + (((b * H + h) * NC + c) * T + t) * npb2 + pb, tsum(dy * acc, axis=1))
+        if HAS_D:
+            ntb: tl.constexpr = T // BT
+            tl.store(DDP + ((bc * ntb + tb) * H + h) * P + p, tsum(dy * xt, axis=0), mask=mp)
+    else:
+        if HAS_D:
+            xt = tl.load(X + b * sxb + pt[:, None] * sxl + h * sxh + p[None, :] * sxp, mask=m,
+                         other=0.0).to(tl.float32)
+            if D_PER_CHANNEL:
+                dv = tl.load(Dp + h * P + p, mask=mp, other=0.0).to(tl.float32)[None, :]
+            else:
+                dv = tl.load(Dp + h).to(tl.float32)
+            acc += xt * dv
+        if HAS_Z:
+            zv = tl.load(Z + b * szb + pt[:, None] * szl + h * szh + p[None, :] * szp, mask=m,
+                         other=0.0).to(tl.float32)
+            acc = acc * (zv * tsigmoid(zv))
+        tl.store(Y + b * syb + pt[:, None] * syl + h * syh + p[None, :] * syp, acc.to(Y.dtype.element_ty), mask=m)
+
+
+# --------------------------------------------------------------------------------------------------------
+# host side: forward
+
+
+def _pow2_block(n, cap):
+    return max(16, min(cap, triton.next_power_of_2(n)))
+
+
+def supported(x, chunk_size):
+    """Whether the Triton path takes this call (otherwise ops.py uses the reference)."""
+    return (x.dtype in (torch.float32, torch.bfloat16, torch.float16) and chunk_size >= 16
+            and chunk_size & (chunk_size - 1) == 0)
+
+
+def _chunk_len(seqlen, chunk_size):
+    # a chunk longer than the (power-of-two padded) sequence is only padding
+    return max(16, min(chunk_size, triton.next_power_of_2(max(seqlen, 1))))
+
+
+def _prec(x):
+    """Product precision. bf16 inputs: "bf16" (default; derived fp32 operands as bf16 hi + lo pairs) or, with
+    MEGASSM_SSD_PRECISION=bf16, "bf16fast" (derived operands rounded once to bf16, as mamba_ssm does: fewer
+    tensor-core products, about 2-4x the reference's bf16 error). Other dtypes: fp32 products."""
+    if x.dtype != torch.bfloat16:
+        return "ieee"
+    mode = os.environ.get("MEGASSM_SSD_PRECISION", "split").strip().lower()
+    if mode not in ("split", "bf16"):
+        raise ValueError(f"MEGASSM_SSD_PRECISION={mode!r}: expected split or bf16")
+    return "bf16fast" if mode == "bf16" else "bf16"
+
+
+def _state_blocks(x, bsz, nheads, hdim, dstate):
+    """P/N blocks of the sequential (chunk-walking) kernels: 64 unless that leaves the GPU under-filled
+    (few rows x heads, e.g. one 32K-token row), then 32."""
+    BP, BN = _pow2_block(hdim, 64), _pow2_block(dstate, 64)
+    if x.is_cuda:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        if bsz * nheads * triton.cdiv(hdim, BP) * triton.cdiv(dstate, BN) < 2 * sms:
+            BP, BN = _pow2_block(hdim, 32), _pow2_block(dstate, 32)
+    return BP, BN
+
+
+def _seq_args(seq_idx, x):
+    if seq_idx is None:
+        return x, 0, 0
+    return seq_idx, seq_idx.stride(0), seq_idx.stride(1)
+
+
+def _prep(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit, seq_idx, chunk_size):
+    bsz, seqlen, nheads, hdim = x.shape
+    ngroups, dstate = B.shape[-2:]
+    T = _chunk_len(seqlen, chunk_size)
+    nc = triton.cdiv(seqlen, T)
+    dev = x.device
+    dtp = torch.empty(bsz, nheads, nc, T, dtype=torch.float32, device=dev)
+    cs = torch.empty_like(dtp)
+    BH = min(16, triton.next_power_of_2(nheads))
+    lo, hi = (float(dt_limit[0]), float(dt_limit[1])) if dt_limit is not None else (0.0, 0.0)
+    _dt_kernel[(bsz, nc, triton.cdiv(nheads, BH))](
+        dt, dt_bias if dt_bias is not None else dt, A, dtp, cs, seqlen, nheads, nc,
+        dt.stride(0), dt.stride(1), dt.stride(2), lo, hi,
+        T=T, BH=BH, HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), HAS_LIMIT=dt_limit is not None,
+    )
+    cb = torch.empty(bsz, nc, ngroups, T, T, dtype=torch.float32, device=dev)
+    BT = min(64, T)
+    BK = _pow2_block(dstate, 64)
+    _cb_kernel[(bsz * nc, ngroups, (T // BT) ** 2)](
+        C, B, cb, seqlen, ngroups, nc, *C.stride(), *B.stride(), N=dstate, T=T, BT=BT, BK=BK, PREC=_prec(x),
+    )
+    return T, nc, dtp, cs, cb
+
+
+def _states(x, B, dtp, cs, seq_idx, initial_states, T, nc):
+    bsz, seqlen, nheads, hdim = x.shape
+    ngroups, dstate = B.shape[-2:]
+    states = torch.empty(bsz, nc, nheads, hdim, dstate, dtype=torch.float32, device=x.device)
+    final = torch.empty(bsz, nheads, hdim, dstate, dtype=torch.float32, device=x.device)
+    BP, BN = _state_blocks(x, bsz, nheads, hdim, dstate)
+    seq, ssb, ssl = _seq_args(seq_idx, x)
+    grid = (bsz, nheads, triton.cdiv(hdim, BP) * triton.cdiv(dstate, BN))
+    _states_kernel[grid](
+        x, B, dtp, cs, seq, initial_states if initial_states is not None else x, states, final,
+        seqlen, nheads, ngroups, nc, *x.stride(), *B.stride(), ssb, ssl,
+        *(initial_states.stride() if initial_states is not None else (0, 0, 0, 0)),
+        P=hdim, N=dstate, T=T, BP=BP, BN=BN, BS=min(64, T), HAS_INIT=initial_states is not None, HAS_SEQ=seq_idx is not None,
+        PREC=_prec(x),
+    )
+    return states, final
+
+
+def _scan(x, z, C, D, cb, dtp, cs, seq_idx, states, T, nc, dout=None):
+    """Forward output y, or with dout (backward): (dy, dz, dcs_t [B,H,NC,T], dD)."""
+    bsz, seqlen, nheads, hdim = x.shape
+    ngroups, dstate = C.shape[-2:]
+    bwd = dout is not None
+    BP = _pow2_block(hdim, 64)
+    BT = min(64, T)
+    dev = x.device
+    if bwd:
+        y = x  # unused
+        dy = torch.empty(bsz, seqlen, nheads, hdim, dtype=torch.float32, device=dev) if z is not None else dout
+        dz = torch.empty(z.shape, dtype=z.dtype, device=dev) if z is not None else None
+        dcst = torch.empty(bsz, nheads, nc, T, triton.cdiv(hdim, BP), dtype=torch.float32, device=dev)
+        ddp = (torch.empty(bsz * nc * (T // BT), nheads, hdim, dtype=torch.float32, device=dev)
+               if D is not None else None)
+    else:
+        y = torch.empty(bsz, seqlen, nheads, hdim, dtype=x.dtype, device=dev)
+        dy = dz = dcst = ddp = None
+        dout = y
+    seq, ssb, ssl = _seq_args(seq_idx, x)
+
+    grid = (nheads * triton.cdiv(T, BT) * triton.cdiv(hdim, BP), bsz * nc)
+    _scan_kernel[grid](
+        x, z if z is not None else x, C, cb, dtp, cs, seq, states, D if D is not None else x, y,
+        dout, dy if dy is not None else y, dz if dz is not None else y, dcst if dcst is not None else y,
+        ddp if ddp is not None else y,
+        seqlen, nheads, ngroups, nc, *x.stride(), *(z.stride() if z is not None else (0, 0, 0, 0)),
+        *C.stride(), ssb, ssl, *y.stride(), *dout.stride(),
+        P=hdim, N=dstate, T=T, BP=BP, BT=BT, BS=BT, BK=_pow2_block(dstate, 64), HAS_SEQ=seq_idx is not None,
+        HAS_D=D is not None,
+        D_PER_CHANNEL=D is not None and D.dim() == 2, HAS_Z=z is not None, BWD=bwd, PREC=_prec(x),
+    )
+    if bwd:
+        dD = None
+        if D is not None:
+            dD = ddp.sum(0)
+            dD = dD.sum(-1) if D.dim() == 1 else dD
+        return dy, dz, dcst.sum(-1), dD
+    return y
+
+
+def _contig_last(t):
+    return None if t is None else (t if t.stride(-1) == 1 else t.contiguous())
+
+
+def ssd_fwd(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states, seq_idx, chunk_size,
+            return_final_states):
+    x, B, C, z = _contig_last(x), _contig_last(B), _contig_last(C), _contig_last(z)
+    D = D.contiguous() if D is not None else None
+    A = A.contiguous()
+    if initial_states is not None:
+        initial_states = initial_states.contiguous()
+    T, nc, dtp, cs, cb = _prep(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit, seq_idx, chunk_size)
+    states, final = _states(x, B, dtp, cs, seq_idx, initial_states, T, nc)
+    y = _scan(x, z, C, D, cb, dtp, cs, seq_idx, states, T, nc)
+    return y, (final if return_final_states else None)
+
+
+# --------------------------------------------------------------------------------------------------------
+# backward kernels
+
+
+@_autotune([triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=4, num_stages=2),
+            triton.Config({}, num_warps=4, num_stages=3)], key=["T", "BP", "BN", "BT"])
+@triton.jit
+def _dstates_kernel(DY, Cp, CS, SEQ, STATES, FINAL, DFIN, DSN, DCSL, DINIT, L, H, G, NC,
+                    sdyb, sdyl, sdyh, sdyp, scb, scl, scg, scn, ssb, ssl,
+                    P: tl.constexpr, N: tl.constexpr, T: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+                    BT: tl.constexpr, HAS_DFIN: tl.constexpr, HAS_SEQ: tl.constexpr, WANT_DINIT: tl.constexpr,
+                    PREC: tl.constexpr):
+    """Reverse pass: dS_{c+1} for every chunk (into DSN[b, c, h]), <dS_{c+1}, S_{c+1}> partials, dS_0."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    blk = tl.program_id(2)
+    nblk = tl.num_programs(2)
+    npb: tl.constexpr = (P + BP - 1) // BP
+    pb = blk % npb
+    nb = blk // npb
+    g = h // (H // G)
+    p = pb * BP + tl.arange(0, BP)
+    n = nb * BN + tl.arange(0, BN)
+    mp = p < P
+    mn = n < N
+    mpn = mp[:, None] & mn[None, :]
+    pn = p[:, None] * N + n[None, :]
+    if HAS_DFIN:
+        dS = tl.load(DFIN + (b * H + h) * P * N + pn, mask=mpn, other=0.0).to(tl.float32)
+    else:
+        dS = tl.full([BP, BN], 0.0, tl.float32)
+    S_next = tl.load(FINAL + (b * H + h) * P * N + pn, mask=mpn, other=0.0)
+    for ci in range(NC):
+        c = NC - 1 - ci
+        st_off = ((b * NC + c) * H + h) * P * N
+        tl.store(DSN + st_off + pn, dS, mask=mpn)
+        tl.store(DCSL + ((b * H + h) * NC + c) * nblk + blk, tsum(tsum(dS * S_next, axis=1), axis=0))
+        dbase = ((b * H + h) * NC + c) * T
+        if HAS_SEQ:
+            sid_in = _seq_at(SEQ, b, c * T - 1, L, ssb, ssl)
+        R = tl.full([BP, BN], 0.0, tl.float32)
+        for t0 in range(0, T, BT):
+            t = t0 + tl.arange(0, BT)
+            pt = c * T + t
+            mt = pt < L
+            dyv = tl.load(DY + b * sdyb + pt[:, None] * sdyl + h * sdyh + p[None, :] * sdyp,
+                          mask=mt[:, None] & mp[None, :], other=0.0)
+            cv = tl.load(Cp + b * scb + pt[:, None] * scl + g * scg + n[None, :] * scn,
+                         mask=mt[:, None] & mn[None, :], other=0.0)
+            row = tl.exp(tl.load(CS + dbase + t))
+            ok = mt
+            if HAS_SEQ:
+                ok = ok & (_seq_at(SEQ, b, pt, L, ssb, ssl) == sid_in)
+            row = tl.where(ok, row, 0.0)
+            dys = dyv.to(tl.float32) * row[:, None]
+            R += _mm_af(tl.trans(dys), cv, PREC)
+        decay = tl.exp(tl.load(CS + dbase + T - 1))
+        if HAS_SEQ:
+            last = tl.minimum(c * T + T, L) - 1
+            decay = tl.where(sid_in == _seq_at(SEQ, b, last, L, ssb, ssl), decay, 0.0)
+        dS = R + decay * dS
+        S_next = tl.load(STATES + st_off + pn, mask=mpn, other=0.0)
+    if WANT_DINIT:
+        tl.store(DINIT + (b * H + h) * P * N + pn, dS, mask=mpn)
+
+
+@_autotune([triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=4, num_stages=2),
+            triton.Config({}, num_warps=8, num_stages=3)], key=["T", "P", "N", "BS", "BK"])
+@triton.jit
+def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSN, Dp, DX, DDT, L, H, G, NC,
+               sxb, sxl, sxh, sxp, sdyb, sdyl, sdyh, sdyp, sbb, sbl, sbg, sbn, ssb, ssl,
+               P: tl.constexpr, N: tl.constexpr, T: tl.constexpr, BPF: tl.constexpr, BS: tl.constexpr,
+               BK: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
+               DY_F32: tl.constexpr, PREC: tl.constexpr):
+    """Per head and block of source positions s: Q_s = sum_t L_ts CB_ts dy_t + exp(cs_last - cs_s) m'_s dS B_s;
+    dx_s = dt_s Q_s + D dy_s; DDT_s = x_s . Q_s (the direct dt gradient)."""
+    bc = tl.program_id(1)
+    b = (bc // NC).to(tl.int64)
+    c = bc % NC
+    nsb: tl.constexpr = T // BS
+    h = tl.program_id(0) // nsb
+    g = h // (H // G)
+    sb = tl.program_id(0) % nsb
+    s = sb * BS + tl.arange(0, BS)
+    p = tl.arange(0, BPF)
+    mp = p < P
+    ps = c * T + s
+    ms = ps < L
+    dbase = ((b * H + h) * NC + c) * T
+    cs_s = tl.load(CS + dbase + s)
+    dt_s = tl.load(DTP + dbase + s)
+    cs_last = tl.load(CS + dbase + T - 1)
+    if HAS_SEQ:
+        seq_s = _seq_at(SEQ, b, ps, L, ssb, ssl)
+    xv = tl.load(X + b * sxb + ps[:, None] * sxl + h * sxh + p[None, :] * sxp, mask=ms[:, None] & mp[None, :],
+                 other=0.0)
+    # state path: B_s dS^T, scaled
+    Q = tl.full([BS, BPF], 0.0, tl.float32)
+    st_off = ((b * NC + c) * H + h) * P * N
+    for k0 in range(0, N, BK):
+        k = k0 + tl.arange(0, BK)
+        mk = k < N
+        bv = tl.load(Bp + b * sbb + ps[:, None] * sbl + g * sbg + k[None, :] * sbn, mask=ms[:, None] & mk[None, :],
+                     other=0.0)
+        dsv = tl.load(DSN + st_off + p[None, :] * N + k[:, None], mask=mk[:, None] & mp[None, :], other=0.0)
+        Q += _mm_bf(bv, dsv, PREC)
+    rs = tl.exp(tl.minimum(cs_last - cs_s, 0.0))
+    ok_s = ms
+    if HAS_SEQ:
+        last = tl.minimum(c * T + T, L) - 1
+        ok_s = ok_s & (seq_s == _seq_at(SEQ, b, last, L, ssb, ssl))
+    rs = tl.where(ok_s, rs, 0.0)
+    Q = Q * rs[:, None]
+    # intra-chunk: sum over t >= s of L_ts CB_ts dy_t
+    cb_base = ((b * NC + c) * G + g) * T * T
+    for t0 in range(sb * BS, T, BS):
+        t = t0 + tl.arange(0, BS)
+        pt = c * T + t
+        mt = pt < L
+        cbT = tl.load(CB + cb_base + t[None, :] * T + s[:, None])  # [s, t]
+        cs_t = tl.load(CS + dbase + t)
+        ok = (s[:, None] <= t[None, :]) & mt[None, :] & ms[:, None]
+        if HAS_SEQ:
+            ok = ok & (seq_s[:, None] == _seq_at(SEQ, b, pt, L, ssb, ssl)[None, :])
+        wT = tl.where(ok, cbT * tl.exp(tl.where(ok, cs_t[None, :] - cs_s[:, None], 0.0)), 0.0)
+        dyv = tl.load(DY + b * sdyb + pt[:, None] * sdyl + h * sdyh + p[None, :] * sdyp,
+                      mask=mt[:, None] & mp[None, :], other=0.0)
+        if DY_F32:
+            Q += _mm_ff(wT, dyv, PREC)
+        else:
+            Q += _mm_af(wT, dyv, PREC)
+    xf = xv.to(tl.float32)
+    ddt = tsum(xf * Q, axis=1)
+    dx = Q * dt_s[:, None]
+    m = ms[:, None] & mp[None, :]
+    if HAS_D:
+        dys = tl.load(DY + b * sdyb + ps[:, None] * sdyl + h * sdyh + p[None, :] * sdyp, mask=m,
+                      other=0.0).to(tl.float32)
+        if D_PER_CHANNEL:
+            dv = tl.load(Dp + h * P + p, mask=mp, other=0.0).to(tl.float32)[None, :]
+        else:
+            dv = tl.load(Dp + h).to(tl.float32)
+        dx += dys * dv
+    tl.store(DX + ((b * L + ps[:, None]) * H + h) * P + p[None, :], dx.to(DX.dtype.element_ty), mask=m)
+    tl.store(DDT + dbase + s, ddt)
+
+
+@_autotune([triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=4, num_stages=2),
+            triton.Config({}, num_warps=8, num_stages=3)], key=["T", "P", "N", "BS", "BN", "IS_DC"])
+@triton.jit
+def _dbc_kernel(X, DY, OTHER, CB_UNUSED, DTP, CS, SEQ, SV, OUT, L, H, G, NC,
+                sxb, sxl, sxh, sxp, sdyb, sdyl, sdyh, sdyp, sob, sol, sog, son, ssb, ssl,
+                P: tl.constexpr, N: tl.constexpr, T: tl.constexpr, BPF: tl.constexpr, BS: tl.constexpr,
+                BN: tl.constexpr, IS_DC: tl.constexpr, HAS_SEQ: tl.constexpr, DY_F32: tl.constexpr,
+                PREC: tl.constexpr):
+    """dB (IS_DC False; rows are source positions s, OTHER = C, SV = dS leaving the chunk) or
+    dC (IS_DC True; rows are target positions t, OTHER = B, SV = S entering the chunk), summed over the
+    heads of the group in this program (no atomics)."""
+    bc = tl.program_id(1)
+    b = (bc // NC).to(tl.int64)
+    c = bc % NC
+    nnb: tl.constexpr = (N + BN - 1) // BN
+    nrn: tl.constexpr = (T // BS) * nnb
+    g = tl.program_id(0) // nrn
+    rb = (tl.program_id(0) % nrn) // nnb
+    nb = tl.program_id(0) % nnb
+    r = rb * BS + tl.arange(0, BS)
+    n = nb * BN + tl.arange(0, BN)
+    mn = n < N
+    p = tl.arange(0, BPF)
+    mp = p < P
+    pr = c * T + r
+    mr = pr < L
+    if HAS_SEQ:
+        seq_r = _seq_at(SEQ, b, pr, L, ssb, ssl)
+        sid_in = _seq_at(SEQ, b, c * T - 1, L, ssb, ssl)
+        seq_last = _seq_at(SEQ, b, tl.minimum(c * T + T, L) - 1, L, ssb, ssl)
+    acc = tl.full([BS, BN], 0.0, tl.float32)
+    rep = H // G
+    for hi in range(rep):
+        h = g * rep + hi
+        dbase = ((b * H + h) * NC + c) * T
+        cs_r = tl.load(CS + dbase + r)
+        if IS_DC:
+            rowv = tl.load(DY + b * sdyb + pr[:, None] * sdyl + h * sdyh + p[None, :] * sdyp,
+                           mask=mr[:, None] & mp[None, :], other=0.0)
+        else:
+            rowv = tl.load(X + b * sxb + pr[:, None] * sxl + h * sxh + p[None, :] * sxp,
+                           mask=mr[:, None] & mp[None, :], other=0.0)
+            dt_r = tl.load(DTP + dbase + r)
+        # state term
+        st_off = ((b * NC + c) * H + h) * P * N
+        sv = tl.load(SV + st_off + p[:, None] * N + n[None, :], mask=mp[:, None] & mn[None, :], other=0.0)
+        if DY_F32 and IS_DC:
+            st = _mm_ff(rowv, sv, PREC)
+        else:
+            st = _mm_bf(rowv, sv, PREC)
+        if IS_DC:
+            sc = tl.exp(cs_r)
+            ok_r = mr
+            if HAS_SEQ:
+                ok_r = ok_r & (seq_r == sid_in)
+        else:
+            sc = dt_r * tl.exp(tl.minimum(tl.load(CS + dbase + T - 1) - cs_r, 0.0))
+            ok_r = mr
+            if HAS_SEQ:
+                ok_r = ok_r & (seq_r == seq_last)
+        acc += st * tl.where(ok_r, sc, 0.0)[:, None]
+        # intra-chunk term
+        if IS_DC:
+            lo = 0
+            hi_ = rb * BS + BS
+        else:
+            lo = rb * BS
+            hi_ = T
+        for o0 in range(lo, hi_, BS):
+            o = o0 + tl.arange(0, BS)
+            po = c * T + o
+            mo = po < L
+            cs_o = tl.load(CS + dbase + o)
+            if IS_DC:
+                colv = tl.load(X + b * sxb + po[None, :] * sxl + h * sxh + p[:, None] * sxp,
+                               mask=mo[None, :] & mp[:, None], other=0.0)  # x_s^T [P, BS]
+                dt_o = tl.load(DTP + dbase + o)
+                ok = (o[None, :] <= r[:, None]) & mo[None, :] & mr[:, None]
+                diff = cs_r[:, None] - cs_o[None, :]
+            else:
+                colv = tl.load(DY + b * sdyb + po[None, :] * sdyl + h * sdyh + p[:, None] * sdyp,
+                               mask=mo[None, :] & mp[:, None], other=0.0)  # dy_t^T [P, BS]
+                ok = (o[None, :] >= r[:, None]) & mo[None, :] & mr[:, None]
+                diff = cs_o[None, :] - cs_r[:, None]
+            if HAS_SEQ:
+                ok = ok & (_seq_at(SEQ, b, po, L, ssb, ssl)[None, :] == seq_r[:, None])
+            # [r, o]: (dy_t . x_s) either way round
+            if DY_F32:
+                if IS_DC:
+                    prod = _mm_af(rowv, colv, PREC)
+                else:
+                    prod = _mm_bf(rowv, colv, PREC)
+            else:
+                prod = _mm_raw(rowv, colv, PREC)
+            w = tl.exp(tl.where(ok, diff, 0.0))
+            if IS_DC:
+                w = w * dt_o[None, :]
+            else:
+                w = w * dt_r[:, None]
+            w = tl.where(ok, w * prod, 0.0)
+            ov = tl.load(OTHER + b * sob + po[:, None] * sol + g * sog + n[None, :] * son,
+                         mask=mo[:, None] & mn[None, :], other=0.0)
+            acc += _mm_af(w, ov, PREC)
+    tl.store(OUT + ((b * L + pr[:, None]) * G + g) * N + n[None, :], acc.to(OUT.dtype.element_ty),
+             mask=mr[:, None] & mn[None, :])
+
+
+def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states, seq_idx,
+            chunk_size):
+    """Gradients (dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states) of ssd_fwd."""
+    x, B, C, z = _contig_last(x), _contig_last(B), _contig_last(C), _contig_last(z)
+    D_in = D
+    D = D.contiguous() if D is not None else None
+    A = A.contiguous()
+    init_in = initial_states
+    if initial_states is not None:
+        initial_states = initial_states.contiguous()
+    bsz, seqlen, nheads, hdim = x.shape
+    ngroups, dstate = B.shape[-2:]
+    dev = x.device
+    T, nc, dtp, cs, cb = _prep(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit, seq_idx, chunk_size)
+    states, final = _states(x, B, dtp, cs, seq_idx, initial_states, T, nc)
+    dy, dz, dcs, dD = _scan(x, z, C, D, cb, dtp, cs, seq_idx, states, T, nc, dout=dout)
+    if dD is not None:
+        dD = dD.to(D_in.dtype)
+    dy_f32 = dy.dtype == torch.float32
+
+    seq, ssb, ssl = _seq_args(seq_idx, x)
+    prec = _prec(x)
+    # reverse pass over chunks
+    BP, BN = _state_blocks(x, bsz, nheads, hdim, dstate)
+    nblk = triton.cdiv(hdim, BP) * triton.cdiv(dstate, BN)
+    dsn = torch.empty(bsz, nc, nheads, hdim, dstate, dtype=torch.float32, device=dev)
+    dcsl = torch.empty(bsz, nheads, nc, nblk, dtype=torch.float32, device=dev)
+    dinit = torch.empty(bsz, nheads, hdim, dstate, dtype=torch.float32, device=dev) if initial_states is not None \
+        else None
+    if dfinal is not None:
+        dfinal = dfinal.contiguous()
+    _dstates_kernel[(bsz, nheads, nblk)](
+        dy, C, cs, seq, states, final, dfinal if dfinal is not None else final, dsn, dcsl,
+        dinit if dinit is not None else dsn, seqlen, nheads, ngroups, nc, *dy.stride(), *C.stride(), ssb, ssl,
+        P=hdim, N=dstate, T=T, BP=BP, BN=BN, BT=min(64, T), HAS_DFIN=dfinal is not None,
+        HAS_SEQ=seq_idx is not None, WANT_DINIT=dinit is not None, PREC=prec,
+    )
+    # dx and the direct dt gradient
+    BS = min(64, T)
+    BPF = _pow2_block(hdim, 256)
+    dx = torch.empty(bsz, seqlen, nheads, hdim, dtype=x.dtype, device=dev)
+    ddt_direct = torch.empty(bsz, nheads, nc, T, dtype=torch.float32, device=dev)
+    _dx_kernel[(nheads * (T // BS), bsz * nc)](
+        x, dy, B, cb, dtp, cs, seq, dsn, D if D is not None else x, dx, ddt_direct, seqlen, nheads, ngroups, nc,
+        *x.stride(), *dy.stride(), *B.stride(), ssb, ssl,
+        P=hdim, N=dstate, T=T, BPF=BPF, BS=BS, BK=_pow2_block(dstate, 64), HAS_SEQ=seq_idx is not None,
+        HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2, DY_F32=dy_f32, PREC=prec,
+    )
+    # dB, dC
+    dB = torch.empty(bsz, seqlen, ngroups, dstate, dtype=B.dtype, device=dev)
+    dC = torch.empty(bsz, seqlen, ngroups, dstate, dtype=C.dtype, device=dev)
+    BNc = _pow2_block(dstate, 128)
+    grid = (ngroups * (T // BS) * triton.cdiv(dstate, BNc), bsz * nc)
+    _dbc_kernel[grid](
+        x, dy, C, cb, dtp, cs, seq, dsn, dB, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(),
+        *C.stride(), ssb, ssl, P=hdim, N=dstate, T=T, BPF=BPF, BS=BS, BN=BNc, IS_DC=False,
+        HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=prec,
+    )
+    _dbc_kernel[grid](
+        x, dy, B, cb, dtp, cs, seq, states, dC, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(),
+        *B.stride(), ssb, ssl, P=hdim, N=dstate, T=T, BPF=BPF, BS=BS, BN=BNc, IS_DC=True,
+        HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=prec,
+    )
+    # cs gradients -> a = dt * A gradients -> dt, A
+    dcs = dcs - dtp * ddt_direct
+    dcs[..., T - 1] += dcsl.sum(-1)
+    da = dcs.flip(-1).cumsum(-1).flip(-1)
+    Af = A.float()
+    ddt_p = ddt_direct + Af[None, :, None, None] * da
+    dA = (dtp * da).sum(dim=(0, 2, 3)).to(A.dtype)
+    ddt_p = ddt_p.view(bsz, nheads, nc * T)[:, :, :seqlen].permute(0, 2, 1)  # [B, L, H]
+    # through clamp, softplus and bias
+    dtb = dt.float()
+    if dt_bias is not None:
+        dtb = dtb + dt_bias.float()
+    g = ddt_p
+    if dt_limit is not None:
+        sp = torch.nn.functional.softplus(dtb) if dt_softplus else dtb
+        g = g * ((sp >= dt_limit[0]) & (sp <= dt_limit[1]))
+    if dt_softplus:
+        g = torch.where(dtb > 20, g, g * torch.sigmoid(dtb))
+    ddt = g.to(dt.dtype)
+    ddt_bias = g.sum(dim=(0, 1)).to(dt_bias.dtype) if dt_bias is not None else None
+    if dinit is not None:
+        dinit = dinit.to(init_in.dtype)
+    return dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit
