@@ -41,15 +41,16 @@ setup(
     extras_require={
         "deepspeed": ["deepspeed"],
         "megatron": ["megatron-core"],
-        "triton": ["triton"],
+        "triton": ["triton>=3.6"],
         "tokenizers": ["sentencepiece", "tokenizers"],
-        "dev": ["pytest", "pytest-timeout", "sentencepiece", "tokenizers", "megatron-core", "mistral-common"],
+        "dev": ["pytest", "pytest-timeout", "triton==3.6.0", "matplotlib", "sentencepiece", "tokenizers", "megatron-core", "mistral-common"],
     },
     entry_points={
         "console_scripts": [
             "megassm-train=megassm.train:main",
             "megassm-preprocess=megassm.data_tools.preprocess:main",
             "megassm-launch=megassm.launch.cli:main",
+            "megassm-eval=megassm.evaluation.cli:main",
         ]
     },
 )

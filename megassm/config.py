@@ -142,6 +142,7 @@ class ParallelConfig:
 class RunConfig:
     dir: str = "runs/default"
     save_interval: int = 0  # steps between checkpoints; 0 = only at the end
+    save_final: bool = True  # checkpoint after the last step (benchmarks turn it off)
     keep_last: int = 3
     resume: str = "none"  # none | auto | path of a checkpoint directory
     tensorboard: bool = True
@@ -401,6 +402,9 @@ def validate(cfg: Config) -> None:
             need(len(mb.dt_limit) == 2 and mb.dt_limit[0] < mb.dt_limit[1],
                  f"model.mamba.dt_limit must be [lo, hi] with lo < hi, got {mb.dt_limit}")
         need(nheads % p.tp == 0, f"parallel.tp={p.tp} must divide the Mamba-2 heads ({nheads})")
+        need(mb.ngroups % p.tp == 0 or p.tp % mb.ngroups == 0,
+             f"parallel.tp={p.tp} and model.mamba.ngroups={mb.ngroups}: one must divide the other "
+             "(groups split across TP ranks, or B/C replicated when tp > ngroups)")
     if "*" in letters:
         a = attn_dims(m)
         need(m.attn.n_heads > 0, "model.attn.n_heads must be positive")
@@ -411,6 +415,9 @@ def validate(cfg: Config) -> None:
         need(not m.attn.rope or a["head_dim"] % 2 == 0, f"RoPE needs an even head dim, got {a['head_dim']}")
         need(m.attn.sliding_window >= 0, "model.attn.sliding_window must be >= 0 (0 = full attention)")
         need(a["n_heads"] % p.tp == 0, f"parallel.tp={p.tp} must divide model.attn.n_heads ({a['n_heads']})")
+        need(a["n_kv_heads"] % p.tp == 0 or p.tp % a["n_kv_heads"] == 0,
+             f"parallel.tp={p.tp} and model.attn.n_kv_heads={a['n_kv_heads']}: one must divide the other "
+             "(K/V heads split across TP ranks, or replicated when tp > n_kv_heads)")
     if "-" in letters:
         need(ffn_hidden(m) > 0, "model.mlp.ffn_hidden must be positive")
         need(ffn_hidden(m) % p.tp == 0, f"parallel.tp={p.tp} must divide model.mlp.ffn_hidden ({ffn_hidden(m)})")
@@ -447,6 +454,11 @@ def validate(cfg: Config) -> None:
     # parallel layout and the batch triad
     for k in ("tp", "cp", "pp"):
         need(getattr(p, k) >= 1, f"parallel.{k} must be >= 1")
+    need(not p.sp or t.seq_len % p.tp == 0,
+         f"parallel.sp=true: train.seq_len={t.seq_len} must be divisible by parallel.tp={p.tp} (sequence shards)")
+    need(m.vocab_size is None or (-(-m.vocab_size // m.pad_vocab_multiple) * m.pad_vocab_multiple) % p.tp == 0,
+         f"parallel.tp={p.tp} must divide the padded vocabulary (model.vocab_size rounded up to "
+         f"model.pad_vocab_multiple={m.pad_vocab_multiple})")
     need(p.engine in ("ddp", "fsdp2", "deepspeed"), f"parallel.engine must be ddp, fsdp2 or deepspeed, got '{p.engine}'")
     need(p.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage must be 0..3, got {p.zero_stage}")
     ws = world_size(cfg)

@@ -1,0 +1,244 @@
+"""BPTT state caching: carry each row's recurrent state from one training window to the next.
+
+    carrier = StateCarrier(model, micro_batch=mb, accumulation=accum, windows=K, device=dev)
+    loss = carrier.run_windows(model, m, batches)     # micro-batch m: K consecutive windows, one backward
+    extra["carried_states"] = carrier.state_dict()    # checkpoint; carrier.load_state_dict(...) on resume
+
+Semantics (docs/bptt.md):
+  * The data pipeline (build_data(..., bptt=True)) makes row b of the global batch follow stream b, and
+    micro-batch m of every step hold the same rows m*mb ... (m+1)*mb - 1 of this rank. The carrier keeps
+    one state per row of this rank, as one list of per-block states per micro-batch.
+  * What is carried, per block: Mamba-2 `MambaState(conv, ssm)` (fp32); sliding-window attention its
+    `KVCache` of the last W keys/values (RoPE positions continue); full attention nothing (it sees only the
+    current window, positions restart at the window start); MLP nothing.
+  * Resets: before a window, rows whose `batch["reset"]` is True (the window begins a new document) are
+    cleared (Mamba states zeroed, caches invalidated); documents that start inside a window are cut by
+    `seq_idx` in the kernels and in attention. A stream restart (fresh start, or a resume whose checkpoint has
+    no carried states for this data position) starts every row from zero states.
+  * Truncated BPTT: with train.bptt_windows = K (default 1), one optimizer step consumes K consecutive
+    windows of every row. Micro-batch m runs its K windows with the states carried *with* their autograd
+    graph, the K window losses are combined into the token-weighted mean (= the loss of one K*L-token
+    forward), and one backward runs through all K windows (gradients reach the earlier windows through the
+    kernels' initial-state gradients). The states are detached after the backward, so no graph crosses an
+    optimizer step. K = 1 is plain truncated BPTT: values carried, history cut at every step.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import torch
+
+from megassm.models.state import KVCache, MambaState, detach_states, reset_states
+
+log = logging.getLogger("megassm.bptt")
+
+__all__ = ["StateCarrier", "carried_kinds", "STATE_VERSION"]
+
+STATE_VERSION = 1
+
+
+def _unwrap(model):
+    from megassm.training.checkpoint import unwrap_model
+
+    return unwrap_model(model)
+
+
+def carried_kinds(model) -> list[str | None]:
+    """Per block: "mamba" (conv + ssm carried), "window" (sliding-window KV cache carried), or None
+    (full attention, MLP: nothing carried)."""
+    kinds = []
+    for layer in _unwrap(model).layers:
+        if layer.kind == "M":
+            kinds.append("mamba")
+        elif layer.kind == "*" and getattr(layer.mixer, "window", 0) > 0:
+            kinds.append("window")
+        else:
+            kinds.append(None)
+    return kinds
+
+
+def _cat(states_list: list[list]) -> list:
+    """Concatenate per-micro-batch states along the batch dimension."""
+    out = []
+    for per_block in zip(*states_list):
+        first = per_block[0]
+        if first is None:
+            out.append(None)
+        elif isinstance(first, MambaState):
+            out.append(MambaState(conv=torch.cat([s.conv for s in per_block]), ssm=torch.cat([s.ssm for s in per_block])))
+        else:
+            out.append(KVCache(k=torch.cat([s.k for s in per_block]), v=torch.cat([s.v for s in per_block]),
+                               valid=torch.cat([s.valid for s in per_block]), pos=torch.cat([s.pos for s in per_block])))
+    return out
+
+
+def _rows(states: list, lo: int, hi: int) -> list:
+    out = []
+    for s in states:
+        if s is None:
+            out.append(None)
+        elif isinstance(s, MambaState):
+            out.append(MambaState(conv=s.conv[lo:hi].clone(), ssm=s.ssm[lo:hi].clone()))
+        else:
+            out.append(KVCache(k=s.k[lo:hi].clone(), v=s.v[lo:hi].clone(), valid=s.valid[lo:hi].clone(),
+                               pos=s.pos[lo:hi].clone()))
+    return out
+
+
+def _to_plain(states: list) -> list:
+    """States -> plain dicts of CPU tensors (checkpoint files load with weights_only=True)."""
+    out = []
+    for s in states:
+        if s is None:
+            out.append(None)
+        elif isinstance(s, MambaState):
+            out.append({"kind": "mamba", "conv": s.conv.detach().cpu(), "ssm": s.ssm.detach().cpu()})
+        else:
+            out.append({"kind": "window", "k": s.k.detach().cpu(), "v": s.v.detach().cpu(),
+                        "valid": s.valid.detach().cpu(), "pos": s.pos.detach().cpu()})
+    return out
+
+
+def _from_plain(plain: list, device) -> list:
+    out = []
+    for s in plain:
+        if s is None:
+            out.append(None)
+        elif s["kind"] == "mamba":
+            out.append(MambaState(conv=s["conv"].to(device), ssm=s["ssm"].to(device)))
+        else:
+            out.append(KVCache(k=s["k"].to(device), v=s["v"].to(device), valid=s["valid"].to(device),
+                               pos=s["pos"].to(device)))
+    return out
+
+
+class StateCarrier:
+    """The recurrent states of every row of this rank, between training windows.
+
+    `micro_batch` rows per micro-batch, `accumulation` micro-batches per step (rows = their product);
+    `windows` = train.bptt_windows (K). `window` counts the data windows whose final states are held: the
+    states feed data window `window` next (it matches the data pipeline's state_dict()["window"])."""
+
+    def __init__(self, model, micro_batch: int, accumulation: int = 1, windows: int = 1, device=None):
+        if windows < 1:
+            raise ValueError(f"bptt windows must be >= 1, got {windows}")
+        self.kinds = carried_kinds(model)
+        self.micro_batch, self.accumulation, self.windows = int(micro_batch), int(accumulation), int(windows)
+        self.rows = self.micro_batch * self.accumulation
+        self.device = torch.device(device) if device is not None else _unwrap(model).embedding.weight.device
+        self._model = _unwrap(model)
+        self.window = 0
+        self.states: list[list] = []
+        self.reset_all()
+        log.info("BPTT: carrying the states of %d rows (%d micro-batches of %d), %d window(s) per optimizer step; "
+                 "per block: %s", self.rows, self.accumulation, self.micro_batch, self.windows,
+                 " ".join(k or "-" for k in self.kinds))
+
+    # ------------------------------------------------------------------------------------------------
+    def _fresh(self, rows: int) -> list:
+        full = self._model.allocate_states(rows, device=self.device)
+        return [s if k is not None else None for s, k in zip(full, self.kinds)]
+
+    def reset_all(self) -> None:
+        """A stream restart: every row starts from zero states."""
+        self.states = [self._fresh(self.micro_batch) for _ in range(self.accumulation)]
+
+    def begin(self, m: int, reset: torch.Tensor | None) -> list:
+        """The initial states of micro-batch m for its next window, with the rows flagged in `reset` [mb]
+        cleared (those rows start a new document at the window's first token)."""
+        states = self.states[m]
+        if reset is not None:
+            states = reset_states(states, reset.to(self.device))
+        return states
+
+    def end(self, m: int, new_states: list, detach: bool = True) -> None:
+        """Keep micro-batch m's final states (what the model returned), dropping what is not carried
+        (full-attention caches, MLP None). `detach`: cut the graph (the default between steps)."""
+        kept = [s if k is not None else None for s, k in zip(new_states, self.kinds)]
+        self.states[m] = detach_states(kept) if detach else kept
+
+    def detach(self) -> None:
+        self.states = [detach_states(s) for s in self.states]
+
+    # ------------------------------------------------------------------------------------------------
+    def run_windows(self, model, m: int, batches: list[dict], autocast=contextlib.nullcontext,
+                    scale: float = 1.0, backward: bool = True) -> torch.Tensor:
+        """Micro-batch m through its consecutive windows `batches` (each a batch dict on the device:
+        tokens, labels, seq_idx, reset) with states carried with their graph; one backward of
+        `scale` x the token-weighted mean loss over the windows; then the states are detached.
+        Returns the (detached) mean loss."""
+        losses, counts = [], []
+        for batch in batches:
+            states = self.begin(m, batch.get("reset"))
+            with autocast():
+                out = model(batch["tokens"], seq_idx=batch.get("seq_idx"), labels=batch["labels"],
+                            states=states, return_states=True)
+            self.end(m, out.states, detach=False)
+            losses.append(out.loss)
+            counts.append((batch["labels"] != -100).sum())
+        if len(losses) == 1:
+            loss = losses[0]
+        else:
+            n = torch.stack(counts).to(losses[0].dtype)
+            loss = (torch.stack(losses) * n).sum() / n.sum().clamp(min=1)
+        if backward:
+            (loss * scale).backward() if scale != 1.0 else loss.backward()
+        self.states[m] = detach_states(self.states[m])
+        return loss.detach()
+
+    def train_step(self, trainer, loss_sum: torch.Tensor) -> float:
+        """The forward/backward part of one optimizer step of `trainer` in BPTT mode: fetches the step's
+        K x accumulation micro-batches (window-major, as the data pipeline serves them), then runs each
+        micro-batch's K windows in order with one backward each. Adds each micro-batch's loss to `loss_sum`
+        (so loss_sum / accumulation is the step's loss, as without BPTT). Returns the data time."""
+        data_time = 0.0
+        accum = self.accumulation
+        fetched = []
+        for _ in range(self.windows * accum):
+            td = time.perf_counter()
+            fetched.append(trainer._to_device(trainer.data.next_batch()))
+            data_time += time.perf_counter() - td
+        for m in range(accum):
+            batches = [fetched[w * accum + m] for w in range(self.windows)]
+            loss_sum += self.run_windows(trainer.model, m, batches, trainer._autocast, scale=1.0 / accum)
+        self.window += self.windows
+        return data_time
+
+    # ------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Plain CPU tensors: one state per row of this rank (micro-batches concatenated in row order)."""
+        return {
+            "version": STATE_VERSION,
+            "window": self.window,
+            "rows": self.rows,
+            "kinds": list(self.kinds),
+            "states": _to_plain(_cat(self.states)),
+        }
+
+    def load_state_dict(self, d: dict | None, data_window: int | None = None) -> bool:
+        """Restore the carried states. `data_window`: the data pipeline's window after its own resume;
+        when the saved states do not belong to it (or there are none, or the layout differs) every row
+        restarts from zero states, with a warning. Returns True when the states were restored."""
+        def restart(why: str) -> bool:
+            log.warning("BPTT: %s; every stream restarts from zero states", why)
+            self.reset_all()
+            self.window = int(data_window or 0)
+            return False
+
+        if d is None:
+            return restart("the checkpoint has no carried states")
+        if d.get("version") != STATE_VERSION:
+            return restart(f"carried states of version {d.get('version')} (expected {STATE_VERSION})")
+        if d.get("rows") != self.rows:
+            return restart(f"carried states of {d.get('rows')} rows, this rank has {self.rows}")
+        if list(d.get("kinds", [])) != list(self.kinds):
+            return restart("the carried states' layers differ from this model's")
+        if data_window is not None and int(d["window"]) != int(data_window):
+            return restart(f"carried states are for window {d['window']}, the data resumes at window {data_window}")
+        full = _from_plain(d["states"], self.device)
+        mb = self.micro_batch
+        self.states = [_rows(full, m * mb, (m + 1) * mb) for m in range(self.accumulation)]
+        self.window = int(d["window"])
+        return True
