@@ -67,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLossError as e:
         print(f"megassm-train: {e}", file=sys.stderr)
         return 3
+    finally:
+        from megassm.parallel.state import destroy
+
+        destroy()  # process groups of a torchrun launch (no-op for one process)
     print(f"megassm-train: done, {trainer.step} steps; run directory {cfg.run.dir}", file=sys.stderr)
     return 0
 

@@ -94,6 +94,11 @@ class Mamba2Mixer(nn.Module):
             "D": InitRule("ones", no_wd=True),
         }
 
+    def norm_out_proj(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """out_proj(gated_rmsnorm(y, z)). One method so that a tensor-parallel plan whose norm groups span
+        ranks (TP > ngroups) can fold the norm statistics into out_proj's single all-reduce."""
+        return self.out_proj(self.norm(y, z))
+
     # ------------------------------------------------------------------------------------------------
     def allocate_state(self, batch_size: int, device=None) -> MambaState:
         return MambaState(
@@ -147,8 +152,7 @@ class Mamba2Mixer(nn.Module):
             return_final_states=return_state,
         )
         y, ssm_state = ssd_out if return_state else (ssd_out, None)
-        y = self.norm(y.reshape(bsz, seqlen, self.d_inner), z)
-        out = self.out_proj(y)
+        out = self.norm_out_proj(y.reshape(bsz, seqlen, self.d_inner), z)
         new_state = MambaState(conv=_fp32(conv_state), ssm=_fp32(ssm_state)) if return_state else None
         return out, new_state
 
@@ -174,5 +178,5 @@ class Mamba2Mixer(nn.Module):
             dt_softplus=True,
             dt_limit=self.dt_limit,
         )
-        y = self.norm(y.reshape(bsz, self.d_inner), z)
-        return self.out_proj(y), MambaState(conv=_fp32(conv_state), ssm=_fp32(ssm_state))
+        out = self.norm_out_proj(y.reshape(bsz, self.d_inner), z)
+        return out, MambaState(conv=_fp32(conv_state), ssm=_fp32(ssm_state))

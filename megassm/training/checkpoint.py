@@ -58,6 +58,7 @@ __all__ = [
     "capture_rng_state",
     "restore_rng_state",
     "unwrap_model",
+    "read_model_and_optim",
 ]
 
 CHECKPOINTS = "checkpoints"
@@ -253,6 +254,8 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None,
     extra: dict[str, Any] | None = None,
     keep_last: int = 0,
+    model_state: dict | None = None,
+    optim_state: dict | None = None,
 ) -> str:
     """Write run_dir/checkpoints/step_XXXXXXXX atomically and return its path.
 
@@ -260,7 +263,9 @@ def save_checkpoint(
     `<key>.pt` (keys: letters, digits, '_', '.', '-'; not model/optim/meta). `keep_last` > 0 then removes
     the oldest complete checkpoints beyond that many, never the one just written; 0 keeps all.
     A checkpoint of the same step that already exists is replaced.
-    Call on one rank only (rank 0); the model must hold full (unsharded) tensors.
+    Call on one rank only (rank 0); the model must hold full (unsharded) tensors, or pass `model_state` /
+    `optim_state`: already gathered canonical states (tensor parallelism: megassm.parallel.tp), written
+    instead of `model.state_dict()` / `optimizer.state_dict()`.
     """
     run_dir = os.fspath(run_dir)
     extra = dict(extra or {})
@@ -275,9 +280,9 @@ def save_checkpoint(
 
     t0 = time.time()
     files = [MODEL]
-    _torch_save(_cpu_state_dict(model), os.path.join(tmp, MODEL))
-    if optimizer is not None:
-        _torch_save(optimizer.state_dict(), os.path.join(tmp, OPTIM))
+    _torch_save(_cpu_state_dict(model) if model_state is None else model_state, os.path.join(tmp, MODEL))
+    if optimizer is not None or optim_state is not None:
+        _torch_save(optimizer.state_dict() if optim_state is None else optim_state, os.path.join(tmp, OPTIM))
         files.append(OPTIM)
     scalars, extra_files = {}, []
     for key, value in extra.items():
@@ -350,6 +355,18 @@ def load_checkpoint(
     for key in meta.get("extra_files", []):
         out[key] = _torch_load(os.path.join(path, f"{key}.pt"), map_location)
     return out
+
+
+def read_model_and_optim(path: str | os.PathLike, map_location: Any = "cpu") -> tuple[dict, dict | None]:
+    """The canonical model state dict and optimizer state dict (None when absent) of a complete checkpoint,
+    for callers that load them into a sharded model themselves (megassm.parallel.tp)."""
+    path = os.fspath(path)
+    if not is_complete(path):
+        raise CheckpointError(f"checkpoint {path} is incomplete or missing")
+    meta = read_meta(path)
+    model_state = _torch_load(os.path.join(path, MODEL), map_location)
+    optim_state = _torch_load(os.path.join(path, OPTIM), map_location) if OPTIM in meta["files"] else None
+    return model_state, optim_state
 
 
 def resolve_resume(run_dir: str | os.PathLike, resume: str | None) -> str | None:

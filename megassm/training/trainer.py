@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from megassm.config import Config, ConfigError, data_parallel_size, dump_config, world_size
+from megassm.parallel import runtime as prt
 from megassm.training import checkpoint as ckpt
 from megassm.training.flops import flops_per_sequence, mfu, peak_flops_for
 from megassm.training.metrics import MetricsLogger, ProgressBar, memory_scalars
@@ -37,21 +38,36 @@ class NonFiniteLossError(RuntimeError):
 def check_supported(cfg: Config) -> None:
     """Refuse layouts this build cannot run yet, before any model is built or a GPU is touched."""
     p = cfg.parallel
-    missing = [f"parallel.{k}={getattr(p, k)}" for k in ("tp", "cp", "pp") if getattr(p, k) != 1]
-    if p.sp:
-        missing.append("parallel.sp=true")
+    missing = [f"parallel.{k}={getattr(p, k)}" for k in ("cp", "pp") if getattr(p, k) != 1]
     if missing:
         raise ConfigError(
-            f"{', '.join(missing)}: tensor, sequence, context and pipeline parallelism are not built in this "
-            "version of megassm; set them to 1 (single-device training)"
+            f"{', '.join(missing)}: context and pipeline parallelism are not built in this version of megassm; "
+            "set them to 1 (tensor, sequence and plain data parallelism are: docs/parallelism.md)"
         )
-    if world_size(cfg) != 1:
+    if p.sp and p.tp == 1:
+        raise ConfigError("parallel.sp=true needs parallel.tp > 1 (sequence parallelism shards over the TP group)")
+    if p.sp and cfg.train.seq_len % p.tp:
+        raise ConfigError(f"parallel.sp=true: train.seq_len={cfg.train.seq_len} must be divisible by parallel.tp={p.tp}")
+    if world_size(cfg) != 1 and int(os.environ.get("WORLD_SIZE", "1")) != world_size(cfg):
         raise ConfigError(
-            f"world size {world_size(cfg)}: multi-process (data-parallel) training is not built in this version; "
-            "run one process"
+            f"parallel.tp={p.tp} with world size {world_size(cfg)} but WORLD_SIZE={os.environ.get('WORLD_SIZE', '1')}: "
+            "launch one process per rank with torchrun (torchrun --nproc_per_node N -m megassm.train ...)"
         )
-    if cfg.train.bptt or cfg.train.bptt_windows != 1:
-        raise ConfigError("train.bptt: carrying recurrent state across windows is not built in this version")
+    if data_parallel_size(cfg) > 1 and (p.engine != "ddp" or p.zero_stage != 0):
+        raise ConfigError(
+            f"parallel.engine={p.engine} zero_stage={p.zero_stage}: only plain data parallelism (engine=ddp, "
+            "zero_stage=0: gradients averaged by one all-reduce per step) is built in this version"
+        )
+    if cfg.train.bptt_windows != 1 and not cfg.train.bptt:
+        raise ConfigError(f"train.bptt_windows={cfg.train.bptt_windows} needs train.bptt=true")
+    if cfg.train.bptt:  # BPTT state carrying (training/bptt.py, docs/bptt.md): single process, no TP/CP/PP yet
+        unbuilt = [f"parallel.{k}={getattr(p, k)}" for k in ("tp", "cp", "pp") if getattr(p, k) != 1]
+        if unbuilt or world_size(cfg) != 1:
+            raise ConfigError(
+                f"train.bptt with {', '.join(unbuilt) or f'world size {world_size(cfg)}'}: carrying recurrent state "
+                "is built for one process without tensor/context/pipeline parallelism (states sharded by heads, "
+                "handed across CP ranks, kept per PP stage, and checkpointed per data-parallel rank are not built yet)"
+            )
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda but no CUDA device is visible (use train.device=auto or cpu)")
     if cfg.train.precision == "bf16" and _pick_device(cfg).type == "cpu":
@@ -102,14 +118,19 @@ class Trainer:
         check_supported(cfg)
         self.cfg = cfg
         self.device = _pick_device(cfg)
+        # multi-process: torch.distributed from torchrun's env, groups from megatron-core (megassm.parallel)
+        self.groups, self.device = prt.setup(cfg, self.device)
         self.amp_dtype = _autocast_dtype(cfg, self.device)
         self.run_dir = cfg.run.dir
         self.dp = data_parallel_size(cfg)
         self.accum = cfg.train.global_batch // (cfg.train.micro_batch * self.dp)
         self.tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
+        if cfg.train.bptt:  # one optimizer step consumes train.bptt_windows consecutive windows per row
+            self.tokens_per_step *= cfg.train.bptt_windows
         self.step = 0
 
-        write_resolved_config(cfg, self.run_dir)
+        if prt.is_rank0(self.groups):
+            write_resolved_config(cfg, self.run_dir)
         torch.manual_seed(cfg.train.seed)
 
         from megassm.data_tools.loader import build_data
@@ -121,9 +142,10 @@ class Trainer:
                 seq_len=cfg.train.seq_len,
                 micro_batch=cfg.train.micro_batch,
                 global_batch=cfg.train.global_batch,
-                dp_rank=0,
+                dp_rank=self.groups.dp_rank,
                 dp_size=self.dp,
                 seed=cfg.train.seed,
+                bptt=cfg.train.bptt,
             )
         except (ValueError, OSError) as e:  # missing/corrupt shards, bad blend: the message names the file
             raise ConfigError(f"data: {e}") from e
@@ -134,17 +156,26 @@ class Trainer:
             )
         model = build_model(cfg.model, vocab_size=self.data.vocab_size, device="cpu")
         model.init_weights(cfg.train.seed)
-        self.model = model.to(self.device)
+        n_params = model.num_parameters()  # canonical count, before any sharding
+        self.model = prt.prepare_model(model.to(self.device), self.groups, cfg)  # TP/SP plan (no-op at tp=1)
         self.optimizer = build_optimizer(
             self.model.param_groups(cfg.optim.weight_decay), cfg.optim, self.device.type
         )
         self.scheduler = LRScheduler(self.optimizer, cfg.optim, cfg.train.steps)
+        self.carrier = None  # BPTT: the rows' recurrent states between windows (training/bptt.py)
+        if cfg.train.bptt:
+            from megassm.training.bptt import StateCarrier
+
+            self.carrier = StateCarrier(self.model, cfg.train.micro_batch, self.accum,
+                                        cfg.train.bptt_windows, self.device)
 
         vocab_padded = self.model.vocab_size_padded
         fl = flops_per_sequence(cfg.model, vocab_padded, cfg.train.seq_len)
         self.train_flops_per_token = 3.0 * fl["total"] / cfg.train.seq_len
         self.peak_flops = peak_flops_for(self.device)
-        self.n_params = self.model.num_parameters()
+        if self.peak_flops:  # MFU of the whole job: tokens/s are global
+            self.peak_flops *= self.groups.world_size
+        self.n_params = n_params
 
         self.last_checkpoint: str | None = None
         resume_path = ckpt.resolve_resume(self.run_dir, cfg.run.resume)
@@ -152,7 +183,7 @@ class Trainer:
             self._load(resume_path)
 
         # resume_step: lines a crashed run wrote after this checkpoint are superseded, not repeated
-        self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.run.tensorboard,
+        self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.run.tensorboard, rank=self.groups.rank,
                                      resume_step=self.step if resume_path is not None else None)
         log.info(
             "model: %s blocks '%s', %.2fM parameters, vocab %d (padded %d); device %s, %s; "
@@ -179,7 +210,9 @@ class Trainer:
         lr = self.scheduler.step_to(self.step)
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
-        for _ in range(self.accum):
+        if self.carrier is not None:  # BPTT: states carried across windows, K windows per step (bptt.py)
+            data_time += self.carrier.train_step(self, loss_sum)
+        for _ in range(self.accum if self.carrier is None else 0):
             td = time.perf_counter()
             batch = self._to_device(self.data.next_batch())
             data_time += time.perf_counter() - td
@@ -187,7 +220,9 @@ class Trainer:
                 out = self.model(batch["tokens"], seq_idx=batch["seq_idx"], labels=batch["labels"])
             (out.loss / self.accum).backward()
             loss_sum += out.loss.detach()
-        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip)
+        prt.finish_grads(self.model, self.groups)  # TP partial grads summed, DP grads averaged
+        grad_norm = prt.clip_grad_norm(self.model, self.groups, self.cfg.train.grad_clip)
+        loss_sum = prt.mean_over_dp(loss_sum, self.groups)
         loss = (loss_sum / self.accum).item()  # one host sync per step
         if not math.isfinite(loss) or not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
@@ -220,33 +255,48 @@ class Trainer:
         self.model.train()
         if n == 0:
             return {}
-        val = total / n
+        val = float(prt.mean_over_dp(torch.tensor(total / n, device=self.device), self.groups))
         return {"loss/val": val, "loss/val_ppl": math.exp(min(val, 50.0))}
 
     # ------------------------------------------------------------------------------------------------
     def _extra_state(self) -> dict:
-        return {
+        extra = {
             "scheduler": self.scheduler.state_dict(),
             "data": self.data.state_dict(),
             "rng": ckpt.capture_rng_state(),
             "config_hash": config_hash(self.cfg),
             "consumed_tokens": self.step * self.tokens_per_step,
         }
+        if self.carrier is not None:
+            extra["carried_states"] = self.carrier.state_dict()
+        return extra
 
     def save(self) -> str:
-        path = ckpt.save_checkpoint(
-            self.run_dir, self.step, model=self.model, optimizer=self.optimizer,
-            extra=self._extra_state(), keep_last=self.cfg.run.keep_last,
-        )
+        # canonical single-device layout: TP shards gathered on every rank (collective), rank 0 writes
+        model_state, optim_state = prt.gather_states(self.model, self.optimizer, self.groups)
+        path = os.path.join(self.run_dir, ckpt.CHECKPOINTS, ckpt.checkpoint_name(self.step))
+        if prt.is_rank0(self.groups):
+            path = ckpt.save_checkpoint(
+                self.run_dir, self.step, model=self.model, optimizer=self.optimizer,
+                extra=self._extra_state(), keep_last=self.cfg.run.keep_last,
+                model_state=model_state, optim_state=optim_state,
+            )
+        prt.barrier(self.groups)
         self.last_checkpoint = path
         log.info("saved checkpoint %s", path)
         return path
 
     def _load(self, path: str) -> None:
-        extra = ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer)
+        if self.groups.tp > 1:  # canonical checkpoint -> this rank's shards
+            extra = ckpt.load_checkpoint(path, model=None, optimizer=None)
+            prt.load_states(path, self.model, self.optimizer)
+        else:
+            extra = ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer)
         self.step = int(extra["step"])
         self.scheduler.load_state_dict(extra["scheduler"])
         self.data.load_state_dict(extra["data"])
+        if self.carrier is not None:
+            self.carrier.load_state_dict(extra.get("carried_states"), data_window=extra["data"].get("window"))
         ckpt.restore_rng_state(extra["rng"])
         if extra.get("config_hash") != config_hash(self.cfg):
             log.warning("resuming %s with a config that differs from the one it was saved with", path)
@@ -258,7 +308,7 @@ class Trainer:
         """Train to cfg.train.steps. Returns the per-step training losses of this invocation."""
         cfg = self.cfg
         losses: list[float] = []
-        bar = ProgressBar(cfg.train.steps, self.step, enabled=cfg.run.progress)
+        bar = ProgressBar(cfg.train.steps, self.step, enabled=cfg.run.progress and prt.is_rank0(self.groups))
         window_tokens, window_time, window_data = 0, 0.0, 0.0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -296,7 +346,9 @@ class Trainer:
                         self.metrics.log(self.step, ev)
                         bar.write(f"step {self.step}: val loss {ev['loss/val']:.4f} ppl {ev['loss/val_ppl']:.2f}")
 
-                if (cfg.run.save_interval and self.step % cfg.run.save_interval == 0) or self.step == cfg.train.steps:
+                if (cfg.run.save_interval and self.step % cfg.run.save_interval == 0) or (
+                    cfg.run.save_final and self.step == cfg.train.steps
+                ):
                     self.save()
         finally:
             bar.close()

@@ -1,0 +1,230 @@
+"""Tensor-parallel scaling: tokens/s per GPU at TP = 1/2/4, the share of step time spent in communication,
+and the one-all-reduce-per-layer estimate. One JSON object per (model, tp) on stdout (rank 0).
+
+    torchrun --nproc_per_node 4 benchmarks/tp_scaling.py                       # mamba2-2.7b and hybrid-7b
+    torchrun --nproc_per_node 2 benchmarks/tp_scaling.py --tp 1 2 --sp
+    torchrun --nproc_per_node 4 benchmarks/tp_scaling.py --configs configs/mamba2-2.7b.yaml --micro-batch 2
+    torchrun --nproc_per_node 2 benchmarks/tp_scaling.py model.d_model=64 ... --device cpu   # smoke run (gloo)
+
+Dotted config overrides go FIRST (before the options: --configs / --tp take several values).
+
+With W processes and tp < W, the W / tp tensor-parallel groups run side by side on different random
+batches without gradient sync (this measures TP alone), so tokens/s per GPU = tokens per group / step / tp.
+The step is the trainer's: bf16 autocast, fp32 masters, fused AdamW, TP grad sync, clipping.
+comm_share = 1 - step_no_comm / step, where step_no_comm replaces every collective of megassm.parallel.comm
+by a local no-op of the same shape (numbers are then wrong but the compute is the same): the exposed
+communication. est_comm_s = (2 per layer + 2) x the measured time of one all-reduce of [micro, seq, d_model]
+bf16 over the TP group (SP: all-gather + reduce-scatter of the same total); est_efficiency =
+t1 / (t1 + tp * est_comm) with t1 the TP=1 compute time per token per GPU. Weights are random (the
+canonical CPU init of 7B would take minutes); out-of-memory layouts are reported, not fatal.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+warnings.simplefilter("ignore")
+DEV = "cuda"  # --device cpu: a gloo smoke run of this script with tiny overrides (numbers meaningless)
+
+
+def _sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def _device_init(model) -> None:
+    from megassm.models.init import rule_of
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = rule_of(model, name)
+            if r.kind == "normal":
+                p.normal_(0.0, r.std)
+            elif r.kind == "zeros":
+                p.zero_()
+            elif r.kind == "ones":
+                p.fill_(1.0)
+            elif r.kind == "uniform":
+                p.uniform_(r.low, r.high)
+            elif r.kind == "A_log":
+                p.uniform_(r.low, r.high).log_()
+            elif r.kind == "dt_bias":
+                dt = torch.exp(torch.rand_like(p) * (math.log(r.high) - math.log(r.low)) + math.log(r.low))
+                dt = dt.clamp(min=r.floor)
+                p.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+
+@contextlib.contextmanager
+def _no_comm():
+    from megassm.parallel import comm
+
+    saved = (comm.all_reduce, comm.all_reduce_max, comm.all_gather_dim, comm.reduce_scatter_dim)
+
+    def gather(x, dim, group):
+        return torch.cat([x] * comm.world(group), dim=dim)
+
+    def scatter(x, dim, group):
+        return x.chunk(comm.world(group), dim=dim)[comm.rank(group)].contiguous()
+
+    comm.all_reduce = lambda x, g: x
+    comm.all_reduce_max = lambda x, g: x
+    comm.all_gather_dim, comm.reduce_scatter_dim = gather, scatter
+    try:
+        yield
+    finally:
+        comm.all_reduce, comm.all_reduce_max, comm.all_gather_dim, comm.reduce_scatter_dim = saved
+
+
+def _time_collective(groups, shape, sp: bool, iters: int = 20) -> float:
+    from megassm.parallel import comm
+
+    if groups.tp == 1:
+        return 0.0
+    x = torch.randn(shape, device=DEV, dtype=torch.bfloat16)
+
+    def once():
+        if sp:
+            comm.reduce_scatter_dim(comm.all_gather_dim(x.chunk(groups.tp, 1)[0], 1, groups.tp_group), 1,
+                                    groups.tp_group)
+        else:
+            comm.all_reduce(x, groups.tp_group)
+
+    for _ in range(3):
+        once()
+    _sync()
+    t = time.perf_counter()
+    for _ in range(iters):
+        once()
+    _sync()
+    return (time.perf_counter() - t) / iters
+
+
+def run(cfg_path, tp, sp, micro, seq_len, steps, warmup, overrides) -> dict:
+    from megassm.config import load_config
+    from megassm.models import build_model
+    from megassm.parallel.state import build_groups
+    from megassm.parallel.tp import apply_tensor_parallel, clip_grad_norm_tp, sync_tp_grads
+    from megassm.training.optim import build_optimizer, clip_grad_norm
+
+    cfg = load_config(cfg_path, ["data.builtin=stdlib", *overrides], validate_config=False)
+    name = os.path.splitext(os.path.basename(cfg_path))[0]
+    groups = build_groups(tp=tp)
+    world = dist.get_world_size()
+    row = dict(model=name, tp=tp, sp=sp, world=world, groups=world // tp, micro_batch=micro, seq_len=seq_len,
+               device=torch.cuda.get_device_name() if DEV == "cuda" else "cpu")
+    meta = build_model(cfg.model, device="meta")
+    n_params = meta.num_parameters()
+    total_mem = torch.cuda.get_device_properties(0).total_memory if DEV == "cuda" else 2**40
+    row["params_b"] = n_params / 1e9
+    if n_params * 16 / tp > 0.75 * total_mem:
+        row["status"] = f"skipped: ~{n_params * 16 / tp / 2**30:.0f} GiB of weights + AdamW state per GPU"
+        return row
+    model = meta
+    if tp > 1:
+        apply_tensor_parallel(model, groups.tp_group, sp=sp)  # on meta: shapes only
+    model = model.to_empty(device=DEV)
+    torch.manual_seed(groups.rank)
+    _device_init(model)
+    opt = build_optimizer(model.param_groups(0.1), cfg.optim, DEV)
+    vocab = cfg.model.vocab_size
+    gen = torch.Generator(device=DEV).manual_seed(1234 + groups.dp_rank)  # same batch within a TP group
+
+    def step():
+        toks = torch.randint(0, vocab, (micro, seq_len + 1), device=DEV, generator=gen)
+        with torch.autocast(DEV, dtype=torch.bfloat16, enabled=DEV == "cuda"):
+            loss = model(toks[:, :-1], labels=toks[:, 1:]).loss
+        loss.backward()
+        if tp > 1:
+            sync_tp_grads(model)
+            clip_grad_norm_tp(model, 1.0)
+        else:
+            clip_grad_norm(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def timed():
+        for _ in range(warmup):
+            step()
+        _sync()
+        dist.barrier()
+        t = time.perf_counter()
+        for _ in range(steps):
+            step()
+        _sync()
+        return (time.perf_counter() - t) / steps
+
+    try:
+        if DEV == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t_step = timed()
+        with _no_comm():
+            t_nocomm = timed()
+    except torch.OutOfMemoryError:
+        row["status"] = "oom"
+        return row
+    finally:
+        peak = torch.cuda.max_memory_allocated() / 2**30 if DEV == "cuda" else 0.0
+    tokens = micro * seq_len
+    n_layers = meta.n_layers
+    t_ar = _time_collective(groups, (micro, seq_len, cfg.model.d_model), sp)
+    share = max(0.0, 1 - t_nocomm / t_step) if tp > 1 else 0.0  # no collectives at tp=1: timing noise
+    row.update(status="ok", step_s=t_step, step_s_no_comm=t_nocomm, comm_share=share,
+               tokens_per_s_per_gpu=tokens / t_step / tp, peak_mem_gib=peak, collective_ms=1e3 * t_ar,
+               est_comm_s=(2 * n_layers + 2) * t_ar, n_layers=n_layers)
+    del model, opt
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", nargs="+", default=["configs/mamba2-2.7b.yaml", "configs/hybrid-7b.yaml"])
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--sp", action="store_true", help="sequence parallelism on (TP > 1)")
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    global DEV
+    DEV = args.device
+    from megassm.parallel.state import destroy, init_distributed
+
+    if DEV == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not init_distributed(DEV):
+        dist.init_process_group("nccl" if DEV == "cuda" else "gloo", init_method="tcp://127.0.0.1:29555",
+                                rank=0, world_size=1)
+    rank = dist.get_rank()
+    for cfg_path in args.configs:
+        base = None
+        for tp in args.tp:
+            if dist.get_world_size() % tp:
+                continue
+            row = run(cfg_path, tp, args.sp and tp > 1, args.micro_batch, args.seq_len, args.steps, args.warmup,
+                      args.overrides)
+            if row.get("status") == "ok":
+                if tp == 1:
+                    base = row
+                if base is not None:
+                    row["efficiency_vs_tp1"] = row["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
+                    t1 = base["step_s_no_comm"]  # TP=1 compute per step per GPU
+                    row["est_efficiency"] = (t1 / tp) / (t1 / tp + row["est_comm_s"]) if tp > 1 else 1.0
+            if rank == 0:
+                print(json.dumps(row), flush=True)
+    destroy()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+"""megassm.parallel: parallel plans applied from outside to the single-device model.
+
+    state.py   process groups (megatron.core.parallel_state, gloo or nccl)
+    tp.py      tensor (+ sequence) parallel plan: apply_tensor_parallel, grad sync / norm, canonical state
+    layers.py  row-parallel linear, vocab-parallel embedding and cross-entropy, TP regions
+    sp.py      sequence-parallel gather / reduce-scatter
+    dp.py      plain data-parallel gradient all-reduce (until the engines land)
+    comm.py    counted collectives
+See docs/parallelism.md.
+"""
+from .state import ParallelGroups, build_groups, init_distributed  # noqa: F401
+from .tp import (  # noqa: F401
+    apply_tensor_parallel,
+    canonical_state_dict,
+    clip_grad_norm_tp,
+    load_canonical_optimizer_state,
+    load_canonical_state_dict,
+    optimizer_state_to_canonical,
+    sync_tp_grads,
+)

@@ -1,0 +1,135 @@
+"""Tensor-parallel building blocks, written here (not megatron-core's tensor_parallel layers, which allocate
+on `torch.cuda.current_device()` and fuse weight-gradient accumulation with CUDA-only paths; ours run the
+same code on gloo/CPU and NCCL/GPU).
+
+Regions (Megatron's f / g operators):
+    copy_to_tp(x)      fwd identity      bwd all-reduce    (input of column-parallel projections)
+    reduce_from_tp(x)  fwd all-reduce    bwd identity      (output of row-parallel projections)
+
+Modules (installed by megassm.parallel.tp by swapping the class of the single-device module, so parameter
+names and init rules stay those of the canonical model):
+    RowParallelLinear       nn.Linear holding columns [out, in/tp]; reduces (or reduce-scatters, SP) its
+                            output before adding the (replicated) bias
+    VocabParallelEmbedding  nn.Embedding holding rows [V/tp, d]; tokens outside the shard give 0; summed
+                            over the group (reduce-scattered along the sequence under SP)
+    vocab_parallel_cross_entropy(logits_local, labels, vocab_start, group): per-token CE from vocab-sharded
+                            logits; two small all-reduces ([N] max, then [2, N] sum), full logits never
+                            gathered; backward needs no communication.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import comm
+from .sp import SEQ_DIM, gather_from_sp, reduce_scatter_to_sp
+
+__all__ = ["copy_to_tp", "reduce_from_tp", "region_in", "region_out", "RowParallelLinear",
+           "VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
+
+IGNORE_INDEX = -100
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return comm.all_reduce(g.clone(), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return comm.all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+    return x if comm.world(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    return x if comm.world(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+def region_in(x: torch.Tensor, group, sp: bool) -> torch.Tensor:
+    """Entry of a TP region (before the column-parallel projections of a mixer / the LM head)."""
+    return gather_from_sp(x, group) if sp else copy_to_tp(x, group)
+
+
+def region_out(x: torch.Tensor, group, sp: bool) -> torch.Tensor:
+    """Exit of a TP region (after the row-parallel projection): the one collective of a layer forward."""
+    return reduce_scatter_to_sp(x, group) if sp else reduce_from_tp(x, group)
+
+
+class RowParallelLinear(nn.Linear):
+    """Holds weight columns [out, in_local]; x [..., in_local] -> reduced [..., out] (+ bias after)."""
+
+    tp_group = None
+    sp = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = region_out(F.linear(x, self.weight), self.tp_group, self.sp and x.dim() == 3)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_local={self.weight.shape[1]}, out={self.weight.shape[0]}, bias={self.bias is not None}, sp={self.sp}"
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    tp_group = None
+    sp = False
+    vocab_start = 0
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        n_local = self.weight.shape[0]
+        local = tokens - self.vocab_start
+        outside = (local < 0) | (local >= n_local)
+        emb = F.embedding(local.masked_fill(outside, 0), self.weight)
+        emb = emb.masked_fill(outside[..., None], 0.0)
+        return region_out(emb, self.tp_group, self.sp and tokens.dim() == 2)
+
+    def extra_repr(self) -> str:
+        return f"rows={self.vocab_start}..{self.vocab_start + self.weight.shape[0]}, dim={self.weight.shape[1]}, sp={self.sp}"
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, group):
+        # logits [N, V_local] fp32, target [N] int64 (IGNORE_INDEX allowed)
+        n_local = logits.shape[-1]
+        m = comm.all_reduce_max(logits.max(dim=-1).values, group)
+        shifted = logits - m[:, None]
+        local = target - vocab_start
+        mine = (local >= 0) & (local < n_local)
+        idx = local.masked_fill(~mine, 0)
+        picked = shifted.gather(1, idx[:, None])[:, 0].masked_fill(~mine, 0.0)
+        exp = shifted.exp()
+        stats = comm.all_reduce(torch.stack([picked, exp.sum(dim=-1)]), group)
+        valid = target != IGNORE_INDEX
+        loss = (stats[1].log() - stats[0]).masked_fill(~valid, 0.0)
+        exp.div_(stats[1][:, None])  # softmax, local shard
+        ctx.save_for_backward(exp, idx, mine, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        softmax, idx, mine, valid = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(1, idx[:, None], -mine.to(grad.dtype)[:, None])
+        grad.mul_((g * valid.to(g.dtype))[:, None])
+        return grad, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, group) -> torch.Tensor:
+    """Per-token cross-entropy [N] (0 where labels == -100) from vocab-sharded logits [..., V_local]."""
+    flat = logits.reshape(-1, logits.shape[-1]).float()
+    return _VocabParallelCE.apply(flat, labels.reshape(-1), int(vocab_start), group)

@@ -1,0 +1,90 @@
+"""The trainer's side of parallelism, in one place so that trainer.py only calls these:
+
+    groups, device = setup(cfg, device)          init torch.distributed from torchrun env + groups
+    model = prepare_model(model, groups, cfg)    TP/SP plan (in place)
+    finish_grads(model, groups)                  TP partial-grad sync, then DP gradient average
+    clip_grad_norm(model, groups, max_norm)      norm of the canonical gradient (replicas counted once)
+    mean_over_dp(x, groups)                      average a scalar tensor over data-parallel ranks
+    model_state, optim_state = gather_states(model, optimizer, groups)   canonical (collective)
+    load_states(path, model, optimizer)          canonical checkpoint -> this rank's shards
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .dp import allreduce_grads
+from .state import ParallelGroups, build_groups, init_distributed, single_process_groups
+from .tp import (apply_tensor_parallel, canonical_state_dict, clip_grad_norm_tp, load_canonical_optimizer_state,
+                 load_canonical_state_dict, optimizer_state_to_canonical, plan_of, sync_tp_grads)
+
+__all__ = ["setup", "prepare_model", "finish_grads", "clip_grad_norm", "mean_over_dp", "gather_states",
+           "load_states", "barrier", "is_rank0"]
+
+
+def setup(cfg, device: torch.device) -> tuple[ParallelGroups, torch.device]:
+    p = cfg.parallel
+    ws = int(os.environ.get("WORLD_SIZE", "1"))
+    if ws == 1 and not dist.is_initialized():
+        return single_process_groups(), device
+    init_distributed(device.type)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    return build_groups(tp=p.tp, cp=p.cp, pp=p.pp), device
+
+
+def prepare_model(model, groups: ParallelGroups, cfg):
+    if groups.tp > 1:
+        apply_tensor_parallel(model, groups.tp_group, sp=cfg.parallel.sp)
+    return model
+
+
+def finish_grads(model, groups: ParallelGroups) -> None:
+    if groups.tp > 1:
+        sync_tp_grads(model)
+    if groups.dp > 1:
+        allreduce_grads(list(model.parameters()), groups.dp_group)
+
+
+def clip_grad_norm(model, groups: ParallelGroups, max_norm: float) -> float:
+    if plan_of(model) is not None:
+        return clip_grad_norm_tp(model, max_norm)
+    from megassm.training.optim import clip_grad_norm as single
+
+    return single(model.parameters(), max_norm)
+
+
+def mean_over_dp(x: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
+    if groups.dp == 1:
+        return x
+    return comm.all_reduce(x.detach().clone(), groups.dp_group) / groups.dp
+
+
+def gather_states(model, optimizer, groups: ParallelGroups):
+    """(model_state, optim_state) in the canonical layout, or (None, None) without TP (the checkpoint then
+    takes model.state_dict() itself). Collective over the TP group: call on every rank."""
+    if plan_of(model) is None:
+        return None, None
+    return canonical_state_dict(model), optimizer_state_to_canonical(optimizer, model)
+
+
+def load_states(path: str, model, optimizer) -> None:
+    from megassm.training.checkpoint import read_model_and_optim
+
+    model_state, optim_state = read_model_and_optim(path)
+    load_canonical_state_dict(model, model_state)
+    if optimizer is not None and optim_state is not None:
+        load_canonical_optimizer_state(optimizer, model, optim_state)
+
+
+def barrier(groups: ParallelGroups) -> None:
+    if groups.world_size > 1:
+        dist.barrier()
+
+
+def is_rank0(groups: ParallelGroups) -> bool:
+    return groups.rank == 0

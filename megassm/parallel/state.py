@@ -1,0 +1,141 @@
+"""Process groups for tensor / context / data / pipeline parallelism (order tp-cp-dp-pp).
+
+    init_distributed()                       # torch.distributed from the launcher's env (gloo CPU, nccl CUDA)
+    groups = build_groups(tp=2)              # megatron.core.parallel_state underneath
+    groups.tp_group, groups.tp_rank, groups.dp_group, groups.dp_rank, ...
+
+megatron-core's `parallel_state.initialize_model_parallel` only creates `torch.distributed.new_group`s and
+works unchanged over gloo on CPU (verified: tests/test_parallel_tp.py runs it on gloo). We wrap it so that
+ - the backend of the new groups follows the default group (gloo on CPU, nccl on CUDA), and
+ - a single process (world size 1, no process group) gets trivial "groups" (None) without touching
+   torch.distributed at all, so the single-device trainer keeps working without a launcher.
+Nothing CUDA-only from megatron-core is used here (its tensor_parallel layers are not used: see
+docs/parallelism.md).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ParallelGroups", "init_distributed", "build_groups", "destroy", "single_process_groups"]
+
+
+@dataclass
+class ParallelGroups:
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    dp: int = 1
+    tp_rank: int = 0
+    dp_rank: int = 0
+    rank: int = 0
+    world_size: int = 1
+    tp_group: object = None  # torch.distributed ProcessGroup or None (single process)
+    dp_group: object = None
+    megatron: bool = False  # built through megatron.core.parallel_state
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def single_process_groups() -> ParallelGroups:
+    return ParallelGroups()
+
+
+def init_distributed(device_type: str | None = None, timeout_s: float = 600.0) -> bool:
+    """Initialize the default process group from the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT). Backend: nccl when `device_type` is cuda (or None and CUDA is available), else gloo.
+    Returns True when a process group is (now) initialized with more than one rank."""
+    if dist.is_initialized():
+        return dist.get_world_size() > 1
+    ws = int(os.environ.get("WORLD_SIZE", "1"))
+    if ws <= 1:
+        return False
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return True
+
+
+def build_groups(tp: int = 1, cp: int = 1, pp: int = 1) -> ParallelGroups:
+    """Create the groups with megatron.core.parallel_state (order tp-cp-dp-pp). Single process: trivial."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if tp * cp * pp != 1:
+            raise ValueError(f"tp={tp} cp={cp} pp={pp} needs a multi-process launch (torchrun)")
+        return single_process_groups()
+    ws = dist.get_world_size()
+    if ws % (tp * cp * pp):
+        raise ValueError(f"world size {ws} is not divisible by tp*cp*pp = {tp * cp * pp}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed" on CPU
+            from megatron.core import parallel_state as ps
+    except ImportError:  # megatron-core not installed: the same layout with plain torch.distributed groups
+        return _build_groups_torch(tp, cp, pp)
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        order="tp-cp-ep-dp-pp",
+        create_gloo_process_groups=False,
+    )
+    return ParallelGroups(
+        tp=tp, cp=cp, pp=pp, dp=ps.get_data_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank(),
+        rank=dist.get_rank(), world_size=ws,
+        tp_group=ps.get_tensor_model_parallel_group(), dp_group=ps.get_data_parallel_group(),
+        megatron=True,
+    )
+
+
+def rank_layout(world: int, tp: int, cp: int = 1, pp: int = 1) -> tuple[list, list]:
+    """(tp groups, dp groups) as lists of global ranks for the order tp-cp-dp-pp (tp fastest):
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank)). Megatron's layout for that order."""
+    dp = world // (tp * cp * pp)
+    tp_groups = [list(range(s, s + tp)) for s in range(0, world, tp)]
+    dp_groups = []
+    for p_ in range(pp):
+        for c in range(cp):
+            for t in range(tp):
+                dp_groups.append([t + tp * (c + cp * (d + dp * p_)) for d in range(dp)])
+    return tp_groups, dp_groups
+
+
+def _build_groups_torch(tp: int, cp: int, pp: int) -> ParallelGroups:
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    tp_groups, dp_groups = rank_layout(ws, tp, cp, pp)
+    my_tp = my_dp = None
+    for ranks in tp_groups:  # every rank creates every group, in the same order
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            my_tp, tp_ranks = g, ranks
+    for ranks in dp_groups:
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            my_dp, dp_ranks = g, ranks
+    return ParallelGroups(tp=tp, cp=cp, pp=pp, dp=len(dp_ranks), tp_rank=tp_ranks.index(rank),
+                          dp_rank=dp_ranks.index(rank), rank=rank, world_size=ws, tp_group=my_tp,
+                          dp_group=my_dp, megatron=False)
+
+
+def destroy() -> None:
+    try:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+    except ImportError:
+        pass
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,205 @@
+"""Helpers for the multi-process tests (tests/test_parallel_*.py): spawn gloo/nccl workers, tiny configs,
+and the TP-vs-single-device equivalence check. Importable so torch.multiprocessing.spawn can pickle them."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megassm.config import ModelConfig, MambaConfig, AttentionConfig, MLPConfig
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, backend, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        from .state import destroy
+
+        destroy()
+
+
+def spawn(fn, world: int, *args, backend: str = "gloo") -> None:
+    mp.spawn(_entry, args=(world, free_port(), backend, fn, args), nprocs=world, join=True)
+
+
+def tiny_model_config(pattern: str, ngroups: int = 1, n_kv_heads: int = 2, tie: bool = True,
+                      norm_before_gate: bool = False, proj_bias: bool = False, big: bool = False) -> ModelConfig:
+    if big:  # GPU checks: real-ish shapes
+        return ModelConfig(pattern=pattern, d_model=1024, vocab_size=32000, tie_embeddings=tie,
+                           mamba=MambaConfig(d_state=128, headdim=64, ngroups=ngroups, chunk_size=128,
+                                             norm_before_gate=norm_before_gate, proj_bias=proj_bias),
+                           attn=AttentionConfig(n_heads=16, n_kv_heads=n_kv_heads), mlp=MLPConfig(ffn_hidden=2048))
+    return ModelConfig(
+        pattern=pattern, d_model=32, vocab_size=100, pad_vocab_multiple=16, tie_embeddings=tie,
+        mamba=MambaConfig(d_state=8, headdim=8, expand=2, ngroups=ngroups, chunk_size=8,
+                          norm_before_gate=norm_before_gate, proj_bias=proj_bias),
+        attn=AttentionConfig(n_heads=4, n_kv_heads=n_kv_heads),
+        mlp=MLPConfig(ffn_hidden=64, bias=proj_bias),
+    )
+
+
+def make_batch(vocab: int, bsz: int, seqlen: int, seed: int = 0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (bsz, seqlen), generator=g)
+    labels = torch.randint(0, vocab, (bsz, seqlen), generator=g)
+    labels[0, :3] = -100
+    seq_idx = torch.zeros(bsz, seqlen, dtype=torch.int32)
+    seq_idx[0, seqlen // 3:] = 1  # a document boundary inside row 0
+    seq_idx[0, 2 * seqlen // 3 + 1:] = 2
+    return {k: v.to(device) for k, v in dict(tokens=tokens, labels=labels, seq_idx=seq_idx).items()}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def equivalence_worker(rank, world, tp, sp, cases, out_path, steps=3, device="cpu", tol=1e-5, seqlen=24, bsz=2):
+    """For each case (dict of tiny_model_config kwargs): single-device reference vs TP (this group) on the
+    same batch: loss, logits (gathered), every canonical gradient, `steps` AdamW steps with clipping, and the
+    collectives of one layer forward/backward. Rank 0 writes a JSON report to out_path."""
+    from megassm.models import build_model
+    from megassm.training.optim import clip_grad_norm
+
+    from . import comm
+    from .state import build_groups
+    from .tp import apply_tensor_parallel, canonical_grads, canonical_state_dict, clip_grad_norm_tp, sync_tp_grads
+
+    groups = build_groups(tp=tp)
+    dev = torch.device(device)
+    if dev.type == "cuda":  # fp32 comparisons: no TF32 in cuBLAS / cuDNN
+        dev = torch.device("cuda", torch.cuda.current_device())
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    report = []
+    for case in cases:
+        big = case.pop("big", False)
+        mcfg = tiny_model_config(**case, big=big)
+        ref = build_model(mcfg, device="cpu")
+        ref.init_weights(7)
+        ref.to(dev)
+        par = build_model(mcfg, device="cpu")
+        par.init_weights(7)
+        par.to(dev)
+        apply_tensor_parallel(par, groups.tp_group, sp=sp)
+        batch = make_batch(mcfg.vocab_size, bsz, seqlen, seed=1, device=dev)
+
+        # outputs
+        with torch.no_grad():
+            lref = ref(batch["tokens"], seq_idx=batch["seq_idx"]).logits
+            lpar = par(batch["tokens"], seq_idx=batch["seq_idx"]).logits
+            lpar = comm.all_gather_dim(lpar, 2, groups.tp_group)
+        logits_rel = _rel(lpar, lref)
+        # one-token decoding (states hold this rank's heads / channels)
+        with torch.no_grad():
+            st_r, st_p = ref.allocate_states(bsz), par.allocate_states(bsz)
+            dec = []
+            for t in range(4):
+                lr_, st_r = ref.step(batch["tokens"][:, t], st_r)
+                lp_, st_p = par.step(batch["tokens"][:, t], st_p)
+                dec.append(_rel(comm.all_gather_dim(lp_, 1, groups.tp_group), lr_))
+        decode_rel = max(dec)
+
+        # per-layer collectives of one forward and backward
+        counts = []
+
+        def pre(m, a):
+            m._c0 = dict(comm.COUNTS)
+
+        def post(m, a, o):
+            counts.append({k: comm.COUNTS[k] - m._c0.get(k, 0) for k in comm.COUNTS if comm.COUNTS[k] - m._c0.get(k, 0)})
+
+        hs = [l.mixer.register_forward_pre_hook(pre, prepend=True) for l in par.layers]
+        hs += [l.mixer.register_forward_hook(post) for l in par.layers]
+        comm.reset_counts()
+        out = par(batch["tokens"], seq_idx=batch["seq_idx"], labels=batch["labels"])
+        fwd_total = dict(comm.COUNTS)
+        for h in hs:
+            h.remove()
+        comm.reset_counts()
+        out.loss.backward()
+        bwd_total = dict(comm.COUNTS)
+        ref_out = ref(batch["tokens"], seq_idx=batch["seq_idx"], labels=batch["labels"])
+        ref_out.loss.backward()
+        sync_tp_grads(par)
+        gp, gr = canonical_grads(par), {n: p.grad.detach().cpu() for n, p in ref.named_parameters()}
+        grad_rel = {n: _rel(gp[n], gr[n]) for n in gr}
+        worst = max(grad_rel, key=grad_rel.get)
+        loss_rel = abs(out.loss.item() - ref_out.loss.item()) / abs(ref_out.loss.item())
+        norm_p = clip_grad_norm_tp(par, 0.0)
+        norm_r = clip_grad_norm(ref.parameters(), 0.0)
+
+        # optimizer steps (clip at a small norm so that clipping is active)
+        losses_p, losses_r = [], []
+        opt_p = torch.optim.AdamW(par.param_groups(0.1), lr=1e-3)
+        opt_r = torch.optim.AdamW(ref.param_groups(0.1), lr=1e-3)
+        for s in range(steps):
+            for m, o, lst in ((par, opt_p, losses_p), (ref, opt_r, losses_r)):
+                o.zero_grad(set_to_none=True)
+                b = make_batch(mcfg.vocab_size, bsz, seqlen, seed=10 + s, device=dev)
+                loss = m(b["tokens"], seq_idx=b["seq_idx"], labels=b["labels"]).loss
+                loss.backward()
+                if m is par:
+                    sync_tp_grads(par)
+                    clip_grad_norm_tp(par, 0.5)
+                else:
+                    clip_grad_norm(ref.parameters(), 0.5)
+                o.step()
+                lst.append(loss.item())
+        final = canonical_state_dict(par)
+        prel = {n: _rel(final[n], p.detach().cpu()) for n, p in ref.named_parameters()}
+        worst_param = max(prel, key=prel.get)
+        param_rel = prel[worst_param]
+        step_rel = max(abs(a - b) / abs(b) for a, b in zip(losses_p, losses_r))
+        rec = dict(case=case, tp=tp, sp=sp, logits_rel=logits_rel, decode_rel=decode_rel, loss_rel=loss_rel, worst_grad=worst,
+                   worst_grad_rel=grad_rel[worst], grad_norm=(norm_p, norm_r), step_losses=losses_p,
+                   step_loss_rel=step_rel, param_rel_after_steps=param_rel, worst_param=worst_param, per_layer_fwd=counts,
+                   kinds=list(par.block_kinds), fwd_total=fwd_total, bwd_total=bwd_total)
+        report.append(rec)
+        bad = [k for k in ("logits_rel", "decode_rel", "loss_rel", "worst_grad_rel", "step_loss_rel") if not rec[k] <= tol]
+        if abs(norm_p - norm_r) > tol * norm_r:
+            bad.append("grad_norm")
+        if param_rel > 10 * tol:
+            bad.append("param_rel_after_steps")
+        if bad:
+            raise AssertionError(f"rank {rank}: TP={tp} sp={sp} case {case}: {bad}: {json.dumps(rec, default=str)}")
+    if rank == 0 and out_path:
+        with open(out_path, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+
+
+def layout_worker(rank, world, tp, out_path):
+    """megatron-core's groups vs the plain-torch fallback layout (state.rank_layout)."""
+    import torch.distributed as dist
+
+    from .state import build_groups, rank_layout
+
+    g = build_groups(tp=tp)
+    assert g.megatron
+    tp_ranks = dist.get_process_group_ranks(g.tp_group)
+    dp_ranks = dist.get_process_group_ranks(g.dp_group)
+    tp_groups, dp_groups = rank_layout(world, tp)
+    assert tp_ranks in tp_groups and rank in tp_ranks, (tp_ranks, tp_groups)
+    assert dp_ranks in dp_groups and rank in dp_ranks, (dp_ranks, dp_groups)
+    assert g.tp_rank == tp_ranks.index(rank) and g.dp_rank == dp_ranks.index(rank)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(dict(tp=tp_ranks, dp=dp_ranks, backend=dist.get_backend(g.tp_group)), f)

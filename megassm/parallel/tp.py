@@ -1,0 +1,471 @@
+"""Tensor (+ sequence) parallel plan, applied from outside to the single-device model.
+
+    model = build_model(cfg.model, vocab_size=V); model.init_weights(seed)       # canonical weights
+    apply_tensor_parallel(model, groups.tp_group, sp=cfg.parallel.sp)           # in place: shards them
+
+Every parameter keeps its name; its tensor becomes this rank's shard, described by a `ShardSpec` (kept in
+`model.tp_plan.specs`): along one dim the canonical tensor is a concatenation of components (e.g. Mamba-2
+in_proj rows = [z | x | B | C | dt]); each component is cut into `nparts` equal slices and rank q holds slice
+`parts[q]`. nparts == tp: sharded; nparts < tp: replicated over tp / nparts ranks (norm weights: nparts 1;
+Mamba-2 B/C when tp > ngroups; attention K/V when tp > n_kv_heads). `partial` marks replicated components
+whose replicas hold partial gradients that `sync_tp_grads` sums (B/C and K/V always; every replicated
+weight under sequence parallelism, whose activations are sequence shards).
+
+Layer by layer:
+  Mamba-2   in_proj per component [z|x|B|C|dt] column-parallel (plain local Linear), conv / A_log / dt_bias /
+            D / norm weight rank-local, grouped norm over local groups, out_proj row-parallel: the layer's
+            one all-reduce (reduce-scatter under SP). tp > ngroups: B/C rows of in_proj and conv replicated;
+            the norm group then spans ranks, and its sum of squares (one fp32 number per token and group)
+            rides in the same all-reduce as out_proj's partial output: out = sum_r W_r(g_r*w_r) * rsqrt(ms).
+  attention q heads split, K/V heads split (or replicated when n_kv_heads < tp), o_proj row-parallel.
+  MLP       w1 / w3 column-parallel, w2 row-parallel.
+  LM        vocab-parallel embedding and head (tied or not), vocab-parallel cross-entropy.
+Each mixer's input passes `region_in` (a forward pre-hook: identity fwd / all-reduce bwd, or the SP
+all-gather), each mixer's output is reduced once by its row-parallel projection.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megassm.models.lm import IGNORE_INDEX, LanguageModel
+from megassm.models.mamba2 import Mamba2Mixer
+
+from . import comm
+from .layers import RowParallelLinear, VocabParallelEmbedding, region_in, region_out, vocab_parallel_cross_entropy
+
+__all__ = ["Piece", "ShardSpec", "TPPlan", "apply_tensor_parallel", "sync_tp_grads", "clip_grad_norm_tp",
+           "grad_norm_tp", "canonical_state_dict", "load_canonical_state_dict", "gather_canonical",
+           "shard_canonical", "optimizer_state_to_canonical", "load_canonical_optimizer_state",
+           "canonical_grads", "plan_of"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    size: int  # canonical size along the spec's dim
+    nparts: int  # slices the component is cut into
+    parts: tuple  # slice held by each tp rank
+    partial: bool = False  # replicas hold partial gradients (summed by sync_tp_grads)
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    dim: int
+    pieces: tuple
+
+    @property
+    def replicated(self) -> bool:
+        return all(p.nparts == 1 for p in self.pieces)
+
+
+@dataclass
+class TPPlan:
+    group: object
+    tp: int
+    rank: int
+    sp: bool
+    specs: dict = field(default_factory=dict)
+    vocab_start: int = 0
+
+
+def plan_of(model: nn.Module) -> TPPlan | None:
+    return getattr(model, "tp_plan", None)
+
+
+# ----------------------------------------------------------------------------------------------------
+# slicing and gathering by spec
+# ----------------------------------------------------------------------------------------------------
+def shard_canonical(full: torch.Tensor, spec: ShardSpec, rank: int) -> torch.Tensor:
+    out, off = [], 0
+    for pc in spec.pieces:
+        comp = full.narrow(spec.dim, off, pc.size)
+        out.append(comp.chunk(pc.nparts, dim=spec.dim)[pc.parts[rank]])
+        off += pc.size
+    if off != full.shape[spec.dim]:
+        raise ValueError(f"shard spec covers {off} of {full.shape[spec.dim]} along dim {spec.dim}")
+    return torch.cat(out, dim=spec.dim).contiguous()
+
+
+def _assemble(locals_: list, spec: ShardSpec) -> torch.Tensor:
+    out, loff = [], 0
+    for pc in spec.pieces:
+        ln = pc.size // pc.nparts
+        for j in range(pc.nparts):
+            q = pc.parts.index(j)
+            out.append(locals_[q].narrow(spec.dim, loff, ln))
+        loff += ln
+    return torch.cat(out, dim=spec.dim)
+
+
+def gather_canonical(t: torch.Tensor, spec: ShardSpec, plan: TPPlan) -> torch.Tensor:
+    """The canonical full tensor from every rank's shard (a collective over the TP group)."""
+    if spec.replicated or plan.tp == 1:
+        return t
+    t = t.contiguous()
+    lst = [torch.empty_like(t) for _ in range(plan.tp)]
+    dist.all_gather(lst, t, group=plan.group)
+    return _assemble(lst, spec)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the plan
+# ----------------------------------------------------------------------------------------------------
+def _sharded(size: int, tp: int) -> Piece:
+    return Piece(size, tp, tuple(range(tp)))
+
+
+def _replica(size: int, nparts: int, tp: int, partial: bool = True) -> Piece:
+    """Cut into nparts slices, each replicated over tp // nparts consecutive ranks."""
+    per = tp // nparts
+    return Piece(size, nparts, tuple(q // per for q in range(tp)), partial)
+
+
+class _FusedNormMamba2Mixer(Mamba2Mixer):
+    """TP > ngroups: a norm group spans tp/ngroups ranks. Its statistics go into out_proj's all-reduce:
+    buffer [..., G*d_model + G] with this rank's partial output in its group's slot, and its partial sum of
+    squares; after the reduction out = sum_g partial_g * rsqrt(ss_g / group_size + eps) (+ bias)."""
+
+    tp_group = None
+    sp = False
+    n_slots = 1
+    slot = 0
+    group_size = 1
+
+    def norm_out_proj(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        norm = self.norm
+        yf = y.float()
+        gate = F.silu(z.float())
+        if norm.norm_before_gate:
+            ss_src, h = yf, yf * norm.weight * gate
+        else:
+            ss_src = yf * gate
+            h = ss_src * norm.weight
+        ss = ss_src.pow(2).sum(dim=-1, keepdim=True)
+        partial = F.linear(h.to(y.dtype), self.out_proj.weight)
+        dm = partial.shape[-1]
+        parts = []
+        for g in range(self.n_slots):
+            parts.append(partial.float() if g == self.slot else partial.new_zeros(*partial.shape[:-1], dm, dtype=torch.float32))
+        for g in range(self.n_slots):
+            parts.append(ss if g == self.slot else torch.zeros_like(ss))
+        red = region_out(torch.cat(parts, dim=-1), self.tp_group, self.sp and y.dim() == 3)
+        G = self.n_slots
+        scale = torch.rsqrt(red[..., G * dm:] / self.group_size + norm.eps)  # [..., G]
+        out = sum(red[..., g * dm:(g + 1) * dm] * scale[..., g:g + 1] for g in range(G))
+        out = out.to(partial.dtype)
+        return out if self.out_proj.bias is None else out + self.out_proj.bias
+
+
+class _TPLanguageModel(LanguageModel):
+    """Vocab-parallel head and loss (logits are this rank's vocabulary shard)."""
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        plan = self.tp_plan
+        h = region_in(h, plan.group, plan.sp and h.dim() == 3)
+        w = self.embedding.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, w)
+
+    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        plan = self.tp_plan
+        per_token = vocab_parallel_cross_entropy(logits, labels, plan.vocab_start, plan.group)
+        count = (labels.reshape(-1) != IGNORE_INDEX).sum().clamp(min=1)
+        return per_token.sum() / count
+
+
+def _plan_mamba(mixer, pre: str, tp: int, rank: int, sp: bool, group, specs: dict) -> None:
+    H, G, N, di = mixer.nheads, mixer.ngroups, mixer.d_state, mixer.d_inner
+    if H % tp:
+        raise ValueError(f"tensor parallelism: tp={tp} must divide the Mamba-2 heads ({H})")
+    if G % tp and tp % G:
+        raise ValueError(f"tensor parallelism: Mamba-2 ngroups={G} and tp={tp}: one must divide the other")
+    gn = G * N
+    fused = G % tp != 0  # tp > ngroups: B/C replicated, norm statistics reduced with out_proj
+    bc = _replica(gn, G, tp) if fused else _sharded(gn, tp)
+    zx = _sharded(di, tp)
+    heads = _sharded(H, tp)
+    in_pieces = (zx, zx, bc, bc, heads)
+    specs[pre + "in_proj.weight"] = ShardSpec(0, in_pieces)
+    specs[pre + "in_proj.bias"] = ShardSpec(0, in_pieces)
+    specs[pre + "conv1d.weight"] = ShardSpec(0, (zx, bc, bc))
+    specs[pre + "conv1d.bias"] = ShardSpec(0, (zx, bc, bc))
+    for n in ("dt_bias", "A_log", "D"):
+        specs[pre + n] = ShardSpec(0, (heads,))
+    specs[pre + "norm.weight"] = ShardSpec(0, (zx,))
+    specs[pre + "out_proj.weight"] = ShardSpec(1, (zx,))
+    specs[pre + "out_proj.bias"] = ShardSpec(0, (_replica(mixer.d_model, 1, tp, partial=sp),))
+    # local sizes read by the mixer's forward
+    g_local = 1 if fused else G // tp
+    mixer.d_inner, mixer.nheads, mixer.ngroups = di // tp, H // tp, g_local
+    gnl = g_local * N
+    mixer.conv_dim = mixer.d_inner + 2 * gnl
+    mixer.in_proj_sizes = [mixer.d_inner, mixer.d_inner, gnl, gnl, mixer.nheads]
+    mixer.conv_sizes = [mixer.d_inner, gnl, gnl]
+    mixer.norm.ngroups = g_local
+    mixer.out_proj.__class__ = RowParallelLinear
+    mixer.out_proj.tp_group, mixer.out_proj.sp = group, sp
+    if fused:
+        mixer.__class__ = _FusedNormMamba2Mixer
+        mixer.tp_group, mixer.sp = group, sp
+        mixer.n_slots, mixer.slot, mixer.group_size = G, bc.parts[rank], di // G
+
+
+def _plan_attention(attn, pre: str, tp: int, sp: bool, group, specs: dict) -> None:
+    Hq, Hkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    if Hq % tp:
+        raise ValueError(f"tensor parallelism: tp={tp} must divide the attention heads ({Hq})")
+    if Hkv % tp and tp % Hkv:
+        raise ValueError(f"tensor parallelism: attention n_kv_heads={Hkv} and tp={tp}: one must divide the other")
+    q = _sharded(Hq * hd, tp)
+    kv = _sharded(Hkv * hd, tp) if Hkv % tp == 0 else _replica(Hkv * hd, Hkv, tp)
+    for n, pc in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+        specs[pre + n + ".weight"] = ShardSpec(0, (pc,))
+        specs[pre + n + ".bias"] = ShardSpec(0, (pc,))
+    specs[pre + "o_proj.weight"] = ShardSpec(1, (q,))
+    specs[pre + "o_proj.bias"] = ShardSpec(0, (_replica(attn.o_proj.weight.shape[0], 1, tp, partial=sp),))
+    attn.n_heads = Hq // tp
+    attn.n_kv_heads = max(Hkv // tp, 1)
+    attn.o_proj.__class__ = RowParallelLinear
+    attn.o_proj.tp_group, attn.o_proj.sp = group, sp
+
+
+def _plan_mlp(mlp, pre: str, tp: int, sp: bool, group, specs: dict) -> None:
+    if mlp.hidden % tp:
+        raise ValueError(f"tensor parallelism: tp={tp} must divide the MLP hidden size ({mlp.hidden})")
+    h = _sharded(mlp.hidden, tp)
+    for n in ("w1", "w3"):
+        specs[pre + n + ".weight"] = ShardSpec(0, (h,))
+        specs[pre + n + ".bias"] = ShardSpec(0, (h,))
+    specs[pre + "w2.weight"] = ShardSpec(1, (h,))
+    specs[pre + "w2.bias"] = ShardSpec(0, (_replica(mlp.w2.weight.shape[0], 1, tp, partial=sp),))
+    mlp.hidden //= tp
+    mlp.w2.__class__ = RowParallelLinear
+    mlp.w2.tp_group, mlp.w2.sp = group, sp
+
+
+def _region_hook(group, sp):
+    def hook(module, args):
+        return (region_in(args[0], group, sp and args[0].dim() == 3),) + tuple(args[1:])
+
+    return hook
+
+
+@torch.no_grad()
+def apply_tensor_parallel(model: LanguageModel, tp_group, sp: bool = False) -> LanguageModel:
+    """Shard `model` (holding canonical weights) in place for the TP group `tp_group` (None or size 1: no-op).
+    Returns the model; its `tp_plan` describes every parameter's layout."""
+    tp, rank = comm.world(tp_group), comm.rank(tp_group)
+    if tp == 1:
+        return model
+    if plan_of(model) is not None:
+        raise RuntimeError("apply_tensor_parallel: the model is already tensor-parallel")
+    if model.vocab_size_padded % tp:
+        raise ValueError(f"tensor parallelism: tp={tp} must divide the padded vocabulary {model.vocab_size_padded} "
+                         "(raise model.pad_vocab_multiple)")
+    plan = TPPlan(group=tp_group, tp=tp, rank=rank, sp=sp)
+    specs = plan.specs
+    d = model.config.d_model
+    rep = ShardSpec(0, (_replica(d, 1, tp, partial=sp),))
+    for i, layer in enumerate(model.layers):
+        pre = f"layers.{i}.mixer."
+        specs[f"layers.{i}.norm.weight"] = rep
+        if layer.kind == "M":
+            _plan_mamba(layer.mixer, pre, tp, rank, sp, tp_group, specs)
+        elif layer.kind == "*":
+            _plan_attention(layer.mixer, pre, tp, sp, tp_group, specs)
+        elif layer.kind == "-":
+            _plan_mlp(layer.mixer, pre, tp, sp, tp_group, specs)
+        else:
+            raise ValueError(f"tensor parallelism: no plan for block letter {layer.kind!r}")
+        layer.mixer.register_forward_pre_hook(_region_hook(tp_group, sp))
+    specs["norm_f.weight"] = rep
+    vp = model.vocab_size_padded
+    specs["embedding.weight"] = ShardSpec(0, (_sharded(vp, tp),))
+    specs["lm_head.weight"] = ShardSpec(0, (_sharded(vp, tp),))
+    plan.vocab_start = rank * (vp // tp)
+    emb = model.embedding
+    emb.__class__ = VocabParallelEmbedding
+    emb.tp_group, emb.sp, emb.vocab_start = tp_group, sp, plan.vocab_start
+
+    for name, p in list(model.named_parameters()):
+        if name not in specs:
+            raise ValueError(f"tensor parallelism: no shard spec for parameter '{name}'")
+        mod_name, _, local = name.rpartition(".")
+        mod = model.get_submodule(mod_name) if mod_name else model
+        new = nn.Parameter(shard_canonical(p.data, specs[name], rank), requires_grad=p.requires_grad)
+        if hasattr(p, "_no_weight_decay"):
+            new._no_weight_decay = p._no_weight_decay
+        mod._parameters[local] = new
+    names = {n for n, _ in model.named_parameters()}
+    plan.specs = {k: v for k, v in specs.items() if k in names}
+    model.__class__ = _TPLanguageModel
+    model.tp_plan = plan
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------
+# gradients
+# ----------------------------------------------------------------------------------------------------
+def _pieces_of(grad: torch.Tensor, spec: ShardSpec):
+    off = 0
+    for pc in spec.pieces:
+        ln = pc.size // pc.nparts
+        yield pc, grad.narrow(spec.dim, off, ln)
+        off += ln
+
+
+@torch.no_grad()
+def sync_tp_grads(model: nn.Module) -> None:
+    """Sum the partial gradients of replicated components over their replicas (one all-reduce in all)."""
+    plan = plan_of(model)
+    if plan is None:
+        return
+    views = []
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        for pc, g in _pieces_of(p.grad, plan.specs[name]):
+            if pc.partial:
+                views.append((g, pc.nparts, pc.parts[plan.rank]))
+    if not views:
+        return
+    sizes = [g.numel() * n for g, n, _ in views]
+    buf = views[0][0].new_zeros(sum(sizes), dtype=torch.float32)
+    off = 0
+    for (g, n, j), s in zip(views, sizes):
+        ln = g.numel()
+        buf[off + j * ln: off + (j + 1) * ln].copy_(g.reshape(-1))
+        off += s
+    comm.all_reduce(buf, plan.group)
+    off = 0
+    for (g, n, j), s in zip(views, sizes):
+        ln = g.numel()
+        g.copy_(buf[off + j * ln: off + (j + 1) * ln].view(g.shape))
+        off += s
+
+
+@torch.no_grad()
+def grad_norm_tp(model: nn.Module) -> torch.Tensor:
+    """Global L2 norm of the canonical gradient: each replicated component counted once (call after
+    sync_tp_grads). A collective over the TP group."""
+    plan = plan_of(model)
+    params = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+    dev = params[0][1].grad.device if params else torch.device("cpu")
+    total = torch.zeros((), device=dev, dtype=torch.float32)
+    for name, p in params:
+        if plan is None:
+            total += p.grad.float().pow(2).sum()
+            continue
+        for pc, g in _pieces_of(p.grad, plan.specs[name]):
+            total += g.float().pow(2).sum() * (pc.nparts / plan.tp)
+    if plan is not None:
+        total = comm.all_reduce(total, plan.group)
+    return total.sqrt()
+
+
+@torch.no_grad()
+def clip_grad_norm_tp(model: nn.Module, max_norm: float) -> float:
+    """Like optim.clip_grad_norm, with the norm of the canonical gradient across TP ranks."""
+    total = grad_norm_tp(model)
+    value = float(total.item())
+    if max_norm > 0 and math.isfinite(value):
+        coef = min(1.0, max_norm / (value + 1e-6))
+        if coef < 1.0:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+    return value
+
+
+# ----------------------------------------------------------------------------------------------------
+# canonical state (checkpoints, tests)
+# ----------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def canonical_state_dict(model: nn.Module) -> dict:
+    """The single-device state dict (CPU tensors) on every rank of the TP group (collective)."""
+    plan = plan_of(model)
+    out = {}
+    for name, t in model.state_dict().items():
+        if plan is not None and name in plan.specs:
+            t = gather_canonical(t, plan.specs[name], plan)
+        out[name] = t.detach().cpu().clone()
+    return out
+
+
+@torch.no_grad()
+def canonical_grads(model: nn.Module) -> dict:
+    """Canonical-layout gradients {name: tensor} (collective; call after sync_tp_grads)."""
+    plan = plan_of(model)
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        if plan is not None:
+            g = gather_canonical(g, plan.specs[name], plan)
+        out[name] = g.detach().cpu().clone()
+    return out
+
+
+@torch.no_grad()
+def load_canonical_state_dict(model: nn.Module, state: dict) -> None:
+    plan = plan_of(model)
+    own = model.state_dict()
+    missing = set(own) - set(state)
+    unexpected = set(state) - set(own)
+    if missing or unexpected:
+        raise KeyError(f"load_canonical_state_dict: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+    for name, t in own.items():
+        full = state[name]
+        if plan is not None and name in plan.specs:
+            full = shard_canonical(full, plan.specs[name], plan.rank)
+        if full.shape != t.shape:
+            raise ValueError(f"load_canonical_state_dict: '{name}' has shape {tuple(full.shape)}, expected {tuple(t.shape)}")
+        t.copy_(full.to(t.device, t.dtype))
+
+
+def _optimizer_params(optimizer, model):
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = []
+    for grp in optimizer.param_groups:
+        for p in grp["params"]:
+            out.append((names[id(p)], p))
+    return out
+
+
+@torch.no_grad()
+def optimizer_state_to_canonical(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict:
+    """optimizer.state_dict() with every per-parameter tensor in the canonical layout (collective): the
+    result loads into the same optimizer built on the single-device model."""
+    sd = optimizer.state_dict()
+    plan = plan_of(model)
+    if plan is None:
+        return sd
+    # state_dict() shares the per-parameter dicts with the live optimizer: copy before replacing tensors
+    sd = {"state": {k: dict(v) for k, v in sd["state"].items()}, "param_groups": sd["param_groups"]}
+    for idx, (name, p) in enumerate(_optimizer_params(optimizer, model)):
+        st = sd["state"].get(idx)
+        if not st:
+            continue
+        for k, v in list(st.items()):
+            if torch.is_tensor(v) and v.shape == p.shape and v.dim() > 0:
+                st[k] = gather_canonical(v, plan.specs[name], plan).cpu().clone()
+    return sd
+
+
+@torch.no_grad()
+def load_canonical_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module, sd: dict) -> None:
+    plan = plan_of(model)
+    if plan is not None:
+        sd = {"state": {k: dict(v) for k, v in sd["state"].items()}, "param_groups": sd["param_groups"]}
+        for idx, (name, p) in enumerate(_optimizer_params(optimizer, model)):
+            st = sd["state"].get(idx)
+            if not st:
+                continue
+            spec = plan.specs[name]
+            for k, v in list(st.items()):
+                if torch.is_tensor(v) and v.dim() > 0 and v.shape != p.shape:
+                    st[k] = shard_canonical(v, spec, plan.rank)
+    optimizer.load_state_dict(sd)
