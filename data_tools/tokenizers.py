@@ -11,6 +11,8 @@ A spec is resolved the same way in every worker process, so workers are started 
 """
 from __future__ import annotations
 
+import abc
+
 import hashlib
 import os
 
@@ -21,18 +23,22 @@ class TokenizerError(ValueError):
     pass
 
 
-class Tokenizer:
+class Tokenizer(abc.ABC):
+    """Interface of every tokenizer (byte, SentencePiece, HF tokenizer.json)."""
+
     name: str
     spec: str
     vocab_size: int
     eos_id: int | None
     sha256: str
 
+    @abc.abstractmethod
     def encode(self, text: str) -> list[int]:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def decode(self, ids) -> str:
-        raise NotImplementedError
+        ...
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """Token ids of each text (no EOS), as int64 arrays. Subclasses batch when the backend can."""
