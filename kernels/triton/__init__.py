@@ -4,7 +4,8 @@ import triton  # noqa: F401  (ImportError here means: no Triton backend)
 
 from .conv import causal_conv1d_bwd, causal_conv1d_fwd  # noqa: E402
 from .norm import add_rmsnorm_bwd, add_rmsnorm_fwd, gated_rmsnorm_bwd, gated_rmsnorm_fwd  # noqa: E402
-from .ssd import ssd_bwd, ssd_fwd  # noqa: E402
+from .ssd import ssd_fwd  # noqa: E402
+from .ssd_bwd import ssd_bwd  # noqa: E402
 from .ssd import supported as ssd_supported  # noqa: E402
 from .step import causal_conv1d_step_fwd, ssd_step_fwd  # noqa: E402
 

@@ -1,0 +1,367 @@
+"""Triton SSD backward: the reverse pass of ssd.py (see its docstring for the math and the kernel map).
+
+Recomputes dt/cs, CB, the entering states and the SSM output with the forward's kernels, then:
+_dstates_kernel (reverse pass over chunks: dS per chunk, d initial_states, the cs_last gradient terms),
+_dx_kernel (dx, the direct dt gradient and the cs gradient), _dbc_kernel (dB and dC); the cs gradients
+become ddt/dA in torch. No atomics: deterministic run to run.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._lang import tcumsum, tsigmoid, tsum  # noqa: F401
+from .ssd import (  # noqa: F401
+    _autotune,
+    _contig_last,
+    _mm_af,
+    _mm_bf,
+    _mm_ff,
+    _mm_raw,
+    _pow2_block,
+    _prec,
+    _prep,
+    _scan,
+    _seq_args,
+    _seq_at,
+    _state_blocks,
+    _states,
+)
+
+@_autotune([triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=4, num_stages=2),
+            triton.Config({}, num_warps=4, num_stages=3)], key=["T", "BP", "BN", "BT"])
+@triton.jit
+def _dstates_kernel(DY, Cp, CS, SEQ, STATES, FINAL, DFIN, DSN, DCSL, DINIT, L, H, G, NC,
+                    sdyb, sdyl, sdyh, sdyp, scb, scl, scg, scn, ssb, ssl,
+                    P: tl.constexpr, N: tl.constexpr, T: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+                    BT: tl.constexpr, HAS_DFIN: tl.constexpr, HAS_SEQ: tl.constexpr, WANT_DINIT: tl.constexpr,
+                    PREC: tl.constexpr):
+    """Reverse pass: dS_{c+1} for every chunk (into DSN[b, c, h]), <dS_{c+1}, S_{c+1}> partials, dS_0."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    blk = tl.program_id(2)
+    nblk = tl.num_programs(2)
+    npb: tl.constexpr = (P + BP - 1) // BP
+    pb = blk % npb
+    nb = blk // npb
+    g = h // (H // G)
+    p = pb * BP + tl.arange(0, BP)
+    n = nb * BN + tl.arange(0, BN)
+    mp = p < P
+    mn = n < N
+    mpn = mp[:, None] & mn[None, :]
+    pn = p[:, None] * N + n[None, :]
+    if HAS_DFIN:
+        dS = tl.load(DFIN + (b * H + h) * P * N + pn, mask=mpn, other=0.0).to(tl.float32)
+    else:
+        dS = tl.full([BP, BN], 0.0, tl.float32)
+    S_next = tl.load(FINAL + (b * H + h) * P * N + pn, mask=mpn, other=0.0)
+    for ci in range(NC):
+        c = NC - 1 - ci
+        st_off = ((b * NC + c) * H + h) * P * N
+        tl.store(DSN + st_off + pn, dS, mask=mpn)
+        tl.store(DCSL + ((b * H + h) * NC + c) * nblk + blk, tsum(tsum(dS * S_next, axis=1), axis=0))
+        dbase = ((b * H + h) * NC + c) * T
+        if HAS_SEQ:
+            sid_in = _seq_at(SEQ, b, c * T - 1, L, ssb, ssl)
+        R = tl.full([BP, BN], 0.0, tl.float32)
+        for t0 in range(0, T, BT):
+            t = t0 + tl.arange(0, BT)
+            pt = c * T + t
+            mt = pt < L
+            dyv = tl.load(DY + b * sdyb + pt[:, None] * sdyl + h * sdyh + p[None, :] * sdyp,
+                          mask=mt[:, None] & mp[None, :], other=0.0)
+            cv = tl.load(Cp + b * scb + pt[:, None] * scl + g * scg + n[None, :] * scn,
+                         mask=mt[:, None] & mn[None, :], other=0.0)
+            row = tl.exp(tl.load(CS + dbase + t))
+            ok = mt
+            if HAS_SEQ:
+                ok = ok & (_seq_at(SEQ, b, pt, L, ssb, ssl) == sid_in)
+            row = tl.where(ok, row, 0.0)
+            dys = dyv.to(tl.float32) * row[:, None]
+            R += _mm_af(tl.trans(dys), cv, PREC)
+        decay = tl.exp(tl.load(CS + dbase + T - 1))
+        if HAS_SEQ:
+            last = tl.minimum(c * T + T, L) - 1
+            decay = tl.where(sid_in == _seq_at(SEQ, b, last, L, ssb, ssl), decay, 0.0)
+        dS = R + decay * dS
+        S_next = tl.load(STATES + st_off + pn, mask=mpn, other=0.0)
+    if WANT_DINIT:
+        tl.store(DINIT + (b * H + h) * P * N + pn, dS, mask=mpn)
+
+
+@_autotune([triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=4, num_stages=2),
+            triton.Config({}, num_warps=8, num_stages=3)], key=["T", "P", "N", "BS", "BK"])
+@triton.jit
+def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSN, Dp, DX, DDT, L, H, G, NC,
+               sxb, sxl, sxh, sxp, sdyb, sdyl, sdyh, sdyp, sbb, sbl, sbg, sbn, ssb, ssl,
+               P: tl.constexpr, N: tl.constexpr, T: tl.constexpr, BPF: tl.constexpr, BS: tl.constexpr,
+               BK: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
+               DY_F32: tl.constexpr, PREC: tl.constexpr):
+    """Per head and block of source positions s: Q_s = sum_t L_ts CB_ts dy_t + exp(cs_last - cs_s) m'_s dS B_s;
+    dx_s = dt_s Q_s + D dy_s; DDT_s = x_s . Q_s (the direct dt gradient)."""
+    bc = tl.program_id(1)
+    b = (bc // NC).to(tl.int64)
+    c = bc % NC
+    nsb: tl.constexpr = T // BS
+    h = tl.program_id(0) // nsb
+    g = h // (H // G)
+    sb = tl.program_id(0) % nsb
+    s = sb * BS + tl.arange(0, BS)
+    p = tl.arange(0, BPF)
+    mp = p < P
+    ps = c * T + s
+    ms = ps < L
+    dbase = ((b * H + h) * NC + c) * T
+    cs_s = tl.load(CS + dbase + s)
+    dt_s = tl.load(DTP + dbase + s)
+    cs_last = tl.load(CS + dbase + T - 1)
+    if HAS_SEQ:
+        seq_s = _seq_at(SEQ, b, ps, L, ssb, ssl)
+    xv = tl.load(X + b * sxb + ps[:, None] * sxl + h * sxh + p[None, :] * sxp, mask=ms[:, None] & mp[None, :],
+                 other=0.0)
+    # state path: B_s dS^T, scaled
+    Q = tl.full([BS, BPF], 0.0, tl.float32)
+    st_off = ((b * NC + c) * H + h) * P * N
+    for k0 in range(0, N, BK):
+        k = k0 + tl.arange(0, BK)
+        mk = k < N
+        bv = tl.load(Bp + b * sbb + ps[:, None] * sbl + g * sbg + k[None, :] * sbn, mask=ms[:, None] & mk[None, :],
+                     other=0.0)
+        dsv = tl.load(DSN + st_off + p[None, :] * N + k[:, None], mask=mk[:, None] & mp[None, :], other=0.0)
+        Q += _mm_bf(bv, dsv, PREC)
+    rs = tl.exp(tl.minimum(cs_last - cs_s, 0.0))
+    ok_s = ms
+    if HAS_SEQ:
+        last = tl.minimum(c * T + T, L) - 1
+        ok_s = ok_s & (seq_s == _seq_at(SEQ, b, last, L, ssb, ssl))
+    rs = tl.where(ok_s, rs, 0.0)
+    Q = Q * rs[:, None]
+    # intra-chunk: sum over t >= s of L_ts CB_ts dy_t
+    cb_base = ((b * NC + c) * G + g) * T * T
+    for t0 in range(sb * BS, T, BS):
+        t = t0 + tl.arange(0, BS)
+        pt = c * T + t
+        mt = pt < L
+        cbT = tl.load(CB + cb_base + t[None, :] * T + s[:, None])  # [s, t]
+        cs_t = tl.load(CS + dbase + t)
+        ok = (s[:, None] <= t[None, :]) & mt[None, :] & ms[:, None]
+        if HAS_SEQ:
+            ok = ok & (seq_s[:, None] == _seq_at(SEQ, b, pt, L, ssb, ssl)[None, :])
+        wT = tl.where(ok, cbT * tl.exp(tl.where(ok, cs_t[None, :] - cs_s[:, None], 0.0)), 0.0)
+        dyv = tl.load(DY + b * sdyb + pt[:, None] * sdyl + h * sdyh + p[None, :] * sdyp,
+                      mask=mt[:, None] & mp[None, :], other=0.0)
+        if DY_F32:
+            Q += _mm_ff(wT, dyv, PREC)
+        else:
+            Q += _mm_af(wT, dyv, PREC)
+    xf = xv.to(tl.float32)
+    ddt = tsum(xf * Q, axis=1)
+    dx = Q * dt_s[:, None]
+    m = ms[:, None] & mp[None, :]
+    if HAS_D:
+        dys = tl.load(DY + b * sdyb + ps[:, None] * sdyl + h * sdyh + p[None, :] * sdyp, mask=m,
+                      other=0.0).to(tl.float32)
+        if D_PER_CHANNEL:
+            dv = tl.load(Dp + h * P + p, mask=mp, other=0.0).to(tl.float32)[None, :]
+        else:
+            dv = tl.load(Dp + h).to(tl.float32)
+        dx += dys * dv
+    tl.store(DX + ((b * L + ps[:, None]) * H + h) * P + p[None, :], dx.to(DX.dtype.element_ty), mask=m)
+    tl.store(DDT + dbase + s, ddt)
+
+
+@_autotune([triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=4, num_stages=2),
+            triton.Config({}, num_warps=8, num_stages=3)], key=["T", "P", "N", "BS", "BN", "IS_DC"])
+@triton.jit
+def _dbc_kernel(X, DY, OTHER, CB_UNUSED, DTP, CS, SEQ, SV, OUT, L, H, G, NC,
+                sxb, sxl, sxh, sxp, sdyb, sdyl, sdyh, sdyp, sob, sol, sog, son, ssb, ssl,
+                P: tl.constexpr, N: tl.constexpr, T: tl.constexpr, BPF: tl.constexpr, BS: tl.constexpr,
+                BN: tl.constexpr, IS_DC: tl.constexpr, HAS_SEQ: tl.constexpr, DY_F32: tl.constexpr,
+                PREC: tl.constexpr):
+    """dB (IS_DC False; rows are source positions s, OTHER = C, SV = dS leaving the chunk) or
+    dC (IS_DC True; rows are target positions t, OTHER = B, SV = S entering the chunk), summed over the
+    heads of the group in this program (no atomics)."""
+    bc = tl.program_id(1)
+    b = (bc // NC).to(tl.int64)
+    c = bc % NC
+    nnb: tl.constexpr = (N + BN - 1) // BN
+    nrn: tl.constexpr = (T // BS) * nnb
+    g = tl.program_id(0) // nrn
+    rb = (tl.program_id(0) % nrn) // nnb
+    nb = tl.program_id(0) % nnb
+    r = rb * BS + tl.arange(0, BS)
+    n = nb * BN + tl.arange(0, BN)
+    mn = n < N
+    p = tl.arange(0, BPF)
+    mp = p < P
+    pr = c * T + r
+    mr = pr < L
+    if HAS_SEQ:
+        seq_r = _seq_at(SEQ, b, pr, L, ssb, ssl)
+        sid_in = _seq_at(SEQ, b, c * T - 1, L, ssb, ssl)
+        seq_last = _seq_at(SEQ, b, tl.minimum(c * T + T, L) - 1, L, ssb, ssl)
+    acc = tl.full([BS, BN], 0.0, tl.float32)
+    rep = H // G
+    for hi in range(rep):
+        h = g * rep + hi
+        dbase = ((b * H + h) * NC + c) * T
+        cs_r = tl.load(CS + dbase + r)
+        if IS_DC:
+            rowv = tl.load(DY + b * sdyb + pr[:, None] * sdyl + h * sdyh + p[None, :] * sdyp,
+                           mask=mr[:, None] & mp[None, :], other=0.0)
+        else:
+            rowv = tl.load(X + b * sxb + pr[:, None] * sxl + h * sxh + p[None, :] * sxp,
+                           mask=mr[:, None] & mp[None, :], other=0.0)
+            dt_r = tl.load(DTP + dbase + r)
+        # state term
+        st_off = ((b * NC + c) * H + h) * P * N
+        sv = tl.load(SV + st_off + p[:, None] * N + n[None, :], mask=mp[:, None] & mn[None, :], other=0.0)
+        if DY_F32 and IS_DC:
+            st = _mm_ff(rowv, sv, PREC)
+        else:
+            st = _mm_bf(rowv, sv, PREC)
+        if IS_DC:
+            sc = tl.exp(cs_r)
+            ok_r = mr
+            if HAS_SEQ:
+                ok_r = ok_r & (seq_r == sid_in)
+        else:
+            sc = dt_r * tl.exp(tl.minimum(tl.load(CS + dbase + T - 1) - cs_r, 0.0))
+            ok_r = mr
+            if HAS_SEQ:
+                ok_r = ok_r & (seq_r == seq_last)
+        acc += st * tl.where(ok_r, sc, 0.0)[:, None]
+        # intra-chunk term
+        if IS_DC:
+            lo = 0
+            hi_ = rb * BS + BS
+        else:
+            lo = rb * BS
+            hi_ = T
+        for o0 in range(lo, hi_, BS):
+            o = o0 + tl.arange(0, BS)
+            po = c * T + o
+            mo = po < L
+            cs_o = tl.load(CS + dbase + o)
+            if IS_DC:
+                colv = tl.load(X + b * sxb + po[None, :] * sxl + h * sxh + p[:, None] * sxp,
+                               mask=mo[None, :] & mp[:, None], other=0.0)  # x_s^T [P, BS]
+                dt_o = tl.load(DTP + dbase + o)
+                ok = (o[None, :] <= r[:, None]) & mo[None, :] & mr[:, None]
+                diff = cs_r[:, None] - cs_o[None, :]
+            else:
+                colv = tl.load(DY + b * sdyb + po[None, :] * sdyl + h * sdyh + p[:, None] * sdyp,
+                               mask=mo[None, :] & mp[:, None], other=0.0)  # dy_t^T [P, BS]
+                ok = (o[None, :] >= r[:, None]) & mo[None, :] & mr[:, None]
+                diff = cs_o[None, :] - cs_r[:, None]
+            if HAS_SEQ:
+                ok = ok & (_seq_at(SEQ, b, po, L, ssb, ssl)[None, :] == seq_r[:, None])
+            # [r, o]: (dy_t . x_s) either way round
+            if DY_F32:
+                if IS_DC:
+                    prod = _mm_af(rowv, colv, PREC)
+                else:
+                    prod = _mm_bf(rowv, colv, PREC)
+            else:
+                prod = _mm_raw(rowv, colv, PREC)
+            w = tl.exp(tl.where(ok, diff, 0.0))
+            if IS_DC:
+                w = w * dt_o[None, :]
+            else:
+                w = w * dt_r[:, None]
+            w = tl.where(ok, w * prod, 0.0)
+            ov = tl.load(OTHER + b * sob + po[:, None] * sol + g * sog + n[None, :] * son,
+                         mask=mo[:, None] & mn[None, :], other=0.0)
+            acc += _mm_af(w, ov, PREC)
+    tl.store(OUT + ((b * L + pr[:, None]) * G + g) * N + n[None, :], acc.to(OUT.dtype.element_ty),
+             mask=mr[:, None] & mn[None, :])
+
+
+def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states, seq_idx,
+            chunk_size):
+    """Gradients (dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states) of ssd_fwd."""
+    x, B, C, z = _contig_last(x), _contig_last(B), _contig_last(C), _contig_last(z)
+    D_in = D
+    D = D.contiguous() if D is not None else None
+    A = A.contiguous()
+    init_in = initial_states
+    if initial_states is not None:
+        initial_states = initial_states.contiguous()
+    bsz, seqlen, nheads, hdim = x.shape
+    ngroups, dstate = B.shape[-2:]
+    dev = x.device
+    T, nc, dtp, cs, cb = _prep(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit, seq_idx, chunk_size)
+    states, final = _states(x, B, dtp, cs, seq_idx, initial_states, T, nc)
+    dy, dz, dcs, dD = _scan(x, z, C, D, cb, dtp, cs, seq_idx, states, T, nc, dout=dout)
+    if dD is not None:
+        dD = dD.to(D_in.dtype)
+    dy_f32 = dy.dtype == torch.float32
+
+    seq, ssb, ssl = _seq_args(seq_idx, x)
+    prec = _prec(x)
+    # reverse pass over chunks
+    BP, BN = _state_blocks(x, bsz, nheads, hdim, dstate)
+    nblk = triton.cdiv(hdim, BP) * triton.cdiv(dstate, BN)
+    dsn = torch.empty(bsz, nc, nheads, hdim, dstate, dtype=torch.float32, device=dev)
+    dcsl = torch.empty(bsz, nheads, nc, nblk, dtype=torch.float32, device=dev)
+    dinit = torch.empty(bsz, nheads, hdim, dstate, dtype=torch.float32, device=dev) if initial_states is not None \
+        else None
+    if dfinal is not None:
+        dfinal = dfinal.contiguous()
+    _dstates_kernel[(bsz, nheads, nblk)](
+        dy, C, cs, seq, states, final, dfinal if dfinal is not None else final, dsn, dcsl,
+        dinit if dinit is not None else dsn, seqlen, nheads, ngroups, nc, *dy.stride(), *C.stride(), ssb, ssl,
+        P=hdim, N=dstate, T=T, BP=BP, BN=BN, BT=min(64, T), HAS_DFIN=dfinal is not None,
+        HAS_SEQ=seq_idx is not None, WANT_DINIT=dinit is not None, PREC=prec,
+    )
+    # dx and the direct dt gradient
+    BS = min(64, T)
+    BPF = _pow2_block(hdim, 256)
+    dx = torch.empty(bsz, seqlen, nheads, hdim, dtype=x.dtype, device=dev)
+    ddt_direct = torch.empty(bsz, nheads, nc, T, dtype=torch.float32, device=dev)
+    _dx_kernel[(nheads * (T // BS), bsz * nc)](
+        x, dy, B, cb, dtp, cs, seq, dsn, D if D is not None else x, dx, ddt_direct, seqlen, nheads, ngroups, nc,
+        *x.stride(), *dy.stride(), *B.stride(), ssb, ssl,
+        P=hdim, N=dstate, T=T, BPF=BPF, BS=BS, BK=_pow2_block(dstate, 64), HAS_SEQ=seq_idx is not None,
+        HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2, DY_F32=dy_f32, PREC=prec,
+    )
+    # dB, dC
+    dB = torch.empty(bsz, seqlen, ngroups, dstate, dtype=B.dtype, device=dev)
+    dC = torch.empty(bsz, seqlen, ngroups, dstate, dtype=C.dtype, device=dev)
+    BNc = _pow2_block(dstate, 128)
+    grid = (ngroups * (T // BS) * triton.cdiv(dstate, BNc), bsz * nc)
+    _dbc_kernel[grid](
+        x, dy, C, cb, dtp, cs, seq, dsn, dB, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(),
+        *C.stride(), ssb, ssl, P=hdim, N=dstate, T=T, BPF=BPF, BS=BS, BN=BNc, IS_DC=False,
+        HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=prec,
+    )
+    _dbc_kernel[grid](
+        x, dy, B, cb, dtp, cs, seq, states, dC, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(),
+        *B.stride(), ssb, ssl, P=hdim, N=dstate, T=T, BPF=BPF, BS=BS, BN=BNc, IS_DC=True,
+        HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=prec,
+    )
+    # cs gradients -> a = dt * A gradients -> dt, A
+    dcs = dcs - dtp * ddt_direct
+    dcs[..., T - 1] += dcsl.sum(-1)
+    da = dcs.flip(-1).cumsum(-1).flip(-1)
+    Af = A.float()
+    ddt_p = ddt_direct + Af[None, :, None, None] * da
+    dA = (dtp * da).sum(dim=(0, 2, 3)).to(A.dtype)
+    ddt_p = ddt_p.view(bsz, nheads, nc * T)[:, :, :seqlen].permute(0, 2, 1)  # [B, L, H]
+    # through clamp, softplus and bias
+    dtb = dt.float()
+    if dt_bias is not None:
+        dtb = dtb + dt_bias.float()
+    g = ddt_p
+    if dt_limit is not None:
+        sp = torch.nn.functional.softplus(dtb) if dt_softplus else dtb
+        g = g * ((sp >= dt_limit[0]) & (sp <= dt_limit[1]))
+    if dt_softplus:
+        g = torch.where(dtb > 20, g, g * torch.sigmoid(dtb))
+    ddt = g.to(dt.dtype)
+    ddt_bias = g.sum(dim=(0, 1)).to(dt_bias.dtype) if dt_bias is not None else None
+    if dinit is not None:
+        dinit = dinit.to(init_in.dtype)
+    return dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit
