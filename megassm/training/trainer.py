@@ -206,20 +206,13 @@ class Trainer:
     def train_step(self) -> StepResult:
         """One optimizer step over `accum` micro-batches."""
         t0 = time.perf_counter()
-        data_time = 0.0
         lr = self.scheduler.step_to(self.step)
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
         if self.carrier is not None:  # BPTT: states carried across windows, K windows per step (bptt.py)
-            data_time += self.carrier.train_step(self, loss_sum)
-        for _ in range(self.accum if self.carrier is None else 0):
-            td = time.perf_counter()
-            batch = self._to_device(self.data.next_batch())
-            data_time += time.perf_counter() - td
-            with self._autocast():
-                out = self.model(batch["tokens"], seq_idx=batch["seq_idx"], labels=batch["labels"])
-            (out.loss / self.accum).backward()
-            loss_sum += out.loss.detach()
+            data_time = self.carrier.train_step(self, loss_sum)
+        else:
+            data_time = self._accumulate(loss_sum)
         prt.finish_grads(self.model, self.groups)  # TP partial grads summed, DP grads averaged
         grad_norm = prt.clip_grad_norm(self.model, self.groups, self.cfg.train.grad_clip)
         loss_sum = prt.mean_over_dp(loss_sum, self.groups)
@@ -232,6 +225,20 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return StepResult(loss, grad_norm, lr, self.tokens_per_step, time.perf_counter() - t0, data_time)
+
+    def _accumulate(self, loss_sum: torch.Tensor) -> float:
+        """Forward/backward over this step's `accum` micro-batches, adding their losses into loss_sum.
+        Returns the seconds spent waiting for data."""
+        data_time = 0.0
+        for _ in range(self.accum):
+            td = time.perf_counter()
+            batch = self._to_device(self.data.next_batch())
+            data_time += time.perf_counter() - td
+            with self._autocast():
+                out = self.model(batch["tokens"], seq_idx=batch["seq_idx"], labels=batch["labels"])
+            (out.loss / self.accum).backward()
+            loss_sum += out.loss.detach()
+        return data_time
 
     def _non_finite_message(self, loss: float, grad_norm: float) -> str:
         where = (
