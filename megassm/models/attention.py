@@ -68,6 +68,8 @@ def rope_rotate(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tenso
 
 
 class Attention(nn.Module):
+    stateful = True  # carries a recurrent state (models/state.py)
+
     def __init__(self, cfg: ModelConfig, n_layer: int):
         super().__init__()
         a = cfg.attn

@@ -24,6 +24,10 @@ from .norm import RMSNorm
 
 __all__ = ["Block", "MIXERS"]
 
+# Pattern letter -> mixer class. A mixer takes (cfg, n_layer) and, when its class sets `stateful = True`,
+# implements forward(u, seq_idx=None, state=None, return_state=False, **kw) -> (out, state or None),
+# step(u, state) -> (out, state) and allocate_state(batch_size, device=None). Stateless mixers are
+# forward(u) -> out. Seed mixers (S, L, C, B) register here; config.PATTERN_LETTERS names them.
 MIXERS = {"M": Mamba2Mixer, "*": Attention, "-": GatedMLP}
 
 
@@ -38,7 +42,7 @@ class Block(nn.Module):
 
     @property
     def has_state(self) -> bool:
-        return self.kind in ("M", "*")
+        return bool(getattr(self.mixer, "stateful", False))
 
     def allocate_state(self, batch_size: int, device=None):
         return self.mixer.allocate_state(batch_size, device=device) if self.has_state else None
@@ -54,12 +58,12 @@ class Block(nn.Module):
     ):
         """Returns (hidden, residual fp32, new state or None)."""
         normed, residual = self.norm.add_forward(hidden, residual)
-        if self.kind == "M":
-            out, new_state = self.mixer(normed, seq_idx=seq_idx, state=state, return_state=return_state)
-        elif self.kind == "*":
+        if self.kind == "*":  # attention also takes the batch's single-document hint (skips the doc mask)
             out, new_state = self.mixer(
                 normed, seq_idx=seq_idx, state=state, return_state=return_state, single_doc=single_doc
             )
+        elif self.has_state:
+            out, new_state = self.mixer(normed, seq_idx=seq_idx, state=state, return_state=return_state)
         else:
             out, new_state = self.mixer(normed), None
         return out, residual, new_state

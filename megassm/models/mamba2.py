@@ -56,6 +56,8 @@ class CausalConv1d(nn.Module):
 
 
 class Mamba2Mixer(nn.Module):
+    stateful = True  # carries a recurrent state (models/state.py)
+
     def __init__(self, cfg: ModelConfig, n_layer: int):
         super().__init__()
         mc = cfg.mamba
