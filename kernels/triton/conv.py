@@ -155,11 +155,11 @@ def _conv_bwd_kernel(X, INIT, SEQ, WT, BIAS, DY, DFIN, DX, DINIT, DW_PART, DB_PA
 
 
 def _blocks(L, C, bwd=False):
-    """Tiles sized from ptxas reports for sm_90 (benchmarks/kernels_compile_check.py): the [BL, BC] tiles of
-    64-bit pointers cost registers; forward 16 x 128 (8 warps, ~100 registers), backward 16 x 64 (8 warps,
-    ~200 registers, no spills; 64 x 128 spilled tens of KB)."""
-    BC = min(64 if bwd else 128, triton.next_power_of_2(max(C, 1)))
-    BL = min(16, triton.next_power_of_2(max(L, 1)))
+    """Tiles from the H100 sweep of benchmarks/conv_tiles.py (bf16, 16 x 2048 x 4352, docs/benchmarks.md):
+    forward 16 x 256, 8 warps (0.25 ms; 16 x 128 took 1.19), backward 64 x 32, 4 warps (2.16 ms; 16 x 64 took
+    4.43, 64 x 64 2.68)."""
+    BC = min(32 if bwd else 256, triton.next_power_of_2(max(C, 1)))
+    BL = min(64 if bwd else 16, triton.next_power_of_2(max(L, 1)))
     return BL, BC
 
 
@@ -178,12 +178,15 @@ def _final_state(x, initial_state, seq_idx, width):
     return last.transpose(1, 2).contiguous()
 
 
-def causal_conv1d_fwd(x, weight, bias, initial_state, seq_idx, silu, return_final_state):
+def causal_conv1d_fwd(x, weight, bias, initial_state, seq_idx, silu, return_final_state, tiles=None):
     bsz, seqlen, channels = x.shape
     width = weight.shape[-1]
     y = torch.empty(bsz, seqlen, channels, dtype=x.dtype, device=x.device)
     if seqlen > 0 and bsz > 0 and channels > 0:
         BL, BC = _blocks(seqlen, channels)
+        warps = 8 if BL * BC >= 2048 else 4
+        if tiles is not None:  # (BL, BC, num_warps): benchmarks/conv_tiles.py sweeps these
+            BL, BC, warps = tiles
         init = initial_state if initial_state is not None else x
         seq = seq_idx if seq_idx is not None else x
         grid = (bsz, triton.cdiv(seqlen, BL), triton.cdiv(channels, BC))
@@ -194,19 +197,22 @@ def causal_conv1d_fwd(x, weight, bias, initial_state, seq_idx, silu, return_fina
             *(seq_idx.stride() if seq_idx is not None else (0, 0)),
             weight.stride(0), weight.stride(1), y.stride(0), y.stride(1), y.stride(2),
             W=width, HAS_INIT=initial_state is not None, HAS_SEQ=seq_idx is not None, HAS_BIAS=bias is not None,
-            SILU=bool(silu), BL=BL, BC=BC, num_warps=8 if BL * BC >= 2048 else 4,
+            SILU=bool(silu), BL=BL, BC=BC, num_warps=warps,
         )
     fin = _final_state(x, initial_state, seq_idx, width) if return_final_state else None
     return y, fin
 
 
-def causal_conv1d_bwd(x, weight, bias, initial_state, seq_idx, silu, dy, dfinal):
+def causal_conv1d_bwd(x, weight, bias, initial_state, seq_idx, silu, dy, dfinal, tiles=None):
     bsz, seqlen, channels = x.shape
     width = weight.shape[-1]
     dx = torch.empty(bsz, seqlen, channels, dtype=x.dtype, device=x.device)
     dinit = (torch.zeros(bsz, channels, width - 1, dtype=torch.float32, device=x.device)
              if initial_state is not None else None)
     BL, BC = _blocks(seqlen + width - 1, channels, bwd=True)
+    warps = 4
+    if tiles is not None:
+        BL, BC, warps = tiles
     n_sblocks = triton.cdiv(seqlen + width - 1, BL)
     sb_per_prog = min(8, n_sblocks)  # 128 positions per program: small dweight partials, enough programs
     n_prog_l = triton.cdiv(n_sblocks, sb_per_prog)
@@ -229,7 +235,7 @@ def causal_conv1d_bwd(x, weight, bias, initial_state, seq_idx, silu, dy, dfinal)
             W=width, WP=triton.next_power_of_2(width), HAS_INIT=initial_state is not None,
             HAS_SEQ=seq_idx is not None, HAS_BIAS=bias is not None,
             SILU=bool(silu), HAS_DFIN=dfinal is not None, WANT_DINIT=initial_state is not None,
-            BL=BL, BC=BC, num_warps=8 if BL * BC >= 1024 else 4,
+            BL=BL, BC=BC, num_warps=warps,
         )
     dw = dw_part.sum(0).t().to(weight.dtype)
     db = db_part.sum(0).to(bias.dtype) if bias is not None else None

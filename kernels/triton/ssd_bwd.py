@@ -2,7 +2,8 @@
 
 Recomputes dt/cs, CB, the entering states and the SSM output with the forward's kernels, then:
 _dstates_kernel (reverse pass over chunks: dS per chunk, d initial_states, the cs_last gradient terms),
-_dx_kernel (dx, the direct dt gradient and the cs gradient), _dbc_kernel (dB and dC); the cs gradients
+_dx_kernel (dx, the direct dt gradient and the cs gradient), _dcb_kernel (the gradient of each chunk's C.B,
+summed over a group's heads once) and _dbc_kernel (dB and dC: state terms + dCB products); the cs gradients
 become ddt/dA in torch. No atomics: deterministic run to run.
 """
 from __future__ import annotations
@@ -173,16 +174,65 @@ def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSN, Dp, DX, DDT, L, H, G, NC,
 
 
 @_autotune([triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=4, num_stages=2),
+            triton.Config({}, num_warps=4, num_stages=3)], key=["T", "P", "BS"])
+@triton.jit
+def _dcb_kernel(X, DY, DTP, CS, SEQ, DCB, L, H, G, NC,
+                sxb, sxl, sxh, sxp, sdyb, sdyl, sdyh, sdyp, ssb, ssl,
+                P: tl.constexpr, T: tl.constexpr, BPF: tl.constexpr, BS: tl.constexpr, HAS_SEQ: tl.constexpr,
+                DY_F32: tl.constexpr, PREC: tl.constexpr):
+    """dCB[t, s] = sum over the group's heads of exp(cs_t - cs_s) dt_s (dy_t . x_s), t >= s in one document:
+    the gradient of the chunk's C_t . B_s, shared by dB and dC so the per-head work is done once. One program
+    per (group, t block, s block <= t block); upper blocks are never read and not written."""
+    bc = tl.program_id(1)
+    b = (bc // NC).to(tl.int64)
+    c = bc % NC
+    nrb: tl.constexpr = T // BS
+    g = tl.program_id(0) // (nrb * nrb)
+    tb = (tl.program_id(0) % (nrb * nrb)) // nrb
+    sb = tl.program_id(0) % nrb
+    if sb <= tb:
+        t = tb * BS + tl.arange(0, BS)
+        s = sb * BS + tl.arange(0, BS)
+        p = tl.arange(0, BPF)
+        mp = p < P
+        pt = c * T + t
+        ps = c * T + s
+        ok = (t[:, None] >= s[None, :]) & (pt < L)[:, None] & (ps < L)[None, :]
+        if HAS_SEQ:
+            ok = ok & (_seq_at(SEQ, b, pt, L, ssb, ssl)[:, None] == _seq_at(SEQ, b, ps, L, ssb, ssl)[None, :])
+        acc = tl.full([BS, BS], 0.0, tl.float32)
+        rep = H // G
+        for hi in range(rep):
+            h = g * rep + hi
+            dbase = ((b * H + h) * NC + c) * T
+            dyv = tl.load(DY + b * sdyb + pt[:, None] * sdyl + h * sdyh + p[None, :] * sdyp,
+                          mask=(pt < L)[:, None] & mp[None, :], other=0.0)
+            xT = tl.load(X + b * sxb + ps[None, :] * sxl + h * sxh + p[:, None] * sxp,
+                         mask=(ps < L)[None, :] & mp[:, None], other=0.0)  # x_s^T [P, BS]
+            if DY_F32:
+                prod = _mm_af(dyv, xT, PREC)
+            else:
+                prod = _mm_raw(dyv, xT, PREC)
+            cs_t = tl.load(CS + dbase + t)
+            cs_s = tl.load(CS + dbase + s)
+            dt_s = tl.load(DTP + dbase + s)
+            w = tl.exp(tl.where(ok, cs_t[:, None] - cs_s[None, :], 0.0)) * dt_s[None, :]
+            acc += tl.where(ok, w * prod, 0.0)
+        tl.store(DCB + ((b * NC + c) * G + g) * T * T + t[:, None] * T + s[None, :], acc)
+
+
+@_autotune([triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=4, num_stages=2),
             triton.Config({}, num_warps=8, num_stages=3)], key=["T", "P", "N", "BS", "BN", "IS_DC"])
 @triton.jit
-def _dbc_kernel(X, DY, OTHER, CB_UNUSED, DTP, CS, SEQ, SV, OUT, L, H, G, NC,
+def _dbc_kernel(X, DY, OTHER, DCB, DTP, CS, SEQ, SV, OUT, L, H, G, NC,
                 sxb, sxl, sxh, sxp, sdyb, sdyl, sdyh, sdyp, sob, sol, sog, son, ssb, ssl,
                 P: tl.constexpr, N: tl.constexpr, T: tl.constexpr, BPF: tl.constexpr, BS: tl.constexpr,
                 BN: tl.constexpr, IS_DC: tl.constexpr, HAS_SEQ: tl.constexpr, DY_F32: tl.constexpr,
                 PREC: tl.constexpr):
     """dB (IS_DC False; rows are source positions s, OTHER = C, SV = dS leaving the chunk) or
-    dC (IS_DC True; rows are target positions t, OTHER = B, SV = S entering the chunk), summed over the
-    heads of the group in this program (no atomics)."""
+    dC (IS_DC True; rows are target positions t, OTHER = B, SV = S entering the chunk): the state term summed
+    over the heads of the group in this program, then the intra-chunk term dCB @ B (dC) or dCB^T @ C (dB)
+    from _dcb_kernel (no atomics)."""
     bc = tl.program_id(1)
     b = (bc // NC).to(tl.int64)
     c = bc % NC
@@ -215,7 +265,6 @@ def _dbc_kernel(X, DY, OTHER, CB_UNUSED, DTP, CS, SEQ, SV, OUT, L, H, G, NC,
             rowv = tl.load(X + b * sxb + pr[:, None] * sxl + h * sxh + p[None, :] * sxp,
                            mask=mr[:, None] & mp[None, :], other=0.0)
             dt_r = tl.load(DTP + dbase + r)
-        # state term
         st_off = ((b * NC + c) * H + h) * P * N
         sv = tl.load(SV + st_off + p[:, None] * N + n[None, :], mask=mp[:, None] & mn[None, :], other=0.0)
         if DY_F32 and IS_DC:
@@ -233,48 +282,24 @@ def _dbc_kernel(X, DY, OTHER, CB_UNUSED, DTP, CS, SEQ, SV, OUT, L, H, G, NC,
             if HAS_SEQ:
                 ok_r = ok_r & (seq_r == seq_last)
         acc += st * tl.where(ok_r, sc, 0.0)[:, None]
-        # intra-chunk term
+    # intra-chunk term, once per group: dC_t = sum_s dCB[t, s] B_s; dB_s = sum_t dCB[t, s] C_t
+    dcb_base = ((b * NC + c) * G + g) * T * T
+    if IS_DC:
+        lo = 0
+        hi_ = rb * BS + BS
+    else:
+        lo = rb * BS
+        hi_ = T
+    for o0 in range(lo, hi_, BS):
+        o = o0 + tl.arange(0, BS)
+        po = c * T + o
         if IS_DC:
-            lo = 0
-            hi_ = rb * BS + BS
+            w = tl.load(DCB + dcb_base + r[:, None] * T + o[None, :])  # [t = r, s = o]
         else:
-            lo = rb * BS
-            hi_ = T
-        for o0 in range(lo, hi_, BS):
-            o = o0 + tl.arange(0, BS)
-            po = c * T + o
-            mo = po < L
-            cs_o = tl.load(CS + dbase + o)
-            if IS_DC:
-                colv = tl.load(X + b * sxb + po[None, :] * sxl + h * sxh + p[:, None] * sxp,
-                               mask=mo[None, :] & mp[:, None], other=0.0)  # x_s^T [P, BS]
-                dt_o = tl.load(DTP + dbase + o)
-                ok = (o[None, :] <= r[:, None]) & mo[None, :] & mr[:, None]
-                diff = cs_r[:, None] - cs_o[None, :]
-            else:
-                colv = tl.load(DY + b * sdyb + po[None, :] * sdyl + h * sdyh + p[:, None] * sdyp,
-                               mask=mo[None, :] & mp[:, None], other=0.0)  # dy_t^T [P, BS]
-                ok = (o[None, :] >= r[:, None]) & mo[None, :] & mr[:, None]
-                diff = cs_o[None, :] - cs_r[:, None]
-            if HAS_SEQ:
-                ok = ok & (_seq_at(SEQ, b, po, L, ssb, ssl)[None, :] == seq_r[:, None])
-            # [r, o]: (dy_t . x_s) either way round
-            if DY_F32:
-                if IS_DC:
-                    prod = _mm_af(rowv, colv, PREC)
-                else:
-                    prod = _mm_bf(rowv, colv, PREC)
-            else:
-                prod = _mm_raw(rowv, colv, PREC)
-            w = tl.exp(tl.where(ok, diff, 0.0))
-            if IS_DC:
-                w = w * dt_o[None, :]
-            else:
-                w = w * dt_r[:, None]
-            w = tl.where(ok, w * prod, 0.0)
-            ov = tl.load(OTHER + b * sob + po[:, None] * sol + g * sog + n[None, :] * son,
-                         mask=mo[:, None] & mn[None, :], other=0.0)
-            acc += _mm_af(w, ov, PREC)
+            w = tl.load(DCB + dcb_base + o[None, :] * T + r[:, None])  # [s = r, t = o]
+        ov = tl.load(OTHER + b * sob + po[:, None] * sol + g * sog + n[None, :] * son,
+                     mask=(po < L)[:, None] & mn[None, :], other=0.0)
+        acc += _mm_af(w, ov, PREC)
     tl.store(OUT + ((b * L + pr[:, None]) * G + g) * N + n[None, :], acc.to(OUT.dtype.element_ty),
              mask=mr[:, None] & mn[None, :])
 
@@ -330,15 +355,20 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     # dB, dC
     dB = torch.empty(bsz, seqlen, ngroups, dstate, dtype=B.dtype, device=dev)
     dC = torch.empty(bsz, seqlen, ngroups, dstate, dtype=C.dtype, device=dev)
+    dcb = torch.empty(bsz, nc, ngroups, T, T, dtype=torch.float32, device=dev)
+    _dcb_kernel[(ngroups * (T // BS) ** 2, bsz * nc)](
+        x, dy, dtp, cs, seq, dcb, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(), ssb, ssl,
+        P=hdim, T=T, BPF=BPF, BS=BS, HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=prec,
+    )
     BNc = _pow2_block(dstate, 128)
     grid = (ngroups * (T // BS) * triton.cdiv(dstate, BNc), bsz * nc)
     _dbc_kernel[grid](
-        x, dy, C, cb, dtp, cs, seq, dsn, dB, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(),
+        x, dy, C, dcb, dtp, cs, seq, dsn, dB, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(),
         *C.stride(), ssb, ssl, P=hdim, N=dstate, T=T, BPF=BPF, BS=BS, BN=BNc, IS_DC=False,
         HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=prec,
     )
     _dbc_kernel[grid](
-        x, dy, B, cb, dtp, cs, seq, states, dC, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(),
+        x, dy, B, dcb, dtp, cs, seq, states, dC, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(),
         *B.stride(), ssb, ssl, P=hdim, N=dstate, T=T, BPF=BPF, BS=BS, BN=BNc, IS_DC=True,
         HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=prec,
     )
