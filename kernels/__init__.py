@@ -5,7 +5,9 @@ This module is the dispatch point. Every op is a `torch.library.custom_op` (name
 variable MEGASSM_KERNELS=auto|triton|torch (auto, the default: the Triton kernels of `kernels/triton` when
 the tensors are on CUDA and triton imports, the pure-PyTorch references of `megassm.kernels.reference`
 otherwise). The references stay the test oracle. In eager mode a call that resolves to the reference runs it
-directly (plain autograd, no recompute in the backward); under torch.compile it goes through the custom op. The
+directly (plain autograd, no recompute in the backward), and a Triton call runs the op's implementation and
+backward through a plain autograd.Function (`ops.*_call`: the custom-op dispatcher's host overhead left the
+GPU idle); under torch.compile every call goes through the custom op. The
 backend in use is logged once, at INFO on the "megassm.kernels" logger, on the first call of any op (and again
 only if a later call switches backend).
 """
@@ -49,7 +51,7 @@ def backend() -> str:
 def _eager_reference(x) -> bool:
     """Calls that resolve to the reference run it directly in eager mode (plain autograd: no recompute in the
     backward, bit-identical by construction); under torch.compile they go through the custom op (one opaque
-    op in the graph). Triton calls always go through the custom op."""
+    op in the graph). Triton calls go through ops.*_call (the op's own implementation and backward)."""
     if torch.compiler.is_compiling() or ops.use_triton(x):
         return False
     ops._announce(False, x)
@@ -83,7 +85,7 @@ def ssd(
         return reference.ssd(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
                              dt_limit=dt_limit, initial_states=initial_states, seq_idx=seq_idx,
                              chunk_size=chunk_size, return_final_states=return_final_states)
-    y, fin = ops.ssd_op(x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), _tuple_or_none(dt_limit),
+    y, fin = ops.ssd_call(x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), _tuple_or_none(dt_limit),
                         initial_states, seq_idx, int(chunk_size), bool(return_final_states))
     return (y, fin) if return_final_states else y
 
@@ -103,7 +105,7 @@ def causal_conv1d(
     if _eager_reference(x):
         return reference.causal_conv1d(x, weight, bias, initial_state=initial_state, seq_idx=seq_idx,
                                        activation=activation, return_final_state=return_final_state)
-    y, fin = ops.causal_conv1d_op(x, weight, bias, initial_state, seq_idx, activation, bool(return_final_state))
+    y, fin = ops.causal_conv1d_call(x, weight, bias, initial_state, seq_idx, activation, bool(return_final_state))
     return (y, fin) if return_final_state else y
 
 
@@ -118,21 +120,21 @@ def rmsnorm(x, weight, eps=1e-5):
     """x / rms(x) * weight over the last dim (fp32 statistics)."""
     if _eager_reference(x):
         return reference.rmsnorm(x, weight, eps)
-    return ops.rmsnorm_op(x, weight, float(eps))
+    return ops.rmsnorm_call(x, weight, float(eps))
 
 
 def gated_rmsnorm(x, z, weight, ngroups=1, eps=1e-5, norm_before_gate=False):
     """Grouped RMS norm with a SiLU gate. See reference.gated_rmsnorm."""
     if _eager_reference(x):
         return reference.gated_rmsnorm(x, z, weight, ngroups=ngroups, eps=eps, norm_before_gate=norm_before_gate)
-    return ops.gated_rmsnorm_op(x, z, weight, int(ngroups), float(eps), bool(norm_before_gate))
+    return ops.gated_rmsnorm_call(x, z, weight, int(ngroups), float(eps), bool(norm_before_gate))
 
 
 def add_rmsnorm(x, residual, weight, eps=1e-5):
     """(rmsnorm(residual + x) * weight in x.dtype, new fp32 residual). See reference.add_rmsnorm."""
     if _eager_reference(x):
         return reference.add_rmsnorm(x, residual, weight, eps)
-    return ops.add_rmsnorm_op(x, residual, weight, float(eps))
+    return ops.add_rmsnorm_call(x, residual, weight, float(eps))
 
 
 # the oracle is never dispatched: it is the definition every backend is checked against

@@ -479,3 +479,43 @@ def _add_bwd(ctx, gout, gres):
 
 
 add_rmsnorm_op.register_autograd(_add_bwd, setup_context=_add_setup)
+
+
+# --------------------------------------------------------------------------------------------------------
+# eager fast path
+
+
+def _eager_caller(op, setup_context, backward):
+    """A callable that runs `op` with the same implementation and the same backward, but in eager mode through
+    a plain torch.autograd.Function instead of the custom-op dispatcher. The dispatcher's Python layers cost
+    ~1 ms of host time per SSD call on an H100 (benchmarks/host_overhead.py), enough to leave the GPU idle in a
+    training step; under torch.compile the custom op itself is called, so graphs still see one opaque op."""
+    impl = op._init_fn
+
+    class _EagerOp(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):
+            out = impl(*args)
+            setup_context(ctx, args, out)
+            return out
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return backward(ctx, *grads)
+
+    _EagerOp.__name__ = _EagerOp.__qualname__ = f"{op._name}_eager"
+
+    def call(*args):
+        if torch.compiler.is_compiling():
+            return op(*args)
+        return _EagerOp.apply(*args)
+
+    call.__name__ = f"{op._name}_call"
+    return call
+
+
+ssd_call = _eager_caller(ssd_op, _ssd_setup, _ssd_bwd)
+causal_conv1d_call = _eager_caller(causal_conv1d_op, _conv_setup, _conv_bwd)
+gated_rmsnorm_call = _eager_caller(gated_rmsnorm_op, _norm_setup, _gated_bwd)
+rmsnorm_call = _eager_caller(rmsnorm_op, _norm_setup, _rmsnorm_bwd)
+add_rmsnorm_call = _eager_caller(add_rmsnorm_op, _add_setup, _add_bwd)
