@@ -94,6 +94,7 @@ class TrainConfig:
     global_batch: int = 4  # = micro_batch x accumulation x data-parallel ranks
     bptt: bool = False
     bptt_windows: int = 1
+    activation_checkpointing: bool = False  # recompute each block's activations in the backward
     seed: int = 1234
     precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32
     grad_clip: float = 1.0  # 0 disables clipping
@@ -456,6 +457,12 @@ def validate(cfg: Config) -> None:
         need(getattr(p, k) >= 1, f"parallel.{k} must be >= 1")
     need(not p.sp or t.seq_len % p.tp == 0,
          f"parallel.sp=true: train.seq_len={t.seq_len} must be divisible by parallel.tp={p.tp} (sequence shards)")
+    need(t.seq_len % p.cp == 0,
+         f"parallel.cp={p.cp}: train.seq_len={t.seq_len} must be divisible by parallel.cp (each rank holds one "
+         "contiguous slice of every sequence)")
+    need(p.cp == 1 or "M" not in letters or t.seq_len // p.cp >= m.mamba.d_conv - 1,
+         f"parallel.cp={p.cp}: train.seq_len / parallel.cp = {t.seq_len // p.cp} tokens per rank is shorter than "
+         f"the Mamba-2 conv halo (model.mamba.d_conv - 1 = {m.mamba.d_conv - 1})")
     need(m.vocab_size is None or (-(-m.vocab_size // m.pad_vocab_multiple) * m.pad_vocab_multiple) % p.tp == 0,
          f"parallel.tp={p.tp} must divide the padded vocabulary (model.vocab_size rounded up to "
          f"model.pad_vocab_multiple={m.pad_vocab_multiple})")

@@ -282,7 +282,7 @@ def test_check_supported_bptt(monkeypatch):
     with pytest.raises(ConfigError, match="needs train.bptt=true"):
         check_supported(load_config(None, ["data.builtin=stdlib", "train.bptt_windows=2"]))
     check_supported(load_config(None, ["data.builtin=stdlib", "train.bptt=true", "train.bptt_windows=2"]))
-    # BPTT does not compose with TP/CP/PP or several processes yet: refused with its own message
+    # BPTT does not compose with TP/PP or data-parallel ranks yet (CP alone it does: test_parallel_cp.py)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="train.bptt with parallel.tp=2"):
         check_supported(load_config(None, ["data.builtin=stdlib", "train.bptt=true", "parallel.tp=2",

@@ -126,37 +126,55 @@ class Mamba2Mixer(nn.Module):
         bsz, seqlen, _ = u.shape
         zxbcdt = self.in_proj(u)
         z, xBC, dt = torch.split(zxbcdt, [self.d_inner, self.conv_dim, self.nheads], dim=-1)
-        conv_out = kernels.causal_conv1d(
+        xBC, conv_state = self.conv(xBC, seq_idx, None if state is None else state.conv, return_state)
+        x, B, C = torch.split(xBC, self.conv_sizes, dim=-1)
+        y, ssm_state = self.scan(
+            x.reshape(bsz, seqlen, self.nheads, self.headdim),
+            dt,
+            B.reshape(bsz, seqlen, self.ngroups, self.d_state),
+            C.reshape(bsz, seqlen, self.ngroups, self.d_state),
+            seq_idx,
+            None if state is None else state.ssm,
+            return_state,
+        )
+        out = self.norm_out_proj(y.reshape(bsz, seqlen, self.d_inner), z)
+        new_state = MambaState(conv=_fp32(conv_state), ssm=_fp32(ssm_state)) if return_state else None
+        return out, new_state
+
+    # conv and scan are methods so that a context-parallel plan (parallel/cp.py) can replace them
+    def conv(self, xBC, seq_idx, conv_state, return_state):
+        """silu(causal_conv1d(xBC)) [B, L, conv_dim] and, if asked, the final conv state (else None)."""
+        out = kernels.causal_conv1d(
             xBC,
             self.conv1d.weight,
             self.conv1d.bias,
-            initial_state=None if state is None else state.conv,
+            initial_state=conv_state,
             seq_idx=seq_idx,
             activation="silu",
             return_final_state=return_state,
         )
-        xBC, conv_state = conv_out if return_state else (conv_out, None)
-        x, B, C = torch.split(xBC, self.conv_sizes, dim=-1)
-        ssd_out = kernels.ssd(
-            x.reshape(bsz, seqlen, self.nheads, self.headdim),
+        return out if return_state else (out, None)
+
+    def scan(self, x, dt, B, C, seq_idx, ssm_state, return_state):
+        """SSD with the D skip (the gate is applied later, in the grouped norm): x [B, L, H, P], dt [B, L, H],
+        B/C [B, L, G, N]. Returns (y [B, L, H, P], final state [B, H, P, N] fp32 or None)."""
+        out = kernels.ssd(
+            x,
             dt,
             self._A(),
-            B.reshape(bsz, seqlen, self.ngroups, self.d_state),
-            C.reshape(bsz, seqlen, self.ngroups, self.d_state),
+            B,
+            C,
             D=self.D,
-            z=None,  # the gate is applied inside the grouped norm below
+            z=None,
             dt_bias=self.dt_bias,
             dt_softplus=True,
             dt_limit=self.dt_limit,
-            initial_states=None if state is None else state.ssm,
+            initial_states=ssm_state,
             seq_idx=seq_idx,
             chunk_size=self.chunk_size,
             return_final_states=return_state,
         )
-        y, ssm_state = ssd_out if return_state else (ssd_out, None)
-        out = self.norm_out_proj(y.reshape(bsz, seqlen, self.d_inner), z)
-        new_state = MambaState(conv=_fp32(conv_state), ssm=_fp32(ssm_state)) if return_state else None
-        return out, new_state
+        return out if return_state else (out, None)
 
     def step(self, u: torch.Tensor, state: MambaState) -> tuple[torch.Tensor, MambaState]:
         """One token: u [B, d_model] -> (out [B, d_model], new state). Resets are applied by the caller."""

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["COUNTS", "reset_counts", "all_reduce", "all_reduce_max", "all_gather_dim", "reduce_scatter_dim",
-           "world", "rank"]
+           "world", "rank", "gather_dim_autograd", "sum_fwd_identity_bwd"]
 
 COUNTS: Counter = Counter()
 
@@ -73,3 +73,43 @@ def reduce_scatter_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     COUNTS["reduce_scatter"] += 1
     dist.reduce_scatter_tensor(out, xs, group=group)
     return out if dim == 0 else out.movedim(0, dim)
+
+
+# ----------------------------------------------------------------------------------------------------
+# autograd-aware collectives (context parallelism)
+# ----------------------------------------------------------------------------------------------------
+class _GatherDim(torch.autograd.Function):
+    """fwd all-gather along `dim`; bwd reduce-scatter: each rank gets the sum over the ranks of the
+    gradients of its own slice (every rank's loss may read every slice)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return all_gather_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return reduce_scatter_dim(g, ctx.dim, ctx.group), None, None
+
+
+class _SumFwdIdentityBwd(torch.autograd.Function):
+    """fwd all-reduce (sum); bwd identity: every rank holds the global value, and each rank's backward
+    differentiates only its own term (the ranks' gradients are summed afterwards)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def gather_dim_autograd(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """all_gather_dim with a reduce-scatter backward. Every rank must use the result in its graph (or
+    none may): the backward is a collective."""
+    return x if world(group) == 1 else _GatherDim.apply(x, dim, group)
+
+
+def sum_fwd_identity_bwd(x: torch.Tensor, group) -> torch.Tensor:
+    return x if world(group) == 1 else _SumFwdIdentityBwd.apply(x, group)

@@ -1,8 +1,9 @@
 """The trainer's side of parallelism, in one place so that trainer.py only calls these:
 
     groups, device = setup(cfg, device)          init torch.distributed from torchrun env + groups
-    model = prepare_model(model, groups, cfg)    TP/SP plan (in place)
-    finish_grads(model, groups)                  TP partial-grad sync, then DP gradient average
+    model = prepare_model(model, groups, cfg)    TP/SP plan, CP plan, activation checkpointing (in place)
+    batch = local_batch(batch, groups)           CP: this rank's contiguous slice of every row
+    finish_grads(model, groups)                  TP partial-grad sync, CP gradient sum, DP gradient average
     clip_grad_norm(model, groups, max_norm)      norm of the canonical gradient (replicas counted once)
     mean_over_dp(x, groups)                      average a scalar tensor over data-parallel ranks
     model_state, optim_state = gather_states(model, optimizer, groups)   canonical (collective)
@@ -16,13 +17,14 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .cp import allreduce_cp_grads, apply_context_parallel, local_slice
 from .dp import allreduce_grads
 from .state import ParallelGroups, build_groups, init_distributed, single_process_groups
 from .tp import (apply_tensor_parallel, canonical_state_dict, clip_grad_norm_tp, load_canonical_optimizer_state,
                  load_canonical_state_dict, optimizer_state_to_canonical, plan_of, sync_tp_grads)
 
-__all__ = ["setup", "prepare_model", "finish_grads", "clip_grad_norm", "mean_over_dp", "gather_states",
-           "load_states", "barrier", "is_rank0"]
+__all__ = ["setup", "prepare_model", "local_batch", "finish_grads", "clip_grad_norm", "mean_over_dp",
+           "gather_states", "load_states", "barrier", "is_rank0"]
 
 
 def setup(cfg, device: torch.device) -> tuple[ParallelGroups, torch.device]:
@@ -40,12 +42,32 @@ def setup(cfg, device: torch.device) -> tuple[ParallelGroups, torch.device]:
 def prepare_model(model, groups: ParallelGroups, cfg):
     if groups.tp > 1:
         apply_tensor_parallel(model, groups.tp_group, sp=cfg.parallel.sp)
+    if groups.cp > 1:
+        apply_context_parallel(model, groups.cp_group)
+    if cfg.train.activation_checkpointing:
+        from .checkpointing import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model)
     return model
+
+
+# the per-token tensors of a batch (sliced along the sequence under CP); per-row ones (e.g. BPTT `reset`) stay
+_PER_TOKEN = ("tokens", "labels", "seq_idx")
+
+
+def local_batch(batch: dict, groups: ParallelGroups) -> dict:
+    """CP: this rank's contiguous slice of every row. Every CP rank of a data-parallel rank reads the same
+    batch (the data pipeline is indexed by the DP rank only), so the slices tile the rows."""
+    if groups.cp == 1:
+        return batch
+    return {k: local_slice(v, groups.cp_group) if k in _PER_TOKEN else v for k, v in batch.items()}
 
 
 def finish_grads(model, groups: ParallelGroups) -> None:
     if groups.tp > 1:
         sync_tp_grads(model)
+    if groups.cp > 1:  # each CP rank holds the gradient of its own tokens' share of the global loss
+        allreduce_cp_grads(list(model.parameters()), groups.cp_group)
     if groups.dp > 1:
         allreduce_grads(list(model.parameters()), groups.dp_group)
 

@@ -2,7 +2,7 @@
 
     init_distributed()                       # torch.distributed from the launcher's env (gloo CPU, nccl CUDA)
     groups = build_groups(tp=2)              # megatron.core.parallel_state underneath
-    groups.tp_group, groups.tp_rank, groups.dp_group, groups.dp_rank, ...
+    groups.tp_group, groups.tp_rank, groups.cp_group, groups.cp_rank, groups.dp_group, groups.dp_rank, ...
 
 megatron-core's `parallel_state.initialize_model_parallel` only creates `torch.distributed.new_group`s and
 works unchanged over gloo on CPU (verified: tests/test_parallel_tp.py runs it on gloo). We wrap it so that
@@ -37,6 +37,8 @@ class ParallelGroups:
     world_size: int = 1
     tp_group: object = None  # torch.distributed ProcessGroup or None (single process)
     dp_group: object = None
+    cp_rank: int = 0
+    cp_group: object = None  # context parallel: ranks holding the slices of the same rows (parallel/cp.py)
     megatron: bool = False  # built through megatron.core.parallel_state
 
     @property
@@ -95,6 +97,7 @@ def build_groups(tp: int = 1, cp: int = 1, pp: int = 1) -> ParallelGroups:
         tp_rank=ps.get_tensor_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank(),
         rank=dist.get_rank(), world_size=ws,
         tp_group=ps.get_tensor_model_parallel_group(), dp_group=ps.get_data_parallel_group(),
+        cp_rank=ps.get_context_parallel_rank(), cp_group=ps.get_context_parallel_group(),
         megatron=True,
     )
 
@@ -112,10 +115,17 @@ def rank_layout(world: int, tp: int, cp: int = 1, pp: int = 1) -> tuple[list, li
     return tp_groups, dp_groups
 
 
+def cp_layout(world: int, tp: int, cp: int = 1, pp: int = 1) -> list:
+    """Context-parallel groups (lists of global ranks) of the layout in rank_layout."""
+    dp = world // (tp * cp * pp)
+    return [[t + tp * (c + cp * (d + dp * p_)) for c in range(cp)]
+            for p_ in range(pp) for d in range(dp) for t in range(tp)]
+
+
 def _build_groups_torch(tp: int, cp: int, pp: int) -> ParallelGroups:
     ws, rank = dist.get_world_size(), dist.get_rank()
     tp_groups, dp_groups = rank_layout(ws, tp, cp, pp)
-    my_tp = my_dp = None
+    my_tp = my_dp = my_cp = None
     for ranks in tp_groups:  # every rank creates every group, in the same order
         g = dist.new_group(ranks)
         if rank in ranks:
@@ -124,9 +134,13 @@ def _build_groups_torch(tp: int, cp: int, pp: int) -> ParallelGroups:
         g = dist.new_group(ranks)
         if rank in ranks:
             my_dp, dp_ranks = g, ranks
+    for ranks in cp_layout(ws, tp, cp, pp):
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            my_cp, cp_ranks = g, ranks
     return ParallelGroups(tp=tp, cp=cp, pp=pp, dp=len(dp_ranks), tp_rank=tp_ranks.index(rank),
                           dp_rank=dp_ranks.index(rank), rank=rank, world_size=ws, tp_group=my_tp,
-                          dp_group=my_dp, megatron=False)
+                          dp_group=my_dp, cp_rank=cp_ranks.index(rank), cp_group=my_cp, megatron=False)
 
 
 def destroy() -> None:

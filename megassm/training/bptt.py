@@ -21,6 +21,8 @@ Semantics (docs/bptt.md):
     forward), and one backward runs through all K windows (gradients reach the earlier windows through the
     kernels' initial-state gradients). The states are detached after the backward, so no graph crosses an
     optimizer step. K = 1 is plain truncated BPTT: values carried, history cut at every step.
+  * Context parallelism (parallel/cp.py): every CP rank returns the same final states, so every rank's
+    carrier holds the same rows; the window losses are weighted by the whole rows' token counts.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import time
 import torch
 
 from megassm.models.state import KVCache, MambaState, detach_states, reset_states
+from megassm.parallel.cp import global_token_count
 
 log = logging.getLogger("megassm.bptt")
 
@@ -177,7 +180,7 @@ class StateCarrier:
                             states=states, return_states=True)
             self.end(m, out.states, detach=False)
             losses.append(out.loss)
-            counts.append((batch["labels"] != -100).sum())
+            counts.append(global_token_count(model, batch["labels"]))  # CP: the whole rows' count
         if len(losses) == 1:
             loss = losses[0]
         else:

@@ -38,12 +38,15 @@ class NonFiniteLossError(RuntimeError):
 def check_supported(cfg: Config) -> None:
     """Refuse layouts this build cannot run yet, before any model is built or a GPU is touched."""
     p = cfg.parallel
-    missing = [f"parallel.{k}={getattr(p, k)}" for k in ("cp", "pp") if getattr(p, k) != 1]
+    missing = [f"parallel.{k}={getattr(p, k)}" for k in ("pp",) if getattr(p, k) != 1]
     if missing:
         raise ConfigError(
-            f"{', '.join(missing)}: context and pipeline parallelism are not built in this version of megassm; "
-            "set them to 1 (tensor, sequence and plain data parallelism are: docs/parallelism.md)"
+            f"{', '.join(missing)}: pipeline parallelism is not built in this version of megassm; "
+            "set it to 1 (tensor, sequence, context and plain data parallelism are: docs/parallelism.md)"
         )
+    if p.sp and p.cp > 1:
+        raise ConfigError(f"parallel.sp=true with parallel.cp={p.cp}: sequence parallelism combined with context "
+                          "parallelism is not built; set parallel.sp=false (TP x CP without SP is)")
     if p.sp and p.tp == 1:
         raise ConfigError("parallel.sp=true needs parallel.tp > 1 (sequence parallelism shards over the TP group)")
     if p.sp and cfg.train.seq_len % p.tp:
@@ -60,13 +63,14 @@ def check_supported(cfg: Config) -> None:
         )
     if cfg.train.bptt_windows != 1 and not cfg.train.bptt:
         raise ConfigError(f"train.bptt_windows={cfg.train.bptt_windows} needs train.bptt=true")
-    if cfg.train.bptt:  # BPTT state carrying (training/bptt.py, docs/bptt.md): single process, no TP/CP/PP yet
-        unbuilt = [f"parallel.{k}={getattr(p, k)}" for k in ("tp", "cp", "pp") if getattr(p, k) != 1]
-        if unbuilt or world_size(cfg) != 1:
+    if cfg.train.bptt:  # BPTT state carrying (training/bptt.py, docs/bptt.md): one process, or CP ranks only
+        unbuilt = [f"parallel.{k}={getattr(p, k)}" for k in ("tp", "pp") if getattr(p, k) != 1]
+        if unbuilt or world_size(cfg) != p.cp:
             raise ConfigError(
                 f"train.bptt with {', '.join(unbuilt) or f'world size {world_size(cfg)}'}: carrying recurrent state "
-                "is built for one process without tensor/context/pipeline parallelism (states sharded by heads, "
-                "handed across CP ranks, kept per PP stage, and checkpointed per data-parallel rank are not built yet)"
+                "is built for one process or context parallelism alone (every CP rank holds the same final states); "
+                "states sharded by heads (TP), kept per PP stage, and checkpointed per data-parallel rank are not "
+                "built yet"
             )
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda but no CUDA device is visible (use train.device=auto or cpu)")
@@ -201,6 +205,7 @@ class Trainer:
 
     def _to_device(self, batch: dict) -> dict:
         nb = self.device.type == "cuda"
+        batch = prt.local_batch(batch, self.groups)  # CP: this rank's slice of every row
         return {k: v.to(self.device, non_blocking=nb) for k, v in batch.items()}
 
     def train_step(self) -> StepResult:

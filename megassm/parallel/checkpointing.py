@@ -1,0 +1,44 @@
+"""Activation checkpointing per block (train.activation_checkpointing), applied from outside after the
+TP/SP, CP and PP plans:
+
+    apply_activation_checkpointing(model)    # in place
+
+Each residual block keeps only its inputs in the forward and recomputes its activations in the backward
+(torch.utils.checkpoint, non-reentrant): activation memory drops from all of a block's intermediates to
+one [B, L, d_model] pair per block, for about one extra forward. Non-reentrant checkpointing calls the
+block again with the very same argument objects, which the context-parallel plan relies on (its per-forward
+context rides on the seq_idx tensor), and it supports the block's (hidden, residual, state) outputs.
+"""
+from __future__ import annotations
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megassm.models.blocks import Block
+
+__all__ = ["apply_activation_checkpointing"]
+
+
+class _CheckpointedBlock:
+    """Mixin over Block: the forward runs under torch.utils.checkpoint."""
+
+    def forward(self, *args, **kwargs):
+        # the blocks draw no random numbers (no dropout): no RNG state to save and restore
+        return checkpoint(super().forward, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
+
+
+_CLASSES: dict = {}
+
+
+def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
+    """Checkpoint every residual block of `model` (a LanguageModel, possibly already parallel)."""
+    for layer in model.layers:
+        if not isinstance(layer, Block):
+            raise ValueError(f"activation checkpointing: {type(layer).__name__} is not a residual block")
+        cls = type(layer)
+        if issubclass(cls, _CheckpointedBlock):
+            continue
+        if cls not in _CLASSES:
+            _CLASSES[cls] = type(f"Checkpointed{cls.__name__}", (_CheckpointedBlock, cls), {})
+        layer.__class__ = _CLASSES[cls]
+    return model

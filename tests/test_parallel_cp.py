@@ -1,0 +1,245 @@
+"""Context parallelism (chunk states passed between ranks) over gloo, as real processes.
+
+CP in {2, 4} and TP x CP = 2 x 2 against the single-device model on the same canonical weights
+(megassm/parallel/cp_testing.py): pure Mamba-2 and the M*M- hybrid with full and sliding-window attention,
+rows whose documents cross rank boundaries, resets exactly at rank boundaries, one-token documents, carried
+initial states, and two windows chained through their final states with one backward: logits, loss, final
+states, every parameter gradient and the initial states' gradients to 1e-5 (fp32). Then the collectives
+each forward/backward issues, `torchrun -m megassm.train` with parallel.cp=2 (plain, with DP, TP x CP, and
+BPTT + sliding window + activation checkpointing) giving the single-process losses, a CP checkpoint resumed
+at CP=1, and the config refusals."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megassm.config import ConfigError, load_config
+from megassm.parallel.cp_testing import cp_equivalence_worker
+from megassm.parallel.testing import free_port, spawn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# seqlen 28: 14 tokens per rank at cp=2, 7 at cp=4 (odd); window 9 reaches back over two cp=4 ranks
+CASES = [
+    dict(pattern="MM", ngroups=2),  # grouped B/C (2 groups of 4 heads)
+    dict(pattern="M*M-", tie=False),  # full attention
+    dict(pattern="M*M-", window=5),
+    dict(pattern="M*M-", window=9, n_kv_heads=1),
+]
+
+
+def _check_counts(rec):
+    """Per forward: one all-gather of document-id boundaries, 2 per Mamba-2 layer (halo, states), 1 per
+    attention layer (K/V), one all-reduce (loss and token count). The backward (two chained windows)
+    reduce-scatters once per all-gather of a layer, and nothing else."""
+    n_m, n_a = rec["kinds"].count("M"), rec["kinds"].count("*")
+    assert rec["fwd_counts"] == {"all_gather": 1 + 2 * n_m + n_a, "all_reduce": 1}, rec["fwd_counts"]
+    assert rec["bwd_counts"] == {"reduce_scatter": 2 * (2 * n_m + n_a)}, rec["bwd_counts"]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_matches_single_device(tmp_path, cp):
+    out = tmp_path / "report.json"
+    spawn(cp_equivalence_worker, cp, cp, 1, CASES, str(out))
+    report = json.loads(out.read_text())
+    assert len(report) == len(CASES)
+    for rec in report:
+        for k in ("logits_rel", "loss_rel", "worst_grad_rel", "max_state_rel", "max_init_grad_rel"):
+            assert rec[k] <= 1e-5, (k, rec)
+        # conv + ssm per Mamba-2 layer, k + v per attention layer: every initial state's gradient checked
+        assert len(rec["init_grad_rel"]) == 2 * (rec["kinds"].count("M") + rec["kinds"].count("*"))
+        _check_counts(rec)
+
+
+def test_tp2_x_cp2_matches_single_device(tmp_path):
+    """TP shards heads first, CP hands over the local heads' states. ngroups=1: B/C replicated over TP and the
+    fused norm path; n_kv_heads=1: K/V replicated over TP."""
+    out = tmp_path / "report.json"
+    cases = [dict(pattern="MM", ngroups=1), dict(pattern="M*M-", ngroups=2, window=9, n_kv_heads=1)]
+    spawn(cp_equivalence_worker, 4, 2, 2, cases, str(out))
+    report = json.loads(out.read_text())
+    assert [r["tp"] for r in report] == [2, 2] and [r["cp"] for r in report] == [2, 2]
+    for rec in report:
+        assert rec["worst_grad_rel"] <= 1e-5 and rec["max_state_rel"] <= 1e-5 and rec["logits_rel"] <= 1e-5, rec
+
+
+@pytest.mark.slow
+def test_cp2_with_triton_kernels_interpreted(tmp_path, monkeypatch):
+    """The Triton SSD / conv kernels (Triton's CPU interpreter) under CP: the local SSD without an initial
+    state, its final state and that state's gradient, seq_idx with global ids. ~30 s."""
+    monkeypatch.setenv("MEGASSM_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out = tmp_path / "report.json"
+    spawn(cp_equivalence_worker, 2, 2, 1, [dict(pattern="MM", ngroups=2)], str(out))
+    assert json.loads(out.read_text())[0]["worst_grad_rel"] <= 1e-5
+
+
+def test_cp_layout():
+    """The plain-torch fallback's CP groups (order tp-cp-dp-pp, tp fastest); the equivalence workers check
+    that megatron-core's groups are among them."""
+    from megassm.parallel.state import cp_layout
+
+    assert cp_layout(4, 1, 2) == [[0, 1], [2, 3]]  # CP 2 x DP 2
+    assert cp_layout(4, 2, 2) == [[0, 2], [1, 3]]  # TP 2 x CP 2
+    assert cp_layout(16, 2, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+
+
+# ----------------------------------------------------------------------------------------------------
+# the trainer
+# ----------------------------------------------------------------------------------------------------
+TINY = [
+    "data.builtin=stdlib", "model.pattern=M*M-", "model.d_model=64", "model.mamba.d_state=16",
+    "model.mamba.headdim=16", "model.mamba.chunk_size=16", "model.attn.n_heads=4", "model.attn.n_kv_heads=2",
+    "model.mlp.ffn_hidden=128", "train.seq_len=48", "train.micro_batch=2", "train.global_batch=4",
+    "train.log_interval=1", "train.eval_interval=0", "optim.warmup_steps=2", "optim.lr=3e-3",
+    "run.progress=false", "run.tensorboard=false", "train.steps=4", "train.device=cpu",
+]
+
+
+def _run(run_dir, nproc=1, extra=(), resume=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    args = ["--config", "configs/tiny.yaml", *TINY, f"run.dir={run_dir}", *extra]
+    if resume:
+        args += ["--resume", str(resume)]
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "megassm.train", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_port", str(free_port()), "-m", "megassm.train", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    lines = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    return {d["step"]: d["loss"] for d in lines if "loss" in d}
+
+
+def _close(a, b, rel=1e-5):
+    return set(a) == set(b) and all(abs(a[s] - b[s]) <= rel * abs(b[s]) for s in b)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("cp-train") / "single", extra=["run.save_interval=2"])
+
+
+def test_torchrun_cp2_matches_single_process_and_resumes_at_cp1(single, tmp_path):
+    cp2 = _run(tmp_path / "cp2", nproc=2, extra=["parallel.cp=2", "run.save_interval=2"])
+    assert sorted(cp2) == [1, 2, 3, 4] and _close(cp2, single), (cp2, single)
+    # the checkpoint is the single-device one: resume it without CP
+    resumed = _run(tmp_path / "r", extra=["run.save_interval=2"], resume=tmp_path / "cp2" / "checkpoints" / "step_00000002")
+    assert _close(resumed, {s: single[s] for s in (3, 4)}), (resumed, single)
+
+
+@pytest.mark.parametrize("extra", [["parallel.cp=2"], ["parallel.cp=2", "parallel.tp=2"]], ids=["cp2-dp2", "tp2-cp2"])
+def test_torchrun_cp2_on_4_ranks(single, tmp_path, extra):
+    assert _close(_run(tmp_path / "par", nproc=4, extra=extra), single)
+
+
+def test_torchrun_cp2_bptt_window_checkpointing(tmp_path):
+    """BPTT with K=2 windows per step, sliding-window attention (its KV cache is carried) and activation
+    checkpointing: CP=2 gives the single-process losses."""
+    extra = ["train.bptt=true", "train.bptt_windows=2", "model.attn.sliding_window=20",
+             "train.activation_checkpointing=true"]
+    one = _run(tmp_path / "one", extra=extra)
+    two = _run(tmp_path / "two", nproc=2, extra=[*extra, "parallel.cp=2"])
+    assert _close(two, one), (two, one)
+
+
+# ----------------------------------------------------------------------------------------------------
+# in-process
+# ----------------------------------------------------------------------------------------------------
+def _cfg(*over):
+    return load_config(None, ["data.builtin=stdlib", "model.pattern=M*M-", "model.d_model=64",
+                              "model.mamba.headdim=16", "train.micro_batch=1", "train.global_batch=4",
+                              "run.progress=false", *over])
+
+
+def test_config_refusals(monkeypatch):
+    from megassm.training.trainer import check_supported
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match=r"train.seq_len=50 must be divisible by parallel.cp"):
+        _cfg("parallel.cp=4", "train.seq_len=50")
+    with pytest.raises(ConfigError, match=r"2 tokens per rank is shorter than the Mamba-2 conv halo"):
+        _cfg("parallel.cp=4", "train.seq_len=8")
+    _cfg("parallel.cp=4", "train.seq_len=8", "model.mamba.d_conv=3")  # halo 2 fits
+    check_supported(_cfg("parallel.cp=2"))  # CP x DP
+    check_supported(_cfg("parallel.cp=2", "parallel.tp=2"))  # TP x CP
+    check_supported(_cfg("parallel.cp=4", "train.bptt=true"))  # BPTT over CP ranks alone
+    with pytest.raises(ConfigError, match=r"parallel.sp=true with parallel.cp=2"):
+        check_supported(_cfg("parallel.cp=2", "parallel.tp=2", "parallel.sp=true"))
+    with pytest.raises(ConfigError, match=r"train.bptt with world size 4"):
+        check_supported(_cfg("parallel.cp=2", "train.bptt=true"))  # CP x DP: carried states per DP rank
+    with pytest.raises(ConfigError, match=r"train.bptt with parallel.tp=2"):
+        check_supported(_cfg("parallel.cp=2", "parallel.tp=2", "train.bptt=true"))
+
+
+def test_local_slice_and_single_rank_noop():
+    from megassm.models import build_model
+    from megassm.parallel.cp import apply_context_parallel, local_slice
+    from megassm.parallel.testing import tiny_model_config
+
+    t = torch.arange(12).view(2, 6)
+    assert torch.equal(local_slice(t, None), t)
+    model = build_model(tiny_model_config("M*M-"))
+    assert apply_context_parallel(model, None) is model and not hasattr(model, "cp_plan")
+
+
+def test_activation_checkpointing_same_gradients():
+    """train.activation_checkpointing: per-block torch.utils.checkpoint gives the same loss, gradients and
+    final states as the plain model (and keeps states flowing through the checkpointed blocks)."""
+    from megassm.models import build_model
+    from megassm.parallel.checkpointing import apply_activation_checkpointing
+    from megassm.parallel.cp_testing import cp_batch
+    from megassm.parallel.testing import tiny_model_config
+
+    cfg = tiny_model_config("M*M-")
+    cfg.attn.sliding_window = 6
+    models = []
+    for ckpt in (False, True):
+        m = build_model(cfg)
+        m.init_weights(3)
+        if ckpt:
+            apply_activation_checkpointing(m)
+        b = cp_batch(cfg.vocab_size)
+        out = m(b["tokens"], seq_idx=b["seq_idx"], labels=b["labels"], return_states=True)
+        (out.loss + out.states[0].ssm.square().sum()).backward()
+        models.append((m, out))
+    (m0, o0), (m1, o1) = models
+    assert type(m1.layers[0]).__name__.startswith("Checkpointed")
+    assert torch.equal(o0.loss, o1.loss)
+    assert torch.equal(o0.states[0].ssm, o1.states[0].ssm) and torch.equal(o0.states[1].k, o1.states[1].k)
+    for (n, p0), p1 in zip(m0.named_parameters(), m1.parameters()):
+        assert torch.allclose(p0.grad, p1.grad, rtol=1e-6, atol=1e-9), n
+
+
+def test_state_readout_gradcheck_and_bf16():
+    """The correction's autograd function (recomputing C . h in its backward): exact gradients in fp64
+    (gradcheck, 2 groups of 2 heads, a reset inside the slice), and under bf16 C the same values and
+    gradients as the fp32 computation up to bf16 rounding."""
+    from megassm.parallel.cp import _StateReadout
+
+    g = torch.Generator().manual_seed(0)
+    Bz, L, G, N, H, P = 2, 5, 2, 3, 4, 2
+    C = torch.randn(Bz, L, G, N, generator=g, dtype=torch.float64, requires_grad=True)
+    h = torch.randn(Bz, H, P, N, generator=g, dtype=torch.float64, requires_grad=True)
+    cs = (-torch.rand(Bz, L, H, generator=g, dtype=torch.float64)).cumsum(1).requires_grad_()
+    alive = torch.ones(Bz, L, dtype=torch.bool)
+    alive[0, 3:] = False
+    assert torch.autograd.gradcheck(lambda c, s, x: _StateReadout.apply(c, s, x, alive, torch.float64), (C, h, cs))
+    # the forward against the formula
+    ref = torch.einsum("blgn,bgrpn->blgrp", C, h.view(Bz, G, H // G, P, N)).reshape(Bz, L, H, P)
+    ref = ref * (torch.exp(cs) * alive[..., None])[..., None]
+    assert torch.allclose(_StateReadout.apply(C, h, cs, alive, torch.float64), ref)
+
+    C32, h32, cs32 = (t.detach().float().requires_grad_() for t in (C, h, cs))
+    Cbf = C32.detach().bfloat16().requires_grad_()
+    outs = []
+    for c in (C32, Cbf):
+        out = _StateReadout.apply(c, h32, cs32, alive, torch.float32)
+        out.square().sum().backward()
+        outs.append(out.detach())
+    assert Cbf.grad.dtype == torch.bfloat16 and h32.grad.dtype == torch.float32
+    assert torch.allclose(outs[0], outs[1], rtol=3e-2, atol=3e-2)
