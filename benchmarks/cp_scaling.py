@@ -169,6 +169,18 @@ def run(cfg_path, cp, seq_len, micro, steps, warmup, ckpt, comm_share, overrides
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         t_step = timed()
+        if os.environ.get("CP_PROFILE") and cp > 1:  # GPU time by kernel on rank 0 (diagnosis, not a figure)
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step()
+                _sync()
+            if dist.get_rank() == 0:
+                ev = sorted((e for e in prof.key_averages() if e.device_time_total > 0),
+                            key=lambda e: -e.device_time_total)[:18]
+                for e in ev:
+                    print(json.dumps({"kernel": e.key[:80], "ms": round(e.device_time_total / 1e3, 1),
+                                      "calls": e.count}), flush=True)
         row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if DEV == "cuda" else 0.0
         if comm_share and cp > 1:
             with _no_comm():

@@ -219,7 +219,9 @@ class _CPMamba2:
             dtp = F.softplus(dtp)
             if self.dt_limit is not None:
                 dtp = dtp.clamp(min=self.dt_limit[0], max=self.dt_limit[1])
-            cs = (dtp * self._A().to(cdt)).cumsum(dim=1)  # [B, L, H] log-decay from the slice start
+            # [B, L, H] log-decay from the slice start; scanned along a contiguous last dim (torch's scan over an
+            # outer dim took 2.9 ms per call at 16K tokens on an H200, a third of the CP step)
+            cs = (dtp * self._A().to(cdt)).transpose(1, 2).contiguous().cumsum(dim=-1).transpose(1, 2)
             buf = torch.cat([S.to(cdt).reshape(bsz, H * P * N), cs[:, -1]], dim=1)
             allb = comm.gather_dim_autograd(buf[None], 0, ctx.plan.group)  # [R, B, HPN + H]
             S_all = allb[..., : H * P * N].reshape(R, bsz, H, P, N)
