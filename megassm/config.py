@@ -133,6 +133,8 @@ class ParallelConfig:
     tp: int = 1
     cp: int = 1
     pp: int = 1
+    pp_schedule: str = "1f1b"  # 1f1b | gpipe (torch.distributed.pipelining schedules; docs/parallelism.md)
+    pp_virtual: int = 1  # stages per pipeline rank (> 1: interleaved 1F1B)
     sp: bool = False
     engine: str = "ddp"  # ddp | fsdp2 | deepspeed
     zero_stage: int = 0
@@ -477,5 +479,20 @@ def validate(cfg: Config) -> None:
          f"batch triad: train.global_batch={t.global_batch} must be a multiple of "
          f"train.micro_batch x data-parallel ranks = {t.micro_batch} x {dp}")
     n_stages = m.pattern.count("|") + 1
-    need(p.pp == 1 or n_stages in (1, p.pp),
-         f"model.pattern has {n_stages} stages (cut by '|') but parallel.pp={p.pp}")
+    need(p.pp_schedule in ("1f1b", "gpipe"), f"parallel.pp_schedule must be 1f1b or gpipe, got '{p.pp_schedule}'")
+    need(p.pp_virtual >= 1, f"parallel.pp_virtual must be >= 1, got {p.pp_virtual}")
+    need(p.pp_virtual == 1 or p.pp > 1, f"parallel.pp_virtual={p.pp_virtual} needs parallel.pp > 1")
+    pipe = p.pp * p.pp_virtual
+    need(p.pp == 1 or n_stages in (1, pipe),
+         f"model.pattern has {n_stages} stages (cut by '|') but parallel.pp x parallel.pp_virtual = {pipe}")
+    need(pipe == 1 or n_stages == 1 or all(blocks_of(st) for st in m.pattern.split("|")),
+         f"model.pattern '{m.pattern}': every pipeline stage (between '|') needs at least one block")
+    need(pipe == 1 or len(blocks_of(m.pattern)) >= pipe,
+         f"model.pattern has {len(blocks_of(m.pattern))} blocks, fewer than the parallel.pp x parallel.pp_virtual "
+         f"= {pipe} pipeline stages")
+    accum = t.global_batch // max(t.micro_batch * dp, 1)
+    rounds = max(1, accum // p.pp)
+    need(p.pp_virtual == 1 or p.pp_schedule != "1f1b" or accum % rounds == 0,
+         f"parallel.pp_virtual={p.pp_virtual} (interleaved 1F1B): the {accum} micro-batches of a step "
+         f"(train.global_batch / (train.micro_batch x data-parallel ranks)) must be a multiple of "
+         f"max(1, micro-batches // parallel.pp) = {rounds}")

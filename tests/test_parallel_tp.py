@@ -44,7 +44,7 @@ def _cfg(*over):
                               "run.progress=false", *over])
 
 
-def test_check_supported_allows_tp_cp_refuses_pp(monkeypatch):
+def test_check_supported_allows_tp_cp_pp(monkeypatch):
     from megassm.training.trainer import check_supported
 
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -52,8 +52,8 @@ def test_check_supported_allows_tp_cp_refuses_pp(monkeypatch):
     check_supported(_cfg("parallel.tp=2", "parallel.sp=true"))
     check_supported(_cfg())  # pure data parallel, 2 ranks
     check_supported(_cfg("parallel.cp=2"))  # context parallel (tests/test_parallel_cp.py)
-    for over, word in ((["parallel.pp=2"], "parallel.pp=2"),
-                       (["parallel.engine=fsdp2"], "engine=fsdp2")):
+    check_supported(_cfg("parallel.pp=2"))  # pipeline parallel (tests/test_parallel_pp.py)
+    for over, word in ((["parallel.engine=fsdp2"], "engine=fsdp2"),):
         with pytest.raises(ConfigError, match=word):
             check_supported(_cfg(*over))
     monkeypatch.setenv("WORLD_SIZE", "1")

@@ -125,6 +125,11 @@ class LanguageModel(nn.Module):
         return reset_states(states, reset)
 
     # ------------------------------------------------------------------------------------------------
+    def _check_whole(self) -> None:
+        if getattr(self, "pp_plan", None) is not None:
+            raise RuntimeError("this model holds pipeline stages only (megassm.parallel.pp.split_model): run it "
+                               "through megassm.parallel.pp.train_step / eval_losses")
+
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
             return F.linear(h, self.embedding.weight)
@@ -141,6 +146,7 @@ class LanguageModel(nn.Module):
         """tokens [B, L] int64; seq_idx [B, L] document ids (nondecreasing per row; no state crosses a
         change); labels [B, L] (-100 = ignored); states: per-block initial states, applied to the first
         document of each row (zero a row's state first if that row starts a new document)."""
+        self._check_whole()
         if states is not None and len(states) != self.n_layers:
             raise ValueError(f"states has {len(states)} entries, the model has {self.n_layers} blocks")
         if seq_idx is not None:
@@ -186,6 +192,7 @@ class LanguageModel(nn.Module):
         document (that row's states are cleared first). Returns (logits [B, vocab_size_padded], new states);
         the states passed in are not modified. Padded vocabulary entries are not masked: sample from
         logits[:, :model.vocab_size]."""
+        self._check_whole()
         if len(states) != self.n_layers:
             raise ValueError(f"states has {len(states)} entries, the model has {self.n_layers} blocks")
         if reset is not None:

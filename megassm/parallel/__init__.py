@@ -5,12 +5,14 @@
     layers.py  row-parallel linear, vocab-parallel embedding and cross-entropy, TP regions
     sp.py      sequence-parallel gather / reduce-scatter
     cp.py      context parallel plan: apply_context_parallel (chunk states passed between ranks)
+    pp.py      pipeline parallelism: split_model, apply_pipeline_parallel, train_step (torch.distributed.pipelining)
     checkpointing.py  per-block activation checkpointing: apply_activation_checkpointing
     dp.py      plain data-parallel gradient all-reduce (until the engines land)
     comm.py    counted collectives
 See docs/parallelism.md.
 """
 from .cp import apply_context_parallel  # noqa: F401
+from .pp import apply_pipeline_parallel, split_model  # noqa: F401
 from .state import ParallelGroups, build_groups, init_distributed  # noqa: F401
 from .tp import (  # noqa: F401
     apply_tensor_parallel,

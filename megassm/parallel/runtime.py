@@ -1,9 +1,12 @@
 """The trainer's side of parallelism, in one place so that trainer.py only calls these:
 
     groups, device = setup(cfg, device)          init torch.distributed from torchrun env + groups
-    model = prepare_model(model, groups, cfg)    TP/SP plan, CP plan, activation checkpointing (in place)
+    model = init_model(model, groups, cfg)       canonical weights (PP: this rank's stages of a meta model)
+    model = prepare_model(model, groups, cfg)    TP/SP plan, CP plan, PP stages, activation checkpointing
+    loss_sum = pipeline_step(model, batches, autocast)   PP: one step's forward + backward (schedule)
     batch = local_batch(batch, groups)           CP: this rank's contiguous slice of every row
-    finish_grads(model, groups)                  TP partial-grad sync, CP gradient sum, DP gradient average
+    finish_grads(model, groups)                  TP partial-grad sync, PP tied-embedding sum, CP gradient sum,
+                                                 DP gradient average
     clip_grad_norm(model, groups, max_norm)      norm of the canonical gradient (replicas counted once)
     mean_over_dp(x, groups)                      average a scalar tensor over data-parallel ranks
     model_state, optim_state = gather_states(model, optimizer, groups)   canonical (collective)
@@ -18,13 +21,14 @@ import torch.distributed as dist
 
 from . import comm
 from .cp import allreduce_cp_grads, apply_context_parallel, local_slice
+from . import pp as ppl
 from .dp import allreduce_grads
 from .state import ParallelGroups, build_groups, init_distributed, single_process_groups
 from .tp import (apply_tensor_parallel, canonical_state_dict, clip_grad_norm_tp, load_canonical_optimizer_state,
                  load_canonical_state_dict, optimizer_state_to_canonical, plan_of, sync_tp_grads)
 
-__all__ = ["setup", "prepare_model", "local_batch", "finish_grads", "clip_grad_norm", "mean_over_dp",
-           "gather_states", "load_states", "barrier", "is_rank0"]
+__all__ = ["setup", "init_model", "prepare_model", "pipeline_step", "pipeline_eval", "local_batch", "finish_grads",
+           "clip_grad_norm", "mean_over_dp", "gather_states", "load_states", "barrier", "is_rank0"]
 
 
 def setup(cfg, device: torch.device) -> tuple[ParallelGroups, torch.device]:
@@ -39,11 +43,26 @@ def setup(cfg, device: torch.device) -> tuple[ParallelGroups, torch.device]:
     return build_groups(tp=p.tp, cp=p.cp, pp=p.pp), device
 
 
+def init_model(model, groups: ParallelGroups, cfg):
+    """Canonical weights for `model`. PP: `model` is built on the meta device; this rank keeps its
+    stages only (parallel/pp.py), materialized on the CPU, each parameter initialized by its global name."""
+    if groups.pp == 1:
+        model.init_weights(cfg.train.seed)
+        return model
+    ppl.split_model(model, groups.pp, groups.pp_rank, virtual=cfg.parallel.pp_virtual, group=groups.pp_group,
+                    emb_group=groups.emb_group)
+    model.to_empty(device="cpu")
+    ppl.init_stage_weights(model, cfg.train.seed)
+    return model
+
+
 def prepare_model(model, groups: ParallelGroups, cfg):
     if groups.tp > 1:
         apply_tensor_parallel(model, groups.tp_group, sp=cfg.parallel.sp)
     if groups.cp > 1:
         apply_context_parallel(model, groups.cp_group)
+    if groups.pp > 1:
+        ppl.apply_pipeline_parallel(model, schedule=cfg.parallel.pp_schedule)
     if cfg.train.activation_checkpointing:
         from .checkpointing import apply_activation_checkpointing
 
@@ -63,9 +82,21 @@ def local_batch(batch: dict, groups: ParallelGroups) -> dict:
     return {k: local_slice(v, groups.cp_group) if k in _PER_TOKEN else v for k, v in batch.items()}
 
 
+def pipeline_step(model, batches: list, autocast) -> torch.Tensor:
+    """PP: forward + backward of the step's micro-batches; the sum of their losses on every rank."""
+    return ppl.train_step(model, batches, autocast)
+
+
+def pipeline_eval(model, batches: list, autocast) -> torch.Tensor:
+    """PP: the sum of the batches' losses (forward only) on every rank."""
+    return ppl.eval_losses(model, batches, autocast)
+
+
 def finish_grads(model, groups: ParallelGroups) -> None:
     if groups.tp > 1:
         sync_tp_grads(model)
+    if groups.pp > 1:  # tied embeddings: the first stage's and the last stage's copy summed
+        ppl.sync_embedding_grads(model)
     if groups.cp > 1:  # each CP rank holds the gradient of its own tokens' share of the global loss
         allreduce_cp_grads(list(model.parameters()), groups.cp_group)
     if groups.dp > 1:
@@ -73,6 +104,8 @@ def finish_grads(model, groups: ParallelGroups) -> None:
 
 
 def clip_grad_norm(model, groups: ParallelGroups, max_norm: float) -> float:
+    if ppl.pp_plan_of(model) is not None:  # norm over the stages (and TP inside each)
+        return ppl.clip_grad_norm_pp(model, max_norm)
     if plan_of(model) is not None:
         return clip_grad_norm_tp(model, max_norm)
     from megassm.training.optim import clip_grad_norm as single
@@ -89,6 +122,8 @@ def mean_over_dp(x: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
 def gather_states(model, optimizer, groups: ParallelGroups):
     """(model_state, optim_state) in the canonical layout, or (None, None) without TP (the checkpoint then
     takes model.state_dict() itself). Collective over the TP group: call on every rank."""
+    if ppl.pp_plan_of(model) is not None:  # PP: the stages' states gathered to rank 0
+        return ppl.gather_canonical_states(model, optimizer, groups)
     if plan_of(model) is None:
         return None, None
     return canonical_state_dict(model), optimizer_state_to_canonical(optimizer, model)
@@ -98,6 +133,9 @@ def load_states(path: str, model, optimizer) -> None:
     from megassm.training.checkpoint import read_model_and_optim
 
     model_state, optim_state = read_model_and_optim(path)
+    if ppl.pp_plan_of(model) is not None:
+        ppl.load_canonical_states(model, optimizer, model_state, optim_state)
+        return
     load_canonical_state_dict(model, model_state)
     if optimizer is not None and optim_state is not None:
         load_canonical_optimizer_state(optimizer, model, optim_state)

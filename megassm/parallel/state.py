@@ -39,6 +39,9 @@ class ParallelGroups:
     dp_group: object = None
     cp_rank: int = 0
     cp_group: object = None  # context parallel: ranks holding the slices of the same rows (parallel/cp.py)
+    pp_rank: int = 0
+    pp_group: object = None  # pipeline parallel: the ranks holding the stages of one model replica (parallel/pp.py)
+    emb_group: object = None  # pp > 1, first and last pipeline rank only: the tied-embedding gradient sum
     megatron: bool = False  # built through megatron.core.parallel_state
 
     @property
@@ -98,6 +101,9 @@ def build_groups(tp: int = 1, cp: int = 1, pp: int = 1) -> ParallelGroups:
         rank=dist.get_rank(), world_size=ws,
         tp_group=ps.get_tensor_model_parallel_group(), dp_group=ps.get_data_parallel_group(),
         cp_rank=ps.get_context_parallel_rank(), cp_group=ps.get_context_parallel_group(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(), pp_group=ps.get_pipeline_model_parallel_group(),
+        emb_group=(ps.get_embedding_group(check_initialized=False)
+                   if pp > 1 and ps.is_rank_in_embedding_group() else None),
         megatron=True,
     )
 
@@ -122,6 +128,13 @@ def cp_layout(world: int, tp: int, cp: int = 1, pp: int = 1) -> list:
             for p_ in range(pp) for d in range(dp) for t in range(tp)]
 
 
+def pp_layout(world: int, tp: int, cp: int = 1, pp: int = 1) -> list:
+    """Pipeline groups (lists of global ranks, stage order) of the layout in rank_layout."""
+    dp = world // (tp * cp * pp)
+    return [[t + tp * (c + cp * (d + dp * p_)) for p_ in range(pp)]
+            for d in range(dp) for c in range(cp) for t in range(tp)]
+
+
 def _build_groups_torch(tp: int, cp: int, pp: int) -> ParallelGroups:
     ws, rank = dist.get_world_size(), dist.get_rank()
     tp_groups, dp_groups = rank_layout(ws, tp, cp, pp)
@@ -138,9 +151,20 @@ def _build_groups_torch(tp: int, cp: int, pp: int) -> ParallelGroups:
         g = dist.new_group(ranks)
         if rank in ranks:
             my_cp, cp_ranks = g, ranks
+    my_pp = my_emb = None
+    for ranks in pp_layout(ws, tp, cp, pp):
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            my_pp, pp_ranks = g, ranks
+    if pp > 1:  # the first and last stage of every pipeline (Megatron's embedding groups)
+        for ranks in pp_layout(ws, tp, cp, pp):
+            g = dist.new_group([ranks[0], ranks[-1]])
+            if rank in (ranks[0], ranks[-1]):
+                my_emb = g
     return ParallelGroups(tp=tp, cp=cp, pp=pp, dp=len(dp_ranks), tp_rank=tp_ranks.index(rank),
                           dp_rank=dp_ranks.index(rank), rank=rank, world_size=ws, tp_group=my_tp,
-                          dp_group=my_dp, cp_rank=cp_ranks.index(rank), cp_group=my_cp, megatron=False)
+                          dp_group=my_dp, cp_rank=cp_ranks.index(rank), cp_group=my_cp,
+                          pp_rank=pp_ranks.index(rank), pp_group=my_pp, emb_group=my_emb, megatron=False)
 
 
 def destroy() -> None:

@@ -40,7 +40,7 @@ from . import comm
 from .layers import RowParallelLinear, VocabParallelEmbedding, region_in, region_out, vocab_parallel_cross_entropy
 
 __all__ = ["Piece", "ShardSpec", "TPPlan", "apply_tensor_parallel", "sync_tp_grads", "clip_grad_norm_tp",
-           "grad_norm_tp", "canonical_state_dict", "load_canonical_state_dict", "gather_canonical",
+           "grad_norm_tp", "grad_sq_tp", "canonical_state_dict", "load_canonical_state_dict", "gather_canonical",
            "shard_canonical", "optimizer_state_to_canonical", "load_canonical_optimizer_state",
            "canonical_grads", "plan_of"]
 
@@ -288,8 +288,9 @@ def apply_tensor_parallel(model: LanguageModel, tp_group, sp: bool = False) -> L
     specs["lm_head.weight"] = ShardSpec(0, (_sharded(vp, tp),))
     plan.vocab_start = rank * (vp // tp)
     emb = model.embedding
-    emb.__class__ = VocabParallelEmbedding
-    emb.tp_group, emb.sp, emb.vocab_start = tp_group, sp, plan.vocab_start
+    if emb is not None:  # a pipeline stage without the embedding (parallel/pp.py) has none
+        emb.__class__ = VocabParallelEmbedding
+        emb.tp_group, emb.sp, emb.vocab_start = tp_group, sp, plan.vocab_start
 
     for name, p in list(model.named_parameters()):
         if name not in specs:
@@ -352,8 +353,15 @@ def sync_tp_grads(model: nn.Module) -> None:
 def grad_norm_tp(model: nn.Module) -> torch.Tensor:
     """Global L2 norm of the canonical gradient: each replicated component counted once (call after
     sync_tp_grads). A collective over the TP group."""
+    return grad_sq_tp(model).sqrt()
+
+
+@torch.no_grad()
+def grad_sq_tp(model: nn.Module, exclude=()) -> torch.Tensor:
+    """Squared L2 norm of the canonical gradient over the TP group (grad_norm_tp squared), leaving out the
+    parameters named in `exclude` (pipeline parallelism: the last stage's copy of a tied embedding)."""
     plan = plan_of(model)
-    params = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+    params = [(n, p) for n, p in model.named_parameters() if p.grad is not None and n not in exclude]
     dev = params[0][1].grad.device if params else torch.device("cpu")
     total = torch.zeros((), device=dev, dtype=torch.float32)
     for name, p in params:
@@ -364,7 +372,7 @@ def grad_norm_tp(model: nn.Module) -> torch.Tensor:
             total += g.float().pow(2).sum() * (pc.nparts / plan.tp)
     if plan is not None:
         total = comm.all_reduce(total, plan.group)
-    return total.sqrt()
+    return total
 
 
 @torch.no_grad()

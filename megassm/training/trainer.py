@@ -38,12 +38,9 @@ class NonFiniteLossError(RuntimeError):
 def check_supported(cfg: Config) -> None:
     """Refuse layouts this build cannot run yet, before any model is built or a GPU is touched."""
     p = cfg.parallel
-    missing = [f"parallel.{k}={getattr(p, k)}" for k in ("pp",) if getattr(p, k) != 1]
-    if missing:
-        raise ConfigError(
-            f"{', '.join(missing)}: pipeline parallelism is not built in this version of megassm; "
-            "set it to 1 (tensor, sequence, context and plain data parallelism are: docs/parallelism.md)"
-        )
+    if p.pp > 1 and p.cp > 1:
+        raise ConfigError(f"parallel.pp={p.pp} with parallel.cp={p.cp}: pipeline parallelism combined with context "
+                          "parallelism is not built; set one of them to 1 (PP x TP x DP is)")
     if p.sp and p.cp > 1:
         raise ConfigError(f"parallel.sp=true with parallel.cp={p.cp}: sequence parallelism combined with context "
                           "parallelism is not built; set parallel.sp=false (TP x CP without SP is)")
@@ -158,9 +155,10 @@ class Trainer:
                 f"model.vocab_size={cfg.model.vocab_size} is smaller than the data's vocabulary "
                 f"({self.data.vocab_size}, from its tokenizer): token ids would fall outside the embedding"
             )
-        model = build_model(cfg.model, vocab_size=self.data.vocab_size, device="cpu")
-        model.init_weights(cfg.train.seed)
-        n_params = model.num_parameters()  # canonical count, before any sharding
+        # PP: shapes only (meta), then each rank materializes its own stages (parallel/pp.py)
+        model = build_model(cfg.model, vocab_size=self.data.vocab_size, device="meta" if self.groups.pp > 1 else "cpu")
+        n_params = model.num_parameters()  # canonical count, before any sharding or pipeline split
+        model = prt.init_model(model, self.groups, cfg)  # canonical weights
         self.model = prt.prepare_model(model.to(self.device), self.groups, cfg)  # TP/SP plan (no-op at tp=1)
         self.optimizer = build_optimizer(
             self.model.param_groups(cfg.optim.weight_decay), cfg.optim, self.device.type
@@ -217,7 +215,7 @@ class Trainer:
         if self.carrier is not None:  # BPTT: states carried across windows, K windows per step (bptt.py)
             data_time = self.carrier.train_step(self, loss_sum)
         else:
-            data_time = self._accumulate(loss_sum)
+            data_time = self._accumulate_pipeline(loss_sum) if self.groups.pp > 1 else self._accumulate(loss_sum)
         prt.finish_grads(self.model, self.groups)  # TP partial grads summed, DP grads averaged
         grad_norm = prt.clip_grad_norm(self.model, self.groups, self.cfg.train.grad_clip)
         loss_sum = prt.mean_over_dp(loss_sum, self.groups)
@@ -245,6 +243,15 @@ class Trainer:
             loss_sum += out.loss.detach()
         return data_time
 
+    def _accumulate_pipeline(self, loss_sum: torch.Tensor) -> float:
+        """PP: the step's `accum` micro-batches through the pipeline schedule (1F1B); every rank gets the
+        last stage's loss sum. Returns the seconds spent waiting for data."""
+        td = time.perf_counter()
+        batches = [self._to_device(self.data.next_batch()) for _ in range(self.accum)]
+        data_time = time.perf_counter() - td
+        loss_sum += prt.pipeline_step(self.model, batches, self._autocast)
+        return data_time
+
     def _non_finite_message(self, loss: float, grad_norm: float) -> str:
         where = (
             f"the last good checkpoint is {self.last_checkpoint} (resume with --resume auto, "
@@ -258,12 +265,17 @@ class Trainer:
     def evaluate(self) -> dict:
         self.model.eval()
         total, n = 0.0, 0
-        for batch in self.data.valid_batches(self.cfg.train.eval_batches):
-            batch = self._to_device(batch)
-            with self._autocast():
-                out = self.model(batch["tokens"], seq_idx=batch["seq_idx"], labels=batch["labels"])
-            total += out.loss.item()
-            n += 1
+        if self.groups.pp > 1:  # all validation batches through the pipeline at once
+            batches = [self._to_device(b) for b in self.data.valid_batches(self.cfg.train.eval_batches)]
+            if batches:
+                total, n = float(prt.pipeline_eval(self.model, batches, self._autocast)), len(batches)
+        else:
+            for batch in self.data.valid_batches(self.cfg.train.eval_batches):
+                batch = self._to_device(batch)
+                with self._autocast():
+                    out = self.model(batch["tokens"], seq_idx=batch["seq_idx"], labels=batch["labels"])
+                total += out.loss.item()
+                n += 1
         self.model.train()
         if n == 0:
             return {}
@@ -299,7 +311,7 @@ class Trainer:
         return path
 
     def _load(self, path: str) -> None:
-        if self.groups.tp > 1:  # canonical checkpoint -> this rank's shards
+        if self.groups.tp > 1 or self.groups.pp > 1:  # canonical checkpoint -> this rank's shards / stages
             extra = ckpt.load_checkpoint(path, model=None, optimizer=None)
             prt.load_states(path, self.model, self.optimizer)
         else:
