@@ -138,6 +138,23 @@ def run_cases():
         sid = torch.zeros(2, 300, dtype=torch.int32) if seq else None
         tk.causal_conv1d_fwd(x, w, b, h0, sid, True, True)
         tk.causal_conv1d_bwd(x, w, b, h0, sid, True, rn(2, 300, 4352, dtype=dtype), rn(2, 4352, 3))
+    # selective scan (seed mixers S / L): both decays, N 16 / 64, grouped B/C, every optional input on or off
+    for dtype in (torch.bfloat16, torch.float32):
+        for decay in ("exp", "longhorn"):
+            for N, G, full in ((16, 1, True), (16, 1, False), (64, 2, True)):
+                x = rn(2, 300, 1024, dtype=dtype)[..., :512]
+                dt = rn(2, 300, 512, dtype=dtype if decay == "exp" else torch.float32)
+                A = -torch.rand(512, N) if decay == "exp" else None
+                Bm = rn(2, 300, G, N, dtype=dtype) if G > 1 else rn(2, 300, N, dtype=dtype)
+                Cm = rn(*Bm.shape, dtype=dtype)
+                z, h0, Dv = (rn(2, 300, 512, dtype=dtype), rn(2, 512, N), rn(512)) if full else (None, None, None)
+                sid = torch.zeros(2, 300, dtype=torch.int32) if full else None
+                bias = rn(512) if decay == "exp" and full else None
+                args = (x, dt, A, Bm, Cm, Dv, z, bias, decay == "exp", decay, h0, sid)
+                tk.selective_scan_fwd(*args, full)
+                tk.selective_scan_bwd(rn(2, 300, 512, dtype=dtype), rn(2, 512, N) if full else None, *args)
+                tk.selective_scan_step_fwd(rn(2, 512, N), x[:, 0], dt[:, 0], A, Bm[:, 0], Cm[:, 0], Dv,
+                                           None if z is None else z[:, 0], bias, decay == "exp", decay)
     # norms
     for dtype in (torch.bfloat16, torch.float32):
         x, z, w = rn(64, 4096, dtype=dtype), rn(64, 4096, dtype=dtype), rn(4096)

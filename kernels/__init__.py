@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import ops, reference
+from .reference.scan import check_scan_args as _check_scan_args
 from .reference.ssd import _check_shapes as _check_ssd_shapes
 
 __all__ = [
@@ -28,6 +29,9 @@ __all__ = [
     "rmsnorm",
     "gated_rmsnorm",
     "add_rmsnorm",
+    "selective_scan",
+    "selective_scan_sequential",
+    "selective_scan_step",
 ]
 
 # name of the backend announced last ("reference" / "triton"), False before the first call
@@ -137,5 +141,30 @@ def add_rmsnorm(x, residual, weight, eps=1e-5):
     return ops.add_rmsnorm_call(x, residual, weight, float(eps))
 
 
+def selective_scan(x, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, decay="exp",
+                   initial_state=None, seq_idx=None, return_final_state=False):
+    """Selective (diagonal) scan of the seed mixers `S` (decay="exp", Mamba-1) and `L` (decay="longhorn"); see
+    megassm.kernels.reference.scan for the math and shapes. Returns y [B,L,D] (x.dtype), or (y, final_state
+    [B,D,N] fp32) with return_final_state."""
+    _check_scan_args(x, delta, A, B, C, decay)
+    if _eager_reference(x):
+        return reference.selective_scan(x, delta, A, B, C, D=D, z=z, delta_bias=delta_bias,
+                                        delta_softplus=delta_softplus, decay=decay, initial_state=initial_state,
+                                        seq_idx=seq_idx, return_final_state=return_final_state)
+    y, fin = ops.selective_scan_call(x, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), str(decay),
+                                     initial_state, seq_idx, bool(return_final_state))
+    return (y, fin) if return_final_state else y
+
+
+def selective_scan_step(state, x, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                        decay="exp"):
+    """One decode token: state [B,D,N], x/delta/z [B,D], B/C [B,N] or [B,G,N] -> (y [B,D], new_state fp32)."""
+    if _eager_reference(x):
+        return reference.selective_scan_step(state, x, delta, A, B, C, D=D, z=z, delta_bias=delta_bias,
+                                             delta_softplus=delta_softplus, decay=decay)
+    return ops.selective_scan_step_op(state, x, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), str(decay))
+
+
 # the oracle is never dispatched: it is the definition every backend is checked against
 ssd_sequential = reference.ssd_sequential
+selective_scan_sequential = reference.selective_scan_sequential

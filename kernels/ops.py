@@ -370,6 +370,92 @@ causal_conv1d_step_op.register_autograd(_conv_step_bwd, setup_context=_step_setu
 
 
 # --------------------------------------------------------------------------------------------------------
+# selective scan (seed mixers S Mamba-1 and L Longhorn)
+
+
+def _scan_ref_full(x, delta, A, B, C, D, z, delta_bias, delta_softplus, decay, initial_state, seq_idx,
+                   return_final_state):
+    out = reference.selective_scan(x, delta, A, B, C, D=D, z=z, delta_bias=delta_bias,
+                                   delta_softplus=delta_softplus, decay=decay, initial_state=initial_state,
+                                   seq_idx=seq_idx, return_final_state=return_final_state)
+    if return_final_state:
+        return out
+    return out, _empty_f32(x)
+
+
+@torch.library.custom_op("megassm::selective_scan", mutates_args=())
+def selective_scan_op(
+    x: Tensor, delta: Tensor, A: Optional[Tensor], B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
+    delta_bias: Optional[Tensor], delta_softplus: bool, decay: str, initial_state: Optional[Tensor],
+    seq_idx: Optional[Tensor], return_final_state: bool,
+) -> tuple[Tensor, Tensor]:
+    if _pick(x):
+        y, fin = triton_kernels().selective_scan_fwd(x, delta, A, B, C, D, z, delta_bias, delta_softplus, decay,
+                                                     initial_state, seq_idx, return_final_state)
+        return y, (fin if return_final_state else _empty_f32(x))
+    return _fresh_all(_scan_ref_full(x, delta, A, B, C, D, z, delta_bias, delta_softplus, decay, initial_state,
+                                     seq_idx, return_final_state))
+
+
+@selective_scan_op.register_fake
+def _(x, delta, A, B, C, D, z, delta_bias, delta_softplus, decay, initial_state, seq_idx, return_final_state):
+    b, _, d = x.shape
+    fin = x.new_empty((b, d, B.shape[-1]), dtype=_cdt(x)) if return_final_state else _empty_f32(x)
+    return x.new_empty(x.shape), fin
+
+
+def _scan_setup(ctx, inputs, output):
+    _save(ctx, inputs, output)
+
+
+def _scan_bwd(ctx, gy, gfinal):
+    args, _ = _restore(ctx)
+    x = args[0]
+    if use_triton(x):
+        (x, delta, A, B, C, D, z, delta_bias, softplus, decay, init, seq_idx, ret) = args
+        grads = triton_kernels().selective_scan_bwd(gy, gfinal if ret else None, x, delta, A, B, C, D, z, delta_bias,
+                                                    softplus, decay, init, seq_idx)
+        dx, ddelta, dA, dB, dC, dD, dz, dbias, dinit = grads
+        need = ctx.needs_input_grad
+        keep = [g if need[i] else None for i, g in zip((0, 1, 2, 3, 4, 5, 6, 7, 10),
+                                                        (dx, ddelta, dA, dB, dC, dD, dz, dbias, dinit))]
+        return (*keep[:8], None, None, keep[8], None, None)
+    return _reference_backward(_scan_ref_full, ctx, args, (gy, gfinal))
+
+
+selective_scan_op.register_autograd(_scan_bwd, setup_context=_scan_setup)
+
+
+def _scan_step_ref(state, x, delta, A, B, C, D, z, delta_bias, delta_softplus, decay):
+    return reference.selective_scan_step(state, x, delta, A, B, C, D=D, z=z, delta_bias=delta_bias,
+                                         delta_softplus=delta_softplus, decay=decay)
+
+
+@torch.library.custom_op("megassm::selective_scan_step", mutates_args=())
+def selective_scan_step_op(
+    state: Tensor, x: Tensor, delta: Tensor, A: Optional[Tensor], B: Tensor, C: Tensor, D: Optional[Tensor],
+    z: Optional[Tensor], delta_bias: Optional[Tensor], delta_softplus: bool, decay: str,
+) -> tuple[Tensor, Tensor]:
+    if _pick(x):
+        return triton_kernels().selective_scan_step_fwd(state, x, delta, A, B, C, D, z, delta_bias, delta_softplus,
+                                                        decay)
+    return _fresh_all(_scan_step_ref(state, x, delta, A, B, C, D, z, delta_bias, delta_softplus, decay))
+
+
+@selective_scan_step_op.register_fake
+def _(state, x, delta, A, B, C, D, z, delta_bias, delta_softplus, decay):
+    return x.new_empty(x.shape), state.new_empty(state.shape, dtype=_cdt(x))
+
+
+def _scan_step_bwd(ctx, gy, gstate):
+    args, _ = _restore(ctx)
+    return _reference_backward(_scan_step_ref, ctx, args, (gy, gstate))
+
+
+selective_scan_step_op.register_autograd(_scan_step_bwd, setup_context=_step_setup)
+
+
+# --------------------------------------------------------------------------------------------------------
 # norms
 
 
@@ -519,3 +605,4 @@ causal_conv1d_call = _eager_caller(causal_conv1d_op, _conv_setup, _conv_bwd)
 gated_rmsnorm_call = _eager_caller(gated_rmsnorm_op, _norm_setup, _gated_bwd)
 rmsnorm_call = _eager_caller(rmsnorm_op, _norm_setup, _rmsnorm_bwd)
 add_rmsnorm_call = _eager_caller(add_rmsnorm_op, _add_setup, _add_bwd)
+selective_scan_call = _eager_caller(selective_scan_op, _scan_setup, _scan_bwd)

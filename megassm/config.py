@@ -73,6 +73,68 @@ class MLPConfig:
 
 
 @dataclass
+class CoffeeConfig:
+    """COFFEE mixer (`C`): per-channel state-feedback recurrence x = x + sigmoid(w*x) * (lam*x + u), solved in
+    parallel by DEER Newton iterations (or sequentially). docs/seeds.md."""
+
+    d_state: int = 8  # n, states per channel
+    expand: int = 1  # channels D = expand x d_model (proj: true)
+    proj: bool = True  # in_proj d_model -> D, out_proj D -> d_model; false = the paper's bare layer (D = d_model)
+    output_filter: bool = False  # "+OF": y_i *= sigmoid(w_out_i . x_i)
+    lam_param: str = "bounded"  # bounded: lam = -2 sigmoid(raw) in (-2, 0) | free: lam = raw (the paper)
+    lam_init: list[float] = field(default_factory=lambda: [-1.0, -0.01])  # lam uniform in [lo, hi] at init
+    c_init_std: float = 1.0  # C ~ N(0, std) (paper: 1)
+    w_init_std: float = 1.0  # w (and w_out) ~ N(0, std) (paper: 1)
+    solver: str = "deer"  # deer (parallel Newton) | sequential (loop over time)
+    deer_tol: float = 1e-6  # converged when every |x_k - f(x_(k-1))| <= tol * (1 + |x_k|)
+    deer_max_iters: int = 100  # cap on Newton solves (L solves are always exact)
+    deer_jac_clip: float = 0.0  # clamp the Newton slopes to |J| <= clip (0 = full Newton, safeguarded); same fixed point
+    deer_fallback: bool = True  # at the cap, finish the unconverged suffix with the sequential loop (exact)
+
+
+@dataclass
+class BMojoConfig:
+    """B'MOJO layer (`B`): Mamba-2 SSM (model.mamba.*) -> innovation selection -> sliding-window attention
+    (heads from model.attn.*, no positional encoding) over window + fading + eidetic memory tokens."""
+
+    window: int = 512  # w: raw tokens each query sees (itself included); memory refreshes every w tokens
+    n_fading: int = 1  # m_f: SSM outputs just before each chunk, as memory tokens
+    n_eidetic: int = 16  # m_e: running top-m_e most unpredictable tokens of the document, as memory tokens
+    predictor_width: int = 4  # k: innovation = |y_t - mean(y_(t-1..t-k))|^2
+
+
+@dataclass
+class Mamba1Config:
+    """Mamba-1 / S6 mixer (`S`): in_proj -> x, z; conv + SiLU; x_proj -> (dt_low, B, C); dt_proj; selective scan
+    with A = -exp(A_log) [d_inner, N] (S4D-real init), D skip, silu(z) gate; out_proj. docs/seeds.md."""
+
+    d_state: int = 16  # N, states per channel
+    expand: int = 2  # d_inner = expand x d_model
+    d_conv: int = 4
+    dt_rank: int | None = None  # R of dt_proj(x_proj(x)[:R]); None = ceil(d_model / 16)
+    dt_min: float = 1e-3  # dt init: log-uniform in [dt_min, dt_max], floored, stored as softplus^-1 in dt_proj.bias
+    dt_max: float = 1e-1
+    dt_init_floor: float = 1e-4
+    conv_bias: bool = True
+    proj_bias: bool = False  # bias in in_proj / out_proj
+    init: str = "paper"  # paper: mamba_ssm's (U(+-1/sqrt(fan_in)), out_proj / sqrt(blocks)) | normal: N(0, init_std)
+
+
+@dataclass
+class LonghornConfig:
+    """Longhorn mixer (`L`): the Mamba-1 block with the SSM replaced by the online-regression update (eq. 7):
+    S = (1 - eps k^2) S + (eps x) k, eps = beta / (1 + beta |k|^2), beta = sigmoid(beta_proj(dt_low)). docs/seeds.md."""
+
+    d_state: int = 16  # m, key/query size (state [d_inner, m] per layer)
+    expand: int = 2  # d_inner = expand x d_model
+    d_conv: int = 4
+    dt_rank: int | None = None  # R of the low-rank beta projection; None = ceil(d_model / 16)
+    conv_bias: bool = True
+    proj_bias: bool = False
+    init: str = "paper"  # paper: the official code's (U(+-1/sqrt(fan_in)), out_proj / sqrt(blocks)) | normal
+
+
+@dataclass
 class ModelConfig:
     pattern: str = "M*M-"
     d_model: int = 256
@@ -84,6 +146,10 @@ class ModelConfig:
     mamba: MambaConfig = field(default_factory=MambaConfig)
     attn: AttentionConfig = field(default_factory=AttentionConfig)
     mlp: MLPConfig = field(default_factory=MLPConfig)
+    coffee: CoffeeConfig = field(default_factory=CoffeeConfig)
+    bmojo: BMojoConfig = field(default_factory=BMojoConfig)
+    mamba1: Mamba1Config = field(default_factory=Mamba1Config)
+    longhorn: LonghornConfig = field(default_factory=LonghornConfig)
 
 
 @dataclass
@@ -163,7 +229,8 @@ class Config:
 
 
 # Pattern letters: the ones built now. `|` is a pipeline-stage boundary (no block of its own).
-PATTERN_LETTERS = {"M": "Mamba-2", "*": "attention", "-": "gated MLP"}
+PATTERN_LETTERS = {"M": "Mamba-2", "*": "attention", "-": "gated MLP", "C": "COFFEE", "B": "B'MOJO"}
+PATTERN_LETTERS.update({"S": "Mamba-1", "L": "Longhorn"})
 PATTERN_SEPARATORS = {"|"}
 
 
@@ -345,6 +412,13 @@ def mamba_dims(model: ModelConfig) -> dict:
     return {"d_inner": d_inner, "nheads": d_inner // model.mamba.headdim}
 
 
+def scan_dims(model: ModelConfig, letter: str) -> dict:
+    """d_inner and dt_rank of a selective-scan mixer: `S` (model.mamba1) or `L` (model.longhorn)."""
+    sec = model.mamba1 if letter == "S" else model.longhorn
+    rank = sec.dt_rank if sec.dt_rank is not None else -(-model.d_model // 16)
+    return {"d_inner": sec.expand * model.d_model, "dt_rank": rank, "d_state": sec.d_state}
+
+
 def ffn_hidden(model: ModelConfig) -> int:
     if model.mlp.ffn_hidden is not None:
         return model.mlp.ffn_hidden
@@ -389,7 +463,7 @@ def validate(cfg: Config) -> None:
     need(m.vocab_size is None or m.vocab_size > 0, f"model.vocab_size must be positive, got {m.vocab_size}")
     letters = set(blocks_of(m.pattern))
 
-    if "M" in letters:
+    if letters & {"M", "B"}:  # B'MOJO's SSM is a Mamba-2 mixer configured by model.mamba.*
         mb = m.mamba
         d_inner = mb.expand * m.d_model
         need(d_inner % mb.headdim == 0,
@@ -408,19 +482,69 @@ def validate(cfg: Config) -> None:
         need(mb.ngroups % p.tp == 0 or p.tp % mb.ngroups == 0,
              f"parallel.tp={p.tp} and model.mamba.ngroups={mb.ngroups}: one must divide the other "
              "(groups split across TP ranks, or B/C replicated when tp > ngroups)")
-    if "*" in letters:
+    if letters & {"*", "B"}:  # B'MOJO's attention takes its heads from model.attn.*
         a = attn_dims(m)
         need(m.attn.n_heads > 0, "model.attn.n_heads must be positive")
         need(m.attn.head_dim is not None or m.d_model % m.attn.n_heads == 0,
              f"model.attn.n_heads={m.attn.n_heads} must divide model.d_model={m.d_model} (or set model.attn.head_dim)")
         need(a["n_heads"] % a["n_kv_heads"] == 0,
              f"model.attn.n_kv_heads={a['n_kv_heads']} must divide model.attn.n_heads={a['n_heads']}")
-        need(not m.attn.rope or a["head_dim"] % 2 == 0, f"RoPE needs an even head dim, got {a['head_dim']}")
+        need("*" not in letters or not m.attn.rope or a["head_dim"] % 2 == 0, f"RoPE needs an even head dim, got {a['head_dim']}")
         need(m.attn.sliding_window >= 0, "model.attn.sliding_window must be >= 0 (0 = full attention)")
         need(a["n_heads"] % p.tp == 0, f"parallel.tp={p.tp} must divide model.attn.n_heads ({a['n_heads']})")
         need(a["n_kv_heads"] % p.tp == 0 or p.tp % a["n_kv_heads"] == 0,
              f"parallel.tp={p.tp} and model.attn.n_kv_heads={a['n_kv_heads']}: one must divide the other "
              "(K/V heads split across TP ranks, or replicated when tp > n_kv_heads)")
+    if "C" in letters:
+        c = m.coffee
+        need(c.d_state >= 1, f"model.coffee.d_state must be >= 1, got {c.d_state}")
+        need(c.expand >= 1, f"model.coffee.expand must be >= 1, got {c.expand}")
+        need(c.proj or c.expand == 1,
+             f"model.coffee.proj=false (the bare layer: channels = model.d_model) needs model.coffee.expand=1, got {c.expand}")
+        need(c.lam_param in ("bounded", "free"), f"model.coffee.lam_param must be bounded or free, got '{c.lam_param}'")
+        need(len(c.lam_init) == 2 and c.lam_init[0] <= c.lam_init[1],
+             f"model.coffee.lam_init must be [lo, hi] with lo <= hi, got {c.lam_init}")
+        need(c.lam_param == "free" or (-2.0 < c.lam_init[0] and c.lam_init[1] < 0.0),
+             f"model.coffee.lam_init={c.lam_init}: with lam_param=bounded (lam = -2 sigmoid(raw)) it must lie inside "
+             "(-2, 0); use lam_param=free for the paper's lam = 0 init")
+        need(c.c_init_std >= 0 and c.w_init_std >= 0, "model.coffee.c_init_std and model.coffee.w_init_std must be >= 0")
+        need(c.solver in ("deer", "sequential"), f"model.coffee.solver must be deer or sequential, got '{c.solver}'")
+        need(c.deer_tol > 0, f"model.coffee.deer_tol must be positive, got {c.deer_tol}")
+        need(c.deer_max_iters >= 1, f"model.coffee.deer_max_iters must be >= 1, got {c.deer_max_iters}")
+        need(c.deer_jac_clip >= 0, f"model.coffee.deer_jac_clip must be >= 0 (0 = no clipping), got {c.deer_jac_clip}")
+        d_coffee = c.expand * m.d_model
+        need(p.tp == 1 or (c.proj and d_coffee % p.tp == 0),
+             f"parallel.tp={p.tp}: COFFEE shards its channels, so it needs model.coffee.proj=true and tp dividing "
+             f"model.coffee.expand x model.d_model = {d_coffee}")
+    if "B" in letters:
+        b = m.bmojo
+        need(b.window >= 1, f"model.bmojo.window must be >= 1, got {b.window}")
+        need(b.n_fading >= 0, f"model.bmojo.n_fading must be >= 0, got {b.n_fading}")
+        need(b.n_eidetic >= 0, f"model.bmojo.n_eidetic must be >= 0, got {b.n_eidetic}")
+        need(b.predictor_width >= 1, f"model.bmojo.predictor_width must be >= 1, got {b.predictor_width}")
+    for c, key in (("S", "mamba1"), ("L", "longhorn")):
+        if c in letters:
+            sec, k = getattr(m, key), f"model.{key}"
+            need(sec.d_state >= 1, f"{k}.d_state must be >= 1, got {sec.d_state}")
+            need(sec.expand >= 1, f"{k}.expand must be >= 1, got {sec.expand}")
+            need(2 <= sec.d_conv <= 4, f"{k}.d_conv must be 2..4, got {sec.d_conv}")
+            need(sec.dt_rank is None or sec.dt_rank >= 1, f"{k}.dt_rank must be >= 1 (or unset: ceil(d_model/16)), "
+                                                           f"got {sec.dt_rank}")
+            need(sec.init in ("paper", "normal"), f"{k}.init must be paper or normal, got '{sec.init}'")
+            need(scan_dims(m, c)["d_inner"] % p.tp == 0,
+                 f"parallel.tp={p.tp} must divide {k}.expand x model.d_model = {scan_dims(m, c)['d_inner']}")
+    if "S" in letters:
+        s1 = m.mamba1
+        need(0 < s1.dt_min <= s1.dt_max,
+             f"model.mamba1.dt_min={s1.dt_min} must be in (0, model.mamba1.dt_max={s1.dt_max}]")
+        need(s1.dt_init_floor >= 0, f"model.mamba1.dt_init_floor must be >= 0, got {s1.dt_init_floor}")
+    for c, name in (("C", "COFFEE"), ("B", "B'MOJO"), ("S", "Mamba-1"), ("L", "Longhorn")):
+        if c in letters:
+            need(p.cp == 1, f"parallel.cp={p.cp}: context parallelism has no plan for {name} (`{c}` in model.pattern): "
+                            "its state hand-off between ranks is not built (docs/seeds.md)")
+            need(not t.bptt, f"train.bptt=true with {name} (`{c}` in model.pattern): the BPTT carrier "
+                             "(training/bptt.py) does not carry its state yet; its state object and step() support it "
+                             "(docs/seeds.md)")
     if "-" in letters:
         need(ffn_hidden(m) > 0, "model.mlp.ffn_hidden must be positive")
         need(ffn_hidden(m) % p.tp == 0, f"parallel.tp={p.tp} must divide model.mlp.ffn_hidden ({ffn_hidden(m)})")

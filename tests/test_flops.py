@@ -156,4 +156,4 @@ def test_totals_mfu_and_peaks(monkeypatch):
     o = fl.flops_per_sequence(pure, 128, L)
     assert o["attn_proj"] == o["attn_scores"] == o["mlp"] == 0
     with pytest.raises(ValueError, match="letter"):
-        fl.flops_per_sequence(ModelConfig(pattern="MS"), 128, L)
+        fl.flops_per_sequence(ModelConfig(pattern="MQ"), 128, L)

@@ -1,6 +1,7 @@
 """Pure-PyTorch reference ops: the CPU implementation and the test oracle for the Triton kernels."""
 from .conv import causal_conv1d, causal_conv1d_step
 from .norm import add_rmsnorm, gated_rmsnorm, rmsnorm
+from .scan import selective_scan, selective_scan_sequential, selective_scan_step
 from .ssd import segsum, ssd, ssd_sequential, ssd_step
 
 __all__ = [
@@ -13,4 +14,7 @@ __all__ = [
     "rmsnorm",
     "gated_rmsnorm",
     "add_rmsnorm",
+    "selective_scan",
+    "selective_scan_sequential",
+    "selective_scan_step",
 ]

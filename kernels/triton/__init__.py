@@ -3,6 +3,7 @@ kernels are decorated, i.e. at import). The ops' dispatch, autograd and fake reg
 import triton  # noqa: F401  (ImportError here means: no Triton backend)
 
 from .conv import causal_conv1d_bwd, causal_conv1d_fwd  # noqa: E402
+from .scan import selective_scan_bwd, selective_scan_fwd, selective_scan_step_fwd  # noqa: E402
 from .norm import add_rmsnorm_bwd, add_rmsnorm_fwd, gated_rmsnorm_bwd, gated_rmsnorm_fwd  # noqa: E402
 from .ssd import ssd_fwd  # noqa: E402
 from .ssd_bwd import ssd_bwd  # noqa: E402

@@ -18,6 +18,10 @@ from torch import nn
 from megassm.config import ModelConfig
 
 from .attention import Attention
+from .bmojo import BMojoMixer
+from .coffee import CoffeeMixer
+from .longhorn import LonghornMixer
+from .mamba1 import Mamba1Mixer
 from .mamba2 import Mamba2Mixer
 from .mlp import GatedMLP
 from .norm import RMSNorm
@@ -29,6 +33,8 @@ __all__ = ["Block", "MIXERS"]
 # step(u, state) -> (out, state) and allocate_state(batch_size, device=None). Stateless mixers are
 # forward(u) -> out. Seed mixers (S, L, C, B) register here; config.PATTERN_LETTERS names them.
 MIXERS = {"M": Mamba2Mixer, "*": Attention, "-": GatedMLP}
+MIXERS.update({"C": CoffeeMixer, "B": BMojoMixer})
+MIXERS.update({"S": Mamba1Mixer, "L": LonghornMixer})
 
 
 class Block(nn.Module):

@@ -27,7 +27,9 @@ __all__ = ["InitRule", "param_seed", "draw", "rule_of", "canonical_init",
 @dataclass(frozen=True)
 class InitRule:
     """kind: normal(std) | zeros | ones | uniform(low, high) | A_log(low, high): log U[low, high] |
-    dt_bias(low, high, floor): softplus^-1(dt), dt log-uniform in [low, high] floored at `floor`."""
+    dt_bias(low, high, floor): softplus^-1(dt), dt log-uniform in [low, high] floored at `floor` |
+    logit_uniform(low, high): logit(v), v ~ U[low, high] in (0, 1) (a parameter read through a sigmoid) |
+    s4d_real: log(1..N) along the last dim, the same in every row (A = -exp(A_log) = -(n+1), Mamba-1's S4D-real)."""
 
     kind: str
     std: float = 0.0
@@ -62,6 +64,11 @@ def draw(rule: InitRule, shape, gen: torch.Generator) -> torch.Tensor:
         dt = torch.exp(u * (math.log(rule.high) - math.log(rule.low)) + math.log(rule.low))
         dt = dt.clamp(min=rule.floor)
         return dt + torch.log(-torch.expm1(-dt))  # inverse of softplus
+    if k == "s4d_real":
+        return torch.log(torch.arange(1, shape[-1] + 1, dtype=torch.float32)).expand(shape).contiguous()
+    if k == "logit_uniform":
+        v = t.uniform_(rule.low, rule.high, generator=gen)
+        return torch.log(v) - torch.log1p(-v)
     raise ValueError(f"unknown init rule {k!r}")
 
 

@@ -8,7 +8,13 @@ A model's state is a list with one entry per block of the pattern:
        document (T grows); a sliding window of W keeps the last W. `valid` marks which cached columns still
        belong to the row's current document (a reset or a document boundary invalidates the older ones
        without reshaping the batch); `pos` is the in-document position of the next token (RoPE);
-  `-`  None (the MLP has no state).
+  `-`  None (the MLP has no state);
+  `C`  CoffeeState(x [B, D, n] fp32): the COFFEE state of every channel;
+  `B`  BMojoState: its Mamba-2 SSM (conv, ssm), the last W raw keys/values, the current chunk's memory
+       tokens, the running top-m_e eidetic candidates with their scores, the last SSM outputs (fading tokens
+       and the innovation predictor) and the in-document position (models/bmojo.py);
+  `S`, `L` ScanState(conv [B, d_inner, d_conv-1], ssm [B, d_inner, N]), both fp32: the Mamba-1 / Longhorn
+       conv tail and selective-scan state (Longhorn's S: [d_inner, m]).
 
 State objects are immutable in practice: every op returns new tensors, so a state can be kept (e.g. for
 BPTT or for trying several continuations) and reused.
@@ -19,7 +25,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-__all__ = ["MambaState", "KVCache", "reset_states", "detach_states", "states_to"]
+__all__ = ["MambaState", "KVCache", "CoffeeState", "BMojoState", "ScanState", "reset_states", "detach_states", "states_to"]
 
 
 @dataclass
@@ -64,6 +70,77 @@ class KVCache:
             valid=self.valid & ~mask[:, None],
             pos=torch.where(mask, torch.zeros_like(self.pos), self.pos),
         )
+
+
+@dataclass
+class CoffeeState:
+    x: torch.Tensor  # [B, D, n] fp32
+
+    @property
+    def batch_size(self) -> int:
+        return self.x.shape[0]
+
+    def reset(self, mask: torch.Tensor) -> "CoffeeState":
+        """Zero the rows where mask [B] (bool) is True."""
+        keep = ~mask.to(device=self.x.device, dtype=torch.bool)
+        return CoffeeState(x=self.x * keep.view(-1, 1, 1).to(self.x.dtype))
+
+
+@dataclass
+class BMojoState:
+    """Everything a B'MOJO layer carries (W = window, m = n_fading + n_eidetic, Hy = max(n_fading, k))."""
+
+    conv: torch.Tensor  # [B, conv_dim, d_conv-1] fp32: the SSM's conv state
+    ssm: torch.Tensor  # [B, H, P, N] fp32: the SSM state
+    k: torch.Tensor  # [B, n_kv_heads, W, head_dim]: keys of the last W tokens (oldest first)
+    v: torch.Tensor  # [B, n_kv_heads, W, head_dim]
+    valid: torch.Tensor  # [B, W] bool: that token belongs to the row's current document
+    mem_k: torch.Tensor  # [B, n_kv_heads, m, head_dim]: the current chunk's memory tokens [fading | eidetic]
+    mem_v: torch.Tensor  # [B, n_kv_heads, m, head_dim]
+    mem_valid: torch.Tensor  # [B, m] bool
+    cand_k: torch.Tensor  # [B, n_kv_heads, m_e, head_dim]: top-m_e candidates of the document so far
+    cand_v: torch.Tensor  # [B, n_kv_heads, m_e, head_dim]
+    cand_score: torch.Tensor  # [B, m_e] fp32 innovation scores
+    cand_pos: torch.Tensor  # [B, m_e] int64 in-document positions (ties go to the earlier token)
+    cand_valid: torch.Tensor  # [B, m_e] bool
+    y_hist: torch.Tensor  # [B, Hy, d_model] fp32: the last SSM outputs (0 before the document start)
+    y_valid: torch.Tensor  # [B, Hy] bool
+    pos: torch.Tensor  # [B] int64: in-document position of the next token
+
+    @property
+    def batch_size(self) -> int:
+        return self.pos.shape[0]
+
+    def reset(self, mask: torch.Tensor) -> "BMojoState":
+        """Forget the rows where mask [B] (bool) is True: SSM zeroed, every memory invalid, position 0."""
+        mask = mask.to(device=self.pos.device, dtype=torch.bool)
+        keep = ~mask
+        return BMojoState(
+            conv=self.conv * keep.view(-1, 1, 1).to(self.conv.dtype),
+            ssm=self.ssm * keep.view(-1, 1, 1, 1).to(self.ssm.dtype),
+            k=self.k, v=self.v, valid=self.valid & keep[:, None],
+            mem_k=self.mem_k, mem_v=self.mem_v, mem_valid=self.mem_valid & keep[:, None],
+            cand_k=self.cand_k, cand_v=self.cand_v, cand_score=self.cand_score, cand_pos=self.cand_pos,
+            cand_valid=self.cand_valid & keep[:, None],
+            y_hist=self.y_hist * keep.view(-1, 1, 1).to(self.y_hist.dtype), y_valid=self.y_valid & keep[:, None],
+            pos=torch.where(mask, torch.zeros_like(self.pos), self.pos),
+        )
+
+
+@dataclass
+class ScanState:
+    conv: torch.Tensor  # [B, d_inner, d_conv-1] fp32, oldest input first
+    ssm: torch.Tensor  # [B, d_inner, N] fp32
+
+    @property
+    def batch_size(self) -> int:
+        return self.ssm.shape[0]
+
+    def reset(self, mask: torch.Tensor) -> "ScanState":
+        """Zero the rows where mask [B] (bool) is True."""
+        keep = ~mask.to(device=self.ssm.device, dtype=torch.bool)
+        return ScanState(conv=self.conv * keep.view(-1, 1, 1).to(self.conv.dtype),
+                         ssm=self.ssm * keep.view(-1, 1, 1).to(self.ssm.dtype))
 
 
 def _map(states, fn):

@@ -16,6 +16,7 @@ import torch
 from megassm.models.state import KVCache, MambaState
 
 from .testing import _rel, tiny_model_config
+from .tp import state_shard_specs
 
 __all__ = ["cp_batch", "cp_equivalence_worker", "shard_states"]
 
@@ -42,38 +43,12 @@ def cp_batch(vocab: int, seqlen: int = 28, seed: int = 0, device="cpu") -> dict:
     return {k: v.to(device) for k, v in dict(tokens=tokens, labels=labels, seq_idx=s).items()}
 
 
-def _head_spec(spec, unit: int):
-    """A channel ShardSpec (along rows of size heads*unit) re-expressed in heads."""
-    from .tp import Piece, ShardSpec
-
-    return ShardSpec(1, tuple(Piece(p.size // unit, p.nparts, p.parts, p.partial) for p in spec.pieces))
-
-
-def _state_specs(states: list, model) -> dict:
-    """{"i.name": ShardSpec along the state tensor's channel/head dim (1)} for a TP model, else {}."""
-    from .tp import ShardSpec, plan_of
-
-    plan = plan_of(model)
-    if plan is None:
-        return {}
-    specs = {}
-    for i, s in enumerate(states):
-        pre = f"layers.{i}.mixer."
-        if isinstance(s, MambaState):
-            specs[f"{i}.conv"] = ShardSpec(1, plan.specs[pre + "conv1d.weight"].pieces)
-            specs[f"{i}.ssm"] = ShardSpec(1, plan.specs[pre + "A_log"].pieces)
-        elif isinstance(s, KVCache):
-            specs[f"{i}.k"] = specs[f"{i}.v"] = _head_spec(plan.specs[pre + "k_proj.weight"],
-                                                           model.layers[i].mixer.head_dim)
-    return specs
-
-
 def shard_states(states: list, model) -> list:
     """Canonical (single-device) states -> this TP rank's layout (heads / channels of its shard)."""
     from .tp import plan_of, shard_canonical
 
     plan = plan_of(model)
-    specs = _state_specs(states, model)
+    specs = state_shard_specs(states, model)
     out = []
     for i, s in enumerate(states):
         if s is None:
@@ -228,7 +203,7 @@ def cp_equivalence_worker(rank, world, cp, tp, cases, out_path, device="cpu", to
         from .tp import plan_of
 
         ig_p, ig_r = _tensors(init_par, grads=True), _tensors([_grad_state(s) for s in init_ref])
-        specs = _state_specs(init_par, par)
+        specs = state_shard_specs(init_par, par)
         init_rel = {}
         for k in ig_p:
             g = comm.all_reduce(ig_p[k].clone(), cpg)  # rank 0 holds the SSM/conv ones, every rank KV parts

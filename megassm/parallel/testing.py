@@ -92,7 +92,13 @@ def equivalence_worker(rank, world, tp, sp, cases, out_path, steps=3, device="cp
     report = []
     for case in cases:
         big = case.pop("big", False)
+        sections = case.pop("sections", {})  # {"coffee": {...}, "bmojo": {...}}: overrides of model sub-configs
         mcfg = tiny_model_config(**case, big=big)
+        for sec, vals in sections.items():
+            for key, val in vals.items():
+                setattr(getattr(mcfg, sec), key, val)
+        if sections:
+            case["sections"] = sections
         ref = build_model(mcfg, device="cpu")
         ref.init_weights(7)
         ref.to(dev)

@@ -19,6 +19,14 @@ Layer by layer:
             rides in the same all-reduce as out_proj's partial output: out = sum_r W_r(g_r*w_r) * rsqrt(ms).
   attention q heads split, K/V heads split (or replicated when n_kv_heads < tp), o_proj row-parallel.
   MLP       w1 / w3 column-parallel, w2 row-parallel.
+  COFFEE    in_proj column-parallel by channel, lam / w / C / w_out cut by channel, out_proj row-parallel
+            (one all-reduce; each rank runs the recurrence / Newton solver on its own channels).
+  B'MOJO    its SSM as Mamba-2 with an all-reduce (not reduce-scatter) after out_proj: the full y feeds the
+            innovation scores and the fading tokens; attention heads split, o_proj row-parallel (two).
+  Mamba-1 / Longhorn  in_proj [x | z] column-parallel by channel, conv / dt_proj (beta_proj) rows / A_log / D
+            rank-local, x_proj row-parallel with its small output (dt_low, B, C: R + 2N per token) all-reduced
+            because every channel needs it (the first all-reduce), out_proj row-parallel (the second): two
+            all-reduces per layer forward, two backward (SP: all-gather in, the x_proj all-reduce, reduce-scatter).
   LM        vocab-parallel embedding and head (tied or not), vocab-parallel cross-entropy.
 Each mixer's input passes `region_in` (a forward pre-hook: identity fwd / all-reduce bwd, or the SP
 all-gather), each mixer's output is reduced once by its row-parallel projection.
@@ -34,14 +42,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from megassm.models.lm import IGNORE_INDEX, LanguageModel
+from megassm.models.bmojo import BMojoMixer
 from megassm.models.mamba2 import Mamba2Mixer
 
 from . import comm
-from .layers import RowParallelLinear, VocabParallelEmbedding, region_in, region_out, vocab_parallel_cross_entropy
+from .layers import (RowParallelLinear, VocabParallelEmbedding, copy_to_tp, reduce_from_tp, region_in,
+                     region_out, vocab_parallel_cross_entropy)
 
 __all__ = ["Piece", "ShardSpec", "TPPlan", "apply_tensor_parallel", "sync_tp_grads", "clip_grad_norm_tp",
            "grad_norm_tp", "grad_sq_tp", "canonical_state_dict", "load_canonical_state_dict", "gather_canonical",
-           "shard_canonical", "optimizer_state_to_canonical", "load_canonical_optimizer_state",
+           "shard_canonical", "state_shard_specs", "optimizer_state_to_canonical", "load_canonical_optimizer_state",
            "canonical_grads", "plan_of"]
 
 
@@ -247,6 +257,80 @@ def _plan_mlp(mlp, pre: str, tp: int, sp: bool, group, specs: dict) -> None:
     mlp.w2.tp_group, mlp.w2.sp = group, sp
 
 
+def _plan_coffee(mixer, pre: str, tp: int, sp: bool, group, specs: dict) -> None:
+    """COFFEE: channels are independent, so in_proj is column-parallel, lam / w / C / w_out are cut by channel,
+    out_proj is row-parallel: the layer's one all-reduce; the recurrence (and its Newton solver) is local."""
+    D = mixer.lam.shape[0]
+    if mixer.in_proj is None:
+        raise ValueError("tensor parallelism: COFFEE with model.coffee.proj=false has its channels on the residual "
+                         "stream and cannot be split; set model.coffee.proj=true")
+    if D % tp:
+        raise ValueError(f"tensor parallelism: tp={tp} must divide the COFFEE channels ({D})")
+    ch = _sharded(D, tp)
+    for n in ("in_proj.weight", "lam", "w", "C", "w_out"):
+        specs[pre + n] = ShardSpec(0, (ch,))
+    specs[pre + "out_proj.weight"] = ShardSpec(1, (ch,))
+    mixer.channels = D // tp
+    mixer.out_proj.__class__ = RowParallelLinear
+    mixer.out_proj.tp_group, mixer.out_proj.sp = group, sp
+
+
+class _TPBMojoMixer(BMojoMixer):
+    """The full SSM output y (all-reduced by the SSM's out_proj) enters the column-parallel fading k/v
+    projections: identity forward, all-reduce of its gradient backward."""
+
+    tp_group = None
+
+    def fading_in(self, y: torch.Tensor) -> torch.Tensor:
+        return copy_to_tp(y, self.tp_group)
+
+
+def _plan_bmojo(mixer, pre: str, tp: int, rank: int, sp: bool, group, specs: dict) -> None:
+    """B'MOJO: the SSM as a Mamba-2 layer whose out_proj all-reduces (never reduce-scatters: y is needed for
+    every token on every rank, for the innovation scores -- identical on every rank, so every rank selects the
+    same eidetic tokens -- and the fading tokens); the attention heads split, o_proj row-parallel. Two
+    all-reduces per layer forward (SP: all-gather in, one all-reduce, reduce-scatter out)."""
+    _plan_mamba(mixer.ssm, pre + "ssm.", tp, rank, False, group, specs)
+    _plan_attention(mixer, pre, tp, sp, group, specs)
+    specs[pre + "fade_norm.weight"] = ShardSpec(0, (_replica(mixer.d_model, 1, tp, partial=True),))
+    mixer.__class__ = _TPBMojoMixer
+    mixer.tp_group = group
+
+
+class _ReplicatedRowLinear(nn.Linear):
+    """Row-parallel Linear whose output every rank needs in full for its own channels' work (Mamba-1 /
+    Longhorn x_proj): all-reduce forward (whatever SP says: the input is the full sequence), and the gradient
+    of that replicated output, which each rank only holds for its channels, all-reduced backward."""
+
+    tp_group = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = copy_to_tp(reduce_from_tp(F.linear(x, self.weight), self.tp_group), self.tp_group)
+        return y if self.bias is None else y + self.bias
+
+
+def _plan_mamba1(mixer, pre: str, tp: int, sp: bool, group, specs: dict) -> None:
+    """Mamba-1 (`S`) and Longhorn (`L`): channels split across ranks; x_proj's output all-reduced (every channel
+    reads all of dt_low, B / k, C / q), out_proj row-parallel. Two all-reduces per layer."""
+    di = mixer.d_inner
+    if di % tp:
+        raise ValueError(f"tensor parallelism: tp={tp} must divide the {type(mixer).__name__} channels ({di})")
+    ch = _sharded(di, tp)
+    specs[pre + "in_proj.weight"] = ShardSpec(0, (ch, ch))
+    specs[pre + "in_proj.bias"] = ShardSpec(0, (ch, ch))
+    for n in ("conv1d.weight", "conv1d.bias", "dt_proj.weight", "dt_proj.bias", "beta_proj.weight",
+              "beta_proj.bias", "A_log", "D"):
+        specs[pre + n] = ShardSpec(0, (ch,))
+    specs[pre + "x_proj.weight"] = ShardSpec(1, (ch,))
+    specs[pre + "out_proj.weight"] = ShardSpec(1, (ch,))
+    specs[pre + "out_proj.bias"] = ShardSpec(0, (_replica(mixer.d_model, 1, tp, partial=sp),))
+    mixer.d_inner = di // tp
+    mixer.x_proj.__class__ = _ReplicatedRowLinear
+    mixer.x_proj.tp_group = group
+    mixer.out_proj.__class__ = RowParallelLinear
+    mixer.out_proj.tp_group, mixer.out_proj.sp = group, sp
+
+
 def _region_hook(group, sp):
     def hook(module, args):
         return (region_in(args[0], group, sp and args[0].dim() == 3),) + tuple(args[1:])
@@ -279,6 +363,12 @@ def apply_tensor_parallel(model: LanguageModel, tp_group, sp: bool = False) -> L
             _plan_attention(layer.mixer, pre, tp, sp, tp_group, specs)
         elif layer.kind == "-":
             _plan_mlp(layer.mixer, pre, tp, sp, tp_group, specs)
+        elif layer.kind == "C":
+            _plan_coffee(layer.mixer, pre, tp, sp, tp_group, specs)
+        elif layer.kind == "B":
+            _plan_bmojo(layer.mixer, pre, tp, rank, sp, tp_group, specs)
+        elif layer.kind in ("S", "L"):
+            _plan_mamba1(layer.mixer, pre, tp, sp, tp_group, specs)
         else:
             raise ValueError(f"tensor parallelism: no plan for block letter {layer.kind!r}")
         layer.mixer.register_forward_pre_hook(_region_hook(tp_group, sp))
@@ -387,6 +477,32 @@ def clip_grad_norm_tp(model: nn.Module, max_norm: float) -> float:
                 if p.grad is not None:
                     p.grad.mul_(coef)
     return value
+
+
+def _head_spec(spec: ShardSpec, unit: int) -> ShardSpec:
+    """A channel ShardSpec (along rows of size heads * unit) re-expressed in heads, along dim 1."""
+    return ShardSpec(1, tuple(Piece(p.size // unit, p.nparts, p.parts, p.partial) for p in spec.pieces))
+
+
+def state_shard_specs(states: list, model: nn.Module) -> dict:
+    """How a TP model's per-block recurrent states are cut: {"i.name": ShardSpec along the state tensor's
+    channel / head dim (1)} for block i's MambaState conv (the conv channels' pieces) and ssm (heads) and
+    KVCache k / v (kv heads); {} without TP. `states` is one entry per local block (None = stateless)."""
+    from megassm.models.state import KVCache, MambaState
+
+    plan = plan_of(model)
+    if plan is None:
+        return {}
+    specs = {}
+    for i, s in enumerate(states):
+        pre = f"layers.{i}.mixer."
+        if isinstance(s, MambaState):
+            specs[f"{i}.conv"] = ShardSpec(1, plan.specs[pre + "conv1d.weight"].pieces)
+            specs[f"{i}.ssm"] = ShardSpec(1, plan.specs[pre + "A_log"].pieces)
+        elif isinstance(s, KVCache):
+            specs[f"{i}.k"] = specs[f"{i}.v"] = _head_spec(plan.specs[pre + "k_proj.weight"],
+                                                           model.layers[i].mixer.head_dim)
+    return specs
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import re
 
 import torch
 
-from megassm.config import ModelConfig, attn_dims, blocks_of, ffn_hidden, mamba_dims
+from megassm.config import ModelConfig, attn_dims, blocks_of, ffn_hidden, mamba_dims, scan_dims
 
 log = logging.getLogger("megassm.flops")
 
@@ -36,6 +36,8 @@ __all__ = [
 ]
 
 FLOP_KEYS = ("embedding", "mamba_proj", "mamba_conv", "mamba_ssd", "attn_proj", "attn_scores", "mlp", "head")
+FLOP_KEYS += ("coffee_proj", "coffee_scan", "bmojo_ssm", "bmojo_attn")
+FLOP_KEYS += ("mamba1_proj", "mamba1_conv", "mamba1_scan", "longhorn_proj", "longhorn_conv", "longhorn_scan")
 
 
 def causal_pairs(length: int, window: int = 0) -> int:
@@ -100,7 +102,47 @@ def _mlp_layer(m: ModelConfig, L: int) -> dict:
     return {"mlp": 2 * L * 3 * m.d_model * ffn_hidden(m)}  # w1 (gate), w3 (up), w2 (down)
 
 
+def _coffee_layer(m: ModelConfig, L: int) -> dict:
+    """COFFEE (`C`): in/out projections d <-> D; per state element and token the recurrence
+    x + sigmoid(w x) (lam x + u) is 3 multiply-adds and the readout C.x one (two with the +OF gate). The
+    extra DEER Newton iterations are solver work, not model FLOPs (like recomputation)."""
+    c = m.coffee
+    D = c.expand * m.d_model if c.proj else m.d_model
+    n = c.d_state
+    proj = 2 * L * m.d_model * D * 2 if c.proj else 0
+    return {"coffee_proj": proj, "coffee_scan": 2 * L * D * n * (3 + 1 + (1 if c.output_filter else 0))}
+
+
+def _bmojo_layer(m: ModelConfig, L: int) -> dict:
+    """B'MOJO (`B`): its Mamba-2 SSM (every term of `M`), and its attention: q/k/v/o on the L tokens, k/v on
+    the n_fading SSM outputs of each of the ceil(L / w) chunks, scores over the w-token window
+    (causal_pairs(L, w)) plus the m_f + m_e memory tokens of every query past the first chunk."""
+    b = m.bmojo
+    a = attn_dims(m)
+    d, nh, nkv, hd = m.d_model, a["n_heads"], a["n_kv_heads"], a["head_dim"]
+    W, mem = b.window, b.n_fading + b.n_eidetic
+    n_fade = -(-L // W) * b.n_fading
+    proj = 2 * L * d * (nh * hd + 2 * nkv * hd) + 2 * L * nh * hd * d + 2 * n_fade * d * 2 * nkv * hd
+    pairs = causal_pairs(L, W) + max(L - W, 0) * mem
+    return {"bmojo_ssm": sum(_mamba_layer(m, L).values()), "bmojo_attn": proj + 2 * 2 * hd * nh * pairs}
+
+
+def _scan_layer(m: ModelConfig, L: int, letter: str) -> dict:
+    """Mamba-1 (`S`) / Longhorn (`L`): in_proj d -> 2 Di, x_proj Di -> R + 2N, dt_proj (beta_proj) R -> Di,
+    out_proj Di -> d; the depthwise conv; per (token, channel, state) the scan: decay argument (dt A, or
+    eps k^2 and 1 - that), input (dt x) B, update a h + b (2) and readout C . h (2): 6 FLOPs for S, 7 for L.
+    The exp, softplus / sigmoid, |k|^2 and eps are elementwise over [L, Di] or [L, N] (not counted)."""
+    dims = scan_dims(m, letter)
+    d, di, R, N = m.d_model, dims["d_inner"], dims["dt_rank"], dims["d_state"]
+    sec, key = (m.mamba1, "mamba1") if letter == "S" else (m.longhorn, "longhorn")
+    proj = 2 * L * d * 2 * di + 2 * L * di * (R + 2 * N) + 2 * L * R * di + 2 * L * di * d
+    return {f"{key}_proj": proj, f"{key}_conv": 2 * L * sec.d_conv * di,
+            f"{key}_scan": L * di * N * (6 if letter == "S" else 7)}
+
+
 _LAYERS = {"M": _mamba_layer, "*": _attn_layer, "-": _mlp_layer}
+_LAYERS.update({"C": _coffee_layer, "B": _bmojo_layer})
+_LAYERS.update({"S": lambda m, L: _scan_layer(m, L, "S"), "L": lambda m, L: _scan_layer(m, L, "L")})
 
 
 def flops_per_sequence(model_cfg: ModelConfig, vocab_padded: int, seq_len: int) -> dict[str, int]:
