@@ -282,11 +282,7 @@ def test_check_supported_bptt(monkeypatch):
     with pytest.raises(ConfigError, match="needs train.bptt=true"):
         check_supported(load_config(None, ["data.builtin=stdlib", "train.bptt_windows=2"]))
     check_supported(load_config(None, ["data.builtin=stdlib", "train.bptt=true", "train.bptt_windows=2"]))
-    # BPTT does not compose with TP/PP or data-parallel ranks yet (CP alone it does: test_parallel_cp.py)
+    # TP, PP, DP and CP all carry state now (tests/test_bptt_parallel.py, test_parallel_cp.py)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match="train.bptt with parallel.tp=2"):
-        check_supported(load_config(None, ["data.builtin=stdlib", "train.bptt=true", "parallel.tp=2",
-                                           "parallel.world_size=2"]))
-    with pytest.raises(ConfigError, match="train.bptt with world size 2"):
-        check_supported(load_config(None, ["data.builtin=stdlib", "train.bptt=true", "parallel.world_size=2",
-                                           "train.global_batch=8"]))
+    check_supported(load_config(None, ["data.builtin=stdlib", "train.bptt=true", "parallel.tp=2"]))
+    check_supported(load_config(None, ["data.builtin=stdlib", "train.bptt=true", "train.global_batch=8"]))

@@ -254,18 +254,35 @@ class StageModule(nn.Module):
         object.__setattr__(self, "lm", model)  # not a submodule: its parameters belong to the stages
         self.doc_mask = bool(getattr(model, "_attn_doc_mask", False)) and any(b.kind == "*" for b in self.blocks)
         self.autocast = contextlib.nullcontext
+        self.block_ids = list(blocks)  # local block indices (the BPTT carrier's keys)
+        self.carrier = None  # BPTT (training/bptt.py): set by train_step(..., carrier=) for one schedule run
 
-    def forward(self, *args, seq_idx: torch.Tensor | None = None):
+    def forward(self, *args, seq_idx: torch.Tensor | None = None, bptt_mb: torch.Tensor | None = None,
+                bptt_reset: torch.Tensor | None = None):
+        """`bptt_mb` (CPU, [micro-batch] filled with the micro-batch's index) and `bptt_reset` ([micro-batch]
+        bool: the row starts a new document) come with a BPTT step: the blocks start from the carrier's
+        states of that micro-batch and hand their final states back."""
         if seq_idx is not None and seq_idx.dtype != torch.int32:
             seq_idx = seq_idx.to(torch.int32)
         single_doc = single_document(seq_idx) if (self.doc_mask and seq_idx is not None) else None
+        carrier = self.carrier if bptt_mb is not None else None
+        if carrier is not None:
+            m = int(bptt_mb[0])
+            states, finals = carrier.stage_begin(m, bptt_reset, self.block_ids), []
         with self.autocast():
             if self.first:
                 hidden, residual = self.embedding(args[0]), None
             else:
                 hidden, residual = (_ContiguousGrad.apply(t) for t in args)
-            for block in self.blocks:
-                hidden, residual, _ = block(hidden, residual, seq_idx=seq_idx, single_doc=single_doc)
+            for i, block in enumerate(self.blocks):
+                if carrier is None:
+                    hidden, residual, _ = block(hidden, residual, seq_idx=seq_idx, single_doc=single_doc)
+                else:
+                    hidden, residual, st = block(hidden, residual, seq_idx=seq_idx, single_doc=single_doc,
+                                                 state=states[i], return_state=True)
+                    finals.append(st)
+            if carrier is not None:
+                carrier.stage_end(m, self.block_ids, finals)
             if self.last:
                 normed, _ = self.norm_f.add_forward(hidden, residual)
                 return self.lm._head(normed)
@@ -335,7 +352,7 @@ def _schedule(model: nn.Module, n: int, train: bool):
     return sched
 
 
-def _run(model: nn.Module, batches: list[dict], autocast, train: bool) -> torch.Tensor:
+def _run(model: nn.Module, batches: list[dict], autocast, train: bool, carrier=None) -> torch.Tensor:
     plan = pp_plan_of(model)
     if not plan.modules:
         raise RuntimeError("pipeline: call apply_pipeline_parallel(model) first")
@@ -354,12 +371,25 @@ def _run(model: nn.Module, batches: list[dict], autocast, train: bool) -> torch.
     args = (cat("tokens"),) if plan.first else ()
     target = cat("labels") if plan.last else None
     losses = [] if plan.last else None
+    if carrier is not None:  # BPTT: which micro-batch each row belongs to (chunked like the inputs)
+        mb = batches[0]["tokens"].shape[0]
+        kwargs["bptt_mb"] = torch.arange(n).repeat_interleave(mb)  # CPU: read without a device sync
+        if batches[0].get("reset") is not None:
+            kwargs["bptt_reset"] = cat("reset")
     if "return_outputs" in inspect.signature(sched.step).parameters:  # keep no merged logits (torch >= 2.8)
         kwargs["return_outputs"] = False
-    if train:
-        sched.step(*args, target=target, losses=losses, **kwargs)
-    else:
-        sched.eval(*args, target=target, losses=losses, **kwargs)
+    for m in plan.modules:
+        m.carrier = carrier
+    try:
+        if train:
+            sched.step(*args, target=target, losses=losses, **kwargs)
+        else:
+            sched.eval(*args, target=target, losses=losses, **kwargs)
+    finally:
+        for m in plan.modules:
+            m.carrier = None
+    if carrier is not None:
+        carrier.commit()
     dev = next(model.parameters()).device
     total = torch.zeros((), device=dev, dtype=torch.float32)
     if plan.last:
@@ -370,13 +400,14 @@ def _run(model: nn.Module, batches: list[dict], autocast, train: bool) -> torch.
     return comm.all_reduce(total, plan.group)  # the last stage's sum, on every stage
 
 
-def train_step(model: nn.Module, batches: list[dict], autocast=contextlib.nullcontext) -> torch.Tensor:
+def train_step(model: nn.Module, batches: list[dict], autocast=contextlib.nullcontext, carrier=None) -> torch.Tensor:
     """Forward and backward of one step's micro-batches (dicts with tokens, labels, seq_idx of one
     micro-batch each, as the data loader gives them) through the pipeline schedule. Gradients accumulate
     as in the single-device loop ((loss / n).backward() per micro-batch). Returns the sum of the
     micro-batch losses (fp32 scalar) on every rank of the pipeline group. Collective over the pipeline
-    (and TP) group."""
-    return _run(model, batches, autocast, train=True)
+    (and TP) group. `carrier`: a BPTT StateCarrier (training/bptt.py): micro-batch m's blocks start from its
+    carried states (rows with batch["reset"] cleared) and its final states are carried on."""
+    return _run(model, batches, autocast, train=True, carrier=carrier)
 
 
 @torch.no_grad()

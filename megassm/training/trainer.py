@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from megassm.config import Config, ConfigError, data_parallel_size, dump_config, world_size
+from megassm.models.coffee import deer_stats
 from megassm.parallel import runtime as prt
 from megassm.training import checkpoint as ckpt
 from megassm.training.flops import flops_per_sequence, mfu, peak_flops_for
@@ -60,15 +61,12 @@ def check_supported(cfg: Config) -> None:
         )
     if cfg.train.bptt_windows != 1 and not cfg.train.bptt:
         raise ConfigError(f"train.bptt_windows={cfg.train.bptt_windows} needs train.bptt=true")
-    if cfg.train.bptt:  # BPTT state carrying (training/bptt.py, docs/bptt.md): one process, or CP ranks only
-        unbuilt = [f"parallel.{k}={getattr(p, k)}" for k in ("tp", "pp") if getattr(p, k) != 1]
-        if unbuilt or world_size(cfg) != p.cp:
-            raise ConfigError(
-                f"train.bptt with {', '.join(unbuilt) or f'world size {world_size(cfg)}'}: carrying recurrent state "
-                "is built for one process or context parallelism alone (every CP rank holds the same final states); "
-                "states sharded by heads (TP), kept per PP stage, and checkpointed per data-parallel rank are not "
-                "built yet"
-            )
+    if cfg.train.bptt and p.pp > 1 and cfg.train.bptt_windows > 1:  # BPTT: training/bptt.py, docs/bptt.md
+        raise ConfigError(
+            f"train.bptt_windows={cfg.train.bptt_windows} with parallel.pp={p.pp}: backpropagating through several "
+            "windows would need one graph across several pipeline schedule runs; pipeline stages carry state with "
+            "truncated BPTT (train.bptt_windows=1)"
+        )
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda but no CUDA device is visible (use train.device=auto or cpu)")
     if cfg.train.precision == "bf16" and _pick_device(cfg).type == "cpu":
@@ -169,7 +167,7 @@ class Trainer:
             from megassm.training.bptt import StateCarrier
 
             self.carrier = StateCarrier(self.model, cfg.train.micro_batch, self.accum,
-                                        cfg.train.bptt_windows, self.device)
+                                        cfg.train.bptt_windows, self.device, groups=self.groups)
 
         vocab_padded = self.model.vocab_size_padded
         fl = flops_per_sequence(cfg.model, vocab_padded, cfg.train.seq_len)
@@ -283,7 +281,7 @@ class Trainer:
         return {"loss/val": val, "loss/val_ppl": math.exp(min(val, 50.0))}
 
     # ------------------------------------------------------------------------------------------------
-    def _extra_state(self) -> dict:
+    def _extra_state(self, carried: dict | None = None) -> dict:
         extra = {
             "scheduler": self.scheduler.state_dict(),
             "data": self.data.state_dict(),
@@ -292,17 +290,19 @@ class Trainer:
             "consumed_tokens": self.step * self.tokens_per_step,
         }
         if self.carrier is not None:
-            extra["carried_states"] = self.carrier.state_dict()
+            extra["carried_states"] = carried
         return extra
 
     def save(self) -> str:
         # canonical single-device layout: TP shards gathered on every rank (collective), rank 0 writes
         model_state, optim_state = prt.gather_states(self.model, self.optimizer, self.groups)
+        # BPTT: the canonical carried states on rank 0 (collective: every rank's rows / blocks / shards)
+        carried = self.carrier.state_dict() if self.carrier is not None else None
         path = os.path.join(self.run_dir, ckpt.CHECKPOINTS, ckpt.checkpoint_name(self.step))
         if prt.is_rank0(self.groups):
             path = ckpt.save_checkpoint(
                 self.run_dir, self.step, model=self.model, optimizer=self.optimizer,
-                extra=self._extra_state(), keep_last=self.cfg.run.keep_last,
+                extra=self._extra_state(carried), keep_last=self.cfg.run.keep_last,
                 model_state=model_state, optim_state=optim_state,
             )
         prt.barrier(self.groups)
@@ -356,6 +356,7 @@ class Trainer:
                         "throughput/tokens_per_s": w_tps,
                         **memory_scalars(self.device),
                         "time/data_wait_pct": 100.0 * window_data / max(window_time, 1e-9),
+                        **deer_stats(self.model),  # COFFEE layers: Newton solves of the last forward
                     }
                     if self.peak_flops:
                         scalars["throughput/mfu"] = mfu(w_tps, self.train_flops_per_token, self.peak_flops)
