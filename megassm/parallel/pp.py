@@ -490,7 +490,11 @@ def _optimizer_by_name(optimizer, model, plan: PPPlan) -> dict:
     for g in sd["param_groups"]:
         if g["params"]:
             groups.setdefault(kinds[names[g["params"][0]]], {k: v for k, v in g.items() if k != "params"})
-    return {"state": {names[i]: st for i, st in sd["state"].items()}, "groups": groups}
+    # CPU copies: they are pickled to the first pipeline rank, which must not unpickle them onto another
+    # rank's GPU (and checkpoints hold CPU tensors)
+    state = {names[i]: {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in st.items()}
+             for i, st in sd["state"].items()}
+    return {"state": state, "groups": groups}
 
 
 def gather_canonical_states(model: nn.Module, optimizer, groups) -> tuple[dict | None, dict | None]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
+import traceback
 import warnings
 
 import torch
@@ -30,10 +32,15 @@ def _entry(rank, world, port, backend, fn, args):
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
-    finally:
-        from .state import destroy
+    except BaseException:
+        # Print now and leave without tearing the group down: the other ranks may sit in a collective this
+        # rank will never join (NCCL would hang in destroy), and mp.spawn stops them once this one exits.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    from .state import destroy
 
-        destroy()
+    destroy()
 
 
 def spawn(fn, world: int, *args, backend: str = "gloo") -> None:
