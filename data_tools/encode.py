@@ -6,6 +6,7 @@ Runs in every worker process (or in-process with --workers 1). Bad input is repo
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,13 +42,67 @@ def _decode(raw: bytes, stats: dict) -> str:
         return raw.decode("utf-8", errors="replace")
 
 
+def _line_number(task: Task, i: int) -> int:
+    """1-based line number of item i of a line task. Range tasks count the newlines before their offset
+    (only when a line is reported, so the fast path never pays for it)."""
+    if not task.is_range:
+        return task.first + i
+    n, left = 0, task.offset
+    with open(task.path, "rb") as f:
+        while left > 0:
+            block = f.read(min(left, 1 << 22))
+            if not block:
+                break
+            n += block.count(b"\n")
+            left -= len(block)
+    return n + 1 + i
+
+
+def _parquet_column(path: str, group: int, key: str):
+    """The text column (Arrow) of one row group; the last group read is kept, since a big row group is cut
+    into several consecutive tasks (only a task's own slice becomes Python strings)."""
+    cached = _state.get("pq_group")
+    if cached is not None and cached[0] == (path, group):
+        return cached[1]
+    import pyarrow.parquet as pq
+
+    files = _state.setdefault("pq_files", {})
+    if path not in files:
+        files[path] = pq.ParquetFile(path, memory_map=True)
+    column = files[path].read_row_group(group, columns=[key]).column(0)
+    _state["pq_group"] = ((path, group), column)
+    return column
+
+
+def load_range(task: Task, opts: EncodeOptions) -> None:
+    """Fill a range task's items from its input (in the worker): raw lines (each with its newline, like a
+    file iterator gives them) or Parquet column values."""
+    if not task.is_range or task.items:
+        return
+    if task.kind == "strings":
+        column = _parquet_column(task.path, task.group, opts.text_key)
+        task.items = column.slice(task.offset, task.length).to_pylist()
+        return
+    with open(task.path, "rb") as f:
+        f.seek(task.offset)
+        data = f.read(task.length)
+    if len(data) != task.length:
+        raise DataInputError(f"{task.path}: the file changed while it was read ({len(data)} of {task.length} "
+                             f"bytes at offset {task.offset})")
+    parts = data.split(b"\n")
+    last = parts.pop()
+    task.items = [p + b"\n" for p in parts]
+    if last:
+        task.items.append(last)
+
+
 def _documents(task: Task, opts: EncodeOptions, stats: dict) -> list[str]:
     """The task's non-empty document texts, in order."""
     docs: list[str] = []
     if task.kind == "json":
         key = opts.text_key
         for i, line in enumerate(task.items):
-            where = f"{task.path}:{task.first + i}"
+            where = _Where(task, i)
             if not line.strip():
                 stats["blank_lines"] += 1
                 continue
@@ -95,6 +150,20 @@ def _documents(task: Task, opts: EncodeOptions, stats: dict) -> list[str]:
     return kept
 
 
+class _Where:
+    """`FILE:LINE` of item i, formatted only when a message needs it."""
+
+    __slots__ = ("task", "i")
+
+    def __init__(self, task: Task, i: int):
+        self.task, self.i = task, i
+
+    def __str__(self) -> str:
+        return f"{self.task.path}:{_line_number(self.task, self.i)}"
+
+    __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731
+
+
 def _utf8(texts: list[str], stats: dict) -> list[bytes]:
     """UTF-8 bytes of each text; lone surrogates (from JSON escapes such as \\ud800) become '?'."""
     out = []
@@ -112,6 +181,7 @@ def encode_task(task: Task) -> tuple[np.ndarray, np.ndarray, dict]:
     opts: EncodeOptions = _state["opts"]
     tok: Tokenizer = _state["tok"]
     stats = dict.fromkeys(STAT_KEYS, 0)
+    load_range(task, opts)
     texts = _documents(task, opts, stats)
     raw = _utf8(texts, stats)
     if isinstance(tok, ByteTokenizer):
@@ -141,3 +211,33 @@ def encode_task(task: Task) -> tuple[np.ndarray, np.ndarray, dict]:
     stats["documents"] = len(ids)
     stats["tokens"] = int(lengths.sum())
     return out, lengths, stats
+
+
+# --- direct output (single .bin, one process): tokens go straight into the file, hashed as they go ------
+def init_direct(opts: EncodeOptions, bin_file: str, offset: int, hasher=None, tok: Tokenizer | None = None) -> None:
+    """In-process init for direct output: task tokens are written at `offset` onwards, in task order, and
+    fed to `hasher` (the .bin's sha256) as they are written."""
+    init_worker(opts, tok)
+    _state["fd"] = os.open(bin_file, os.O_WRONLY)
+    _state["offset"], _state["hasher"] = offset, hasher
+
+
+def encode_direct(task: Task) -> tuple[np.ndarray, dict, int, int]:
+    """Encode a task and append its tokens to the .bin. Returns (document lengths, counters, byte offset,
+    byte count): the tokens are never copied into a result."""
+    tokens, lengths, stats = encode_task(task)
+    off, nbytes = _state["offset"], tokens.nbytes
+    view = memoryview(np.ascontiguousarray(tokens)).cast("B")
+    done = 0
+    while done < nbytes:
+        done += os.pwrite(_state["fd"], view[done:], off + done)
+    _state["offset"] = off + nbytes
+    if _state["hasher"] is not None:
+        _state["hasher"].update(view)
+    return lengths, stats, off, nbytes
+
+
+def close_direct() -> None:
+    fd = _state.pop("fd", None)
+    if fd is not None:
+        os.close(fd)

@@ -7,8 +7,12 @@ or from Python (what the built-in corpus and the tests use):
     from megassm.data_tools.preprocess import preprocess
     manifest = preprocess(["corpus/"], "shards/corpus", tokenizer="byte", workers=2)
 
-Pipeline: the main process reads inputs into tasks (sources.py), N worker processes decode and tokenize
-them (encode.py), the main process writes the results in task order (shard_writer.py). Output bytes depend
+Pipeline: the main process cuts the inputs into tasks (sources.py: byte ranges of uncompressed line
+files and Parquet row-group slices, which the workers read themselves; the raw content of other
+inputs); N worker processes read, decode and tokenize them (encode.py); the main process writes the
+results in task order (shard_writer.py). A single output file is hashed as it is written (by a thread
+behind the writes when there are workers; another thread hashes the inputs meanwhile); with --workers 1
+everything runs in the calling thread and the tokens go straight from the tokenizer into the file. Output bytes depend
 only on the input and the options, never on N. Everything is written under PREFIX.partial/ and renamed
 into place at the end; `--resume` continues an interrupted run from its last checkpoint.
 """
@@ -20,18 +24,21 @@ import hashlib
 import multiprocessing as mp
 import os
 import re
+import queue
 import shutil
 import sys
+import threading
 import time
 from typing import Iterable, Iterator
 
-from .encode import STAT_KEYS, EncodeOptions, encode_task, init_worker
+from .encode import STAT_KEYS, EncodeOptions, close_direct, encode_direct, encode_task, init_direct, init_worker
 from .indexed import CODE_OF_DTYPE, bin_path, dtype_for_vocab, idx_path
 from .shard_writer import ShardWriter, read_progress, write_json_atomic
 from .sources import DataInputError, InputFile, expand_inputs, iter_tasks
 from .tokenizers import TokenizerError, load_tokenizer, tokenizer_info
 
 MANIFEST_VERSION = 1
+TASK_SCHEME = 2  # how inputs are cut into tasks (2: byte ranges / row-group slices); --resume needs the same
 CHECKPOINT_SECONDS = 2.0
 
 
@@ -70,15 +77,38 @@ def existing_outputs(prefix: str) -> list[str]:
     return sorted(os.path.join(folder, n) for n in os.listdir(folder) if pattern.match(n))
 
 
-def _ordered_map(workers: int, opts: EncodeOptions, tok, tasks: Iterable) -> Iterator[tuple[int, tuple]]:
-    """(task.nbytes, encode_task(task)) in task order, with at most a few tasks in flight per worker."""
+def _start_method() -> str:
+    """fork when it is safe (one thread, no CUDA: the command line), else spawn (the caller may be a
+    trainer with prefetch threads or CUDA state). fork starts a worker in milliseconds instead of a
+    fresh interpreter importing numpy and the tokenizer."""
+    torch = sys.modules.get("torch")
+    cuda = torch is not None and getattr(torch, "cuda", None) is not None and torch.cuda.is_initialized()
+    if threading.active_count() == 1 and not cuda and "fork" in mp.get_all_start_methods():
+        return "fork"
+    return "spawn"
+
+
+def _ordered_map(workers: int, opts: EncodeOptions, tok, tasks: Iterable, direct: dict | None = None
+                 ) -> Iterator[tuple[int, tuple]]:
+    """(task.nbytes, result) in task order, with at most a few tasks in flight per worker. result is
+    encode_task(task) = (tokens, lengths, counters), or in one process with `direct` (bin_file, offset,
+    hasher) encode_direct(task) = (lengths, counters, offset, nbytes): the tokens are already written.
+    (Workers do not write the file themselves: they would have to wait for each other's offsets, and
+    buffered writes to one file from several processes are serialized by the kernel anyway.)"""
     if workers <= 1:
-        init_worker(opts, tok)
-        for t in tasks:
-            yield t.nbytes, encode_task(t)
+        if direct is None:
+            init_worker(opts, tok)
+            for t in tasks:
+                yield t.nbytes, encode_task(t)
+            return
+        init_direct(opts, direct["bin_file"], direct["offset"], direct["hasher"], tok)
+        try:
+            for t in tasks:
+                yield t.nbytes, encode_direct(t)
+        finally:
+            close_direct()
         return
-    # spawn, not fork: the caller may be a trainer with threads (prefetch) or CUDA state.
-    pool = mp.get_context("spawn").Pool(workers, initializer=init_worker, initargs=(opts,))
+    pool = mp.get_context(_start_method()).Pool(workers, initializer=init_worker, initargs=(opts,))
     try:
         pending: collections.deque = collections.deque()
         for t in tasks:
@@ -95,10 +125,95 @@ def _ordered_map(workers: int, opts: EncodeOptions, tok, tasks: Iterable) -> Ite
         pool.join()
 
 
+class _FileHasher:
+    """sha256 of a file that grows in order: `ready(end)` says bytes [0, end) are final; a thread reads and
+    hashes them behind the writers (hashlib and reads release the GIL). `digest()` waits for the rest."""
+
+    def __init__(self, path: str, start: int = 0):
+        self.path, self._h, self._done = path, hashlib.sha256(), 0
+        self._q: queue.Queue = queue.Queue()
+        self._err: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="megassm-sha256", daemon=True)
+        self._thread.start()
+        if start:
+            self.ready(start)
+
+    def _run(self) -> None:
+        try:
+            with open(self.path, "rb", buffering=0) as f:
+                while True:
+                    end = self._q.get()
+                    if end is None:
+                        return
+                    while self._done < end:
+                        block = os.pread(f.fileno(), min(end - self._done, 1 << 22), self._done)
+                        if not block:
+                            raise OSError(f"{self.path}: shorter than {end} bytes while hashing")
+                        self._h.update(block)
+                        self._done += len(block)
+        except BaseException as e:  # reported by digest()
+            self._err = e
+
+    def ready(self, end: int) -> None:
+        self._q.put(end)
+
+    def digest(self) -> str:
+        self._q.put(None)
+        self._thread.join()
+        if self._err is not None:
+            raise self._err
+        return self._h.hexdigest()
+
+
+class _InputHashes:
+    """sha256 of every input file, in a background thread (workers > 1) or on demand."""
+
+    def __init__(self, paths: list[str], background: bool):
+        self.paths, self._out, self._err = paths, {}, None
+        self._thread = None
+        if background:
+            self._thread = threading.Thread(target=self._run, name="megassm-input-sha256", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for p in self.paths:
+                self._out[p] = sha256_file(p)
+        except BaseException as e:
+            self._err = e
+
+    def get(self) -> dict:
+        if self._thread is None:
+            self._run()
+        else:
+            self._thread.join()
+        if self._err is not None:
+            raise self._err
+        return self._out
+
+
+def _chain(first, rest):
+    yield first
+    yield from rest
+
+
+def _hash_prefix(h, path: str, nbytes: int) -> None:
+    """Feed bytes [0, nbytes) of `path` to hash h (a resumed run's output written before)."""
+    with open(path, "rb") as f:
+        left = nbytes
+        while left > 0:
+            block = f.read(min(left, 1 << 22))
+            if not block:
+                raise OSError(f"{path}: shorter than the {nbytes} bytes its progress records")
+            h.update(block)
+            left -= len(block)
+
+
 def _fingerprint(files: list[InputFile], tok, opts: EncodeOptions, shard_size, text_per_line) -> dict:
     return {
         "inputs": [[f.path, f.size, os.stat(f.path).st_mtime_ns, f.format] for f in files],
         "tokenizer_sha256": tok.sha256,
+        "task_cutting": TASK_SCHEME,
         "options": {"text_key": opts.text_key, "append_eos": opts.append_eos, "skip_bad": opts.skip_bad,
                     "shard_size": shard_size, "text_per_line": text_per_line, "dtype": opts.dtype},
     }
@@ -181,14 +296,37 @@ def preprocess(
     all_tasks = iter_tasks(files, text_key, text_per_line)
     for _ in range(tasks_done):  # deterministic task cutting: skip what the interrupted run wrote
         next(all_tasks)
+    # One output file: its sha256 is taken as it is written (in one process inline, with workers by a
+    # thread reading behind the main process's writes). Numbered shards are hashed at the end.
+    direct = None
+    bin_hasher = None
+    if shard_size is None and workers <= 1:
+        inline_hash = hashlib.sha256()
+        _hash_prefix(inline_hash, writer.bin_file(), writer.bin_bytes)
+        direct = {"bin_file": writer.bin_file(), "offset": writer.bin_bytes, "hasher": inline_hash}
+    input_hashes = None
     succeeded = False
     try:
         save_checkpoint()
         last_ckpt = time.perf_counter()
         t_run = time.perf_counter()
         docs_run = toks_run = 0
-        for nbytes, (tokens, lengths, st) in _ordered_map(workers, opts, tok, all_tasks):
-            writer.add(tokens, lengths)
+        results = _ordered_map(workers, opts, tok, all_tasks, direct)
+        # background hashing starts after the pool (a fork start needs a single-threaded process)
+        first = next(results, None)
+        if shard_size is None and workers > 1:
+            bin_hasher = _FileHasher(writer.bin_file(), writer.bin_bytes)
+        input_hashes = _InputHashes([f.path for f in files], background=workers > 1)
+        for nbytes, res in (_chain(first, results) if first is not None else ()):
+            if direct is None:
+                tokens, lengths, st = res
+                writer.add(tokens, lengths)
+                if bin_hasher is not None:
+                    writer.flush_bin()
+                    bin_hasher.ready(writer.bin_bytes)
+            else:
+                lengths, st, off, nb = res
+                writer.add_direct(lengths, nb)
             for k in STAT_KEYS:
                 stats[k] += st[k]
             tasks_done += 1
@@ -223,16 +361,23 @@ def preprocess(
 
     # Hash, move into place, then write the manifest last: its presence marks a complete output.
     numbered = shard_size is not None
+    bin_digest = None
+    if bin_hasher is not None:
+        bin_digest = bin_hasher.digest()
+    elif direct is not None:
+        bin_digest = direct["hasher"].hexdigest()
     shards = []
     for i in range(n_shards):
         b, x = os.path.join(work, f"shard-{i:05d}.bin"), os.path.join(work, f"shard-{i:05d}.idx")
         final = f"{output_prefix}-{i:05d}" if numbered else output_prefix
         shards.append({
             "prefix": os.path.basename(final),
-            "bin": {"file": os.path.basename(bin_path(final)), "bytes": os.path.getsize(b), "sha256": sha256_file(b)},
+            "bin": {"file": os.path.basename(bin_path(final)), "bytes": os.path.getsize(b),
+                    "sha256": bin_digest if bin_digest is not None else sha256_file(b)},
             "idx": {"file": os.path.basename(idx_path(final)), "bytes": os.path.getsize(x), "sha256": sha256_file(x)},
             "tokens": os.path.getsize(b) // dtype.itemsize,
         })
+    in_sha = input_hashes.get()
     for p in existing_outputs(output_prefix):  # --overwrite: stale shards must not be picked up later
         os.remove(p)
     writer.move_into_place(n_shards, output_prefix, numbered)
@@ -250,7 +395,7 @@ def preprocess(
         "shard_size": shard_size,
         "stats": {k: stats[k] for k in STAT_KEYS if k not in ("documents", "tokens")},
         "options": {"text_key": text_key, "text_per_line": text_per_line, "skip_bad": skip_bad},
-        "inputs": [{"path": f.path, "format": f.format, "bytes": f.size, "sha256": sha256_file(f.path)} for f in files],
+        "inputs": [{"path": f.path, "format": f.format, "bytes": f.size, "sha256": in_sha[f.path]} for f in files],
     }
     write_json_atomic(manifest_path(output_prefix), manifest)
     shutil.rmtree(work, ignore_errors=True)

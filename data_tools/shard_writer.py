@@ -53,6 +53,7 @@ class ShardWriter:
         self._bin = open(b, "r+b")
         self._bin.truncate(bin_bytes)
         self._bin.seek(bin_bytes)
+        self.bin_bytes = bin_bytes  # bytes of this shard's .bin that are final (written in task order)
         self._len = open(l, "r+b")
         self._len.truncate(8 * num_docs)
         self._len.seek(0)
@@ -103,8 +104,27 @@ class ShardWriter:
         if start < len(lengths):
             self._append(tokens[pos:], lengths[start:])
 
+    def add_direct(self, lengths: np.ndarray, nbytes: int) -> None:
+        """Record whole documents whose tokens a worker already wrote into this (only) shard's .bin, right
+        after the previous ones (preprocess.py: direct output, no shard_size)."""
+        if self.shard_size is not None:
+            raise RuntimeError("direct output is for a single shard (no shard_size)")
+        self._len.write(np.ascontiguousarray(lengths, dtype="<i8").tobytes())
+        self._lengths.append(np.asarray(lengths, dtype=np.int64))
+        self._shard_tokens += int(lengths.sum())
+        self.bin_bytes += int(nbytes)
+
+    def flush_bin(self) -> None:
+        """Hand the written tokens to the OS (a hashing thread reads the file behind the writes)."""
+        self._bin.flush()
+
+    def bin_file(self) -> str:
+        return self._paths(self.shard)[0]
+
     def _append(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        self._bin.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
+        data = np.ascontiguousarray(tokens, dtype=self.dtype).tobytes()
+        self._bin.write(data)
+        self.bin_bytes += len(data)
         self._len.write(np.ascontiguousarray(lengths, dtype="<i8").tobytes())
         self._lengths.append(np.asarray(lengths, dtype=np.int64))
         self._shard_tokens += int(lengths.sum())
@@ -127,7 +147,7 @@ class ShardWriter:
             **extra,
             "tasks_done": tasks_done,
             "shard": self.shard,
-            "bin_bytes": self._bin.tell(),
+            "bin_bytes": self.bin_bytes,
             "num_docs": num_docs,
         })
 

@@ -52,6 +52,17 @@ class Task:
     items: list = field(default_factory=list)
     nbytes: int = 0  # input bytes this task accounts for (progress only)
     firsts: list | None = None  # 'files': one path per item
+    # Range tasks (uncompressed JSONL / text lines, Parquet): the worker reads its own input, so the main
+    # process moves no document bytes. Lines: bytes [offset, offset + length) of the file (`first` is 0:
+    # the line number is counted only when a line is reported bad). Parquet: rows [offset, offset + length)
+    # of row group `group`.
+    offset: int = -1
+    length: int = 0
+    group: int = -1
+
+    @property
+    def is_range(self) -> bool:
+        return self.offset >= 0
 
 
 def detect(path: str, forced: str = "auto") -> InputFile:
@@ -180,6 +191,29 @@ def _line_tasks(inp: InputFile, kind: str) -> Iterator[Task]:
             yield task
 
 
+def _range_tasks(inp: InputFile, kind: str) -> Iterator[Task]:
+    """An uncompressed line file cut into byte ranges of about TASK_BYTES ending at a line end. Only the
+    bytes around each cut are read here (the workers read the rest), and the cuts depend on the content
+    alone."""
+    size, o = inp.size, 0
+    with open(inp.path, "rb") as f:
+        while o < size:
+            end = min(o + TASK_BYTES, size)
+            if end < size:  # extend to the end of the line holding byte end - 1
+                f.seek(end - 1)
+                while True:
+                    block = f.read(1 << 16)
+                    if not block:
+                        end = size
+                        break
+                    j = block.find(b"\n")
+                    if j >= 0:
+                        end = f.tell() - len(block) + j + 1
+                        break
+            yield Task(kind, inp.path, 0, [], end - o, offset=o, length=end - o)
+            o = end
+
+
 def _file_tasks(files: list[InputFile]) -> Iterator[Task]:
     """Plain-text files, one document each, grouped until about TASK_BYTES."""
     task = Task("files", "", 0, [], 0, [])
@@ -233,7 +267,9 @@ def _batch_tasks(inp: InputFile, batch, key: str, row: int, nbytes: int) -> Iter
     yield Task("strings", inp.path, row + start, values[start:], nbytes)
 
 
-def _parquet_tasks(inp: InputFile, key: str) -> Iterator[Task]:
+def _parquet_range_tasks(inp: InputFile, key: str) -> Iterator[Task]:
+    """Row-group slices of about TASK_BYTES (by the file's metadata, at most TASK_DOCS rows): the workers
+    read the column themselves."""
     import pyarrow.parquet as pq
 
     try:
@@ -241,14 +277,21 @@ def _parquet_tasks(inp: InputFile, key: str) -> Iterator[Task]:
     except Exception as e:
         raise DataInputError(f"{inp.path}: not a readable Parquet file: {e}") from None
     _column(pf.schema_arrow, inp, key)
-    total = max(pf.metadata.num_rows, 1)
+    meta = pf.metadata
+    total = max(meta.num_rows, 1)
     row, done = 0, 0
-    for batch in pf.iter_batches(batch_size=RECORD_BATCH_ROWS, columns=[key]):
-        n = batch.num_rows
-        nb = inp.size * (row + n) // total - done
-        done += nb
-        yield from _batch_tasks(inp, batch, key, row, nb)
+    for g in range(meta.num_row_groups):
+        rg = meta.row_group(g)
+        n = rg.num_rows
+        parts = max(1, -(-rg.total_byte_size // TASK_BYTES), -(-n // TASK_DOCS))
+        for k in range(parts):
+            lo, hi = n * k // parts, n * (k + 1) // parts
+            nb = inp.size * (row + hi) // total - done
+            done += nb
+            yield Task("strings", inp.path, row + lo, [], nb, offset=lo, length=hi - lo, group=g)
         row += n
+    if meta.num_row_groups == 0:
+        yield Task("strings", inp.path, 0, [], inp.size)
 
 
 def _arrow_tasks(inp: InputFile, key: str) -> Iterator[Task]:
@@ -289,12 +332,11 @@ def iter_tasks(files: list[InputFile], text_key: str = "text", text_per_line: bo
         if pending_text:
             yield from _file_tasks(pending_text)
             pending_text = []
-        if inp.format == "jsonl":
-            yield from _line_tasks(inp, "json")
-        elif inp.format == "text":
-            yield from _line_tasks(inp, "lines")
+        if inp.format in ("jsonl", "text"):
+            kind = "json" if inp.format == "jsonl" else "lines"
+            yield from (_line_tasks(inp, kind) if inp.compression else _range_tasks(inp, kind))
         elif inp.format == "parquet":
-            yield from _parquet_tasks(inp, text_key)
+            yield from _parquet_range_tasks(inp, text_key)
         elif inp.format == "arrow":
             yield from _arrow_tasks(inp, text_key)
         else:

@@ -54,14 +54,31 @@ def test_jsonl_round_trip_and_manifest(tmp_path):
 
 def test_same_bytes_for_1_and_2_workers(tmp_path, monkeypatch):
     monkeypatch.setattr(sources, "TASK_DOCS", 7)  # many tasks, so ordering across workers matters
+    monkeypatch.setattr(sources, "TASK_BYTES", 150)  # (uncompressed JSONL is cut by bytes)
     texts = [f"document {i} " + "x" * (i % 13) for i in range(200)]
     src = write_jsonl(tmp_path / "a.jsonl", texts)
     m1 = preprocess([src], str(tmp_path / "w1"), workers=1, quiet=True)
     m2 = preprocess([src], str(tmp_path / "w2"), workers=2, quiet=True)
     for ext in (".bin", ".idx"):
         assert sha(str(tmp_path / "w1") + ext) == sha(str(tmp_path / "w2") + ext)
-    assert m1["shards"][0]["bin"]["sha256"] == m2["shards"][0]["bin"]["sha256"]
+    assert m1["shards"][0]["bin"]["sha256"] == m2["shards"][0]["bin"]["sha256"] == sha(str(tmp_path / "w2") + ".bin")
     assert docs_of(str(tmp_path / "w2")) == texts
+
+
+@pytest.mark.parametrize("first,second", [(1, 2), (2, 1)])
+def test_resume_with_other_worker_count_hashes_the_whole_file(tmp_path, monkeypatch, first, second):
+    """The .bin hash is taken while writing (inline with 1 worker, a thread behind the writes with 2); a
+    resumed run must still hash what the interrupted one wrote."""
+    monkeypatch.setattr(sources, "TASK_BYTES", 120)
+    texts = [f"resumed document {i} " + "y" * (i % 11) for i in range(80)]
+    src = write_jsonl(tmp_path / "a.jsonl", texts)
+    ref = preprocess([src], str(tmp_path / "ref"), quiet=True)
+    with pytest.raises(KeyboardInterrupt):
+        preprocess([src], str(tmp_path / "o"), workers=first, quiet=True, _stop_after_tasks=5)
+    m = preprocess([src], str(tmp_path / "o"), workers=second, resume=True, quiet=True)
+    assert sha(str(tmp_path / "o") + ".bin") == sha(str(tmp_path / "ref") + ".bin") == m["shards"][0]["bin"]["sha256"]
+    assert m["shards"][0]["bin"]["sha256"] == ref["shards"][0]["bin"]["sha256"]
+    assert docs_of(str(tmp_path / "o")) == texts
 
 
 def test_formats_compressed_parquet_arrow_text_glob(tmp_path):
@@ -153,6 +170,7 @@ def test_numbered_shards(tmp_path):
 @pytest.mark.parametrize("shard_size", [None, 150])
 def test_resume_after_interruption(tmp_path, monkeypatch, shard_size):
     monkeypatch.setattr(sources, "TASK_DOCS", 5)
+    monkeypatch.setattr(sources, "TASK_BYTES", 100)  # range tasks (uncompressed JSONL) are cut by bytes
     texts = [f"resumable doc {i}" for i in range(60)]
     src = write_jsonl(tmp_path / "a.jsonl", texts)
     ref = preprocess([src], str(tmp_path / "ref"), shard_size=shard_size, quiet=True)
