@@ -170,10 +170,10 @@ def test_config_refusals(monkeypatch):
     check_supported(_cfg("parallel.cp=4", "train.bptt=true"))  # BPTT over CP ranks alone
     with pytest.raises(ConfigError, match=r"parallel.sp=true with parallel.cp=2"):
         check_supported(_cfg("parallel.cp=2", "parallel.tp=2", "parallel.sp=true"))
-    with pytest.raises(ConfigError, match=r"train.bptt with world size 4"):
-        check_supported(_cfg("parallel.cp=2", "train.bptt=true"))  # CP x DP: carried states per DP rank
-    with pytest.raises(ConfigError, match=r"train.bptt with parallel.tp=2"):
-        check_supported(_cfg("parallel.cp=2", "parallel.tp=2", "train.bptt=true"))
+    check_supported(_cfg("parallel.cp=2", "train.bptt=true"))  # CP x DP: carried states per DP rank
+    check_supported(_cfg("parallel.cp=2", "parallel.tp=2", "train.bptt=true"))  # TP x CP (training/bptt.py)
+    with pytest.raises(ConfigError, match=r"parallel.pp=2 with parallel.cp=2: pipeline parallelism combined"):
+        check_supported(_cfg("parallel.pp=2", "parallel.cp=2", "train.bptt=true"))
 
 
 def test_local_slice_and_single_rank_noop():
