@@ -51,6 +51,7 @@ setup(
             "megassm-preprocess=megassm.data_tools.preprocess:main",
             "megassm-launch=megassm.launch.cli:main",
             "megassm-eval=megassm.evaluation.cli:main",
+            "megassm-synthetic=megassm.synthetic.run:main",
         ]
     },
 )

@@ -118,6 +118,7 @@ class Mamba1Config:
     conv_bias: bool = True
     proj_bias: bool = False  # bias in in_proj / out_proj
     init: str = "paper"  # paper: mamba_ssm's (U(+-1/sqrt(fan_in)), out_proj / sqrt(blocks)) | normal: N(0, init_std)
+    lti: bool = False  # ablation (Mamba paper Table 1): dt, B, C learned constants, not functions of x (no x_proj)
 
 
 @dataclass
@@ -538,6 +539,8 @@ def validate(cfg: Config) -> None:
         need(0 < s1.dt_min <= s1.dt_max,
              f"model.mamba1.dt_min={s1.dt_min} must be in (0, model.mamba1.dt_max={s1.dt_max}]")
         need(s1.dt_init_floor >= 0, f"model.mamba1.dt_init_floor must be >= 0, got {s1.dt_init_floor}")
+        need(not (s1.lti and p.tp > 1), f"model.mamba1.lti=true with parallel.tp={p.tp}: the LTI ablation is a "
+                                        "single-device research setting and has no tensor-parallel plan")
     for c, name in (("C", "COFFEE"), ("B", "B'MOJO"), ("S", "Mamba-1"), ("L", "Longhorn")):
         if c in letters:
             need(p.cp == 1, f"parallel.cp={p.cp}: context parallelism has no plan for {name} (`{c}` in model.pattern): "

@@ -14,6 +14,10 @@ softplus run inside the kernel, in fp32). Init (`init: paper`, mamba_ssm's): A_l
 dt_proj.weight ~ U(+-R^-1/2), D = 1, in_proj / x_proj ~ U(+-1/sqrt(fan_in)), out_proj the same / sqrt(blocks).
 A_log, D and the biases are fp32 and never weight-decayed.
 
+`model.mamba1.lti=true` is the Mamba paper's LTI ablation (Table 1, selective copying): the same block with
+dt = softplus(dt_bias) per channel and B, C learned [N] vectors, none of them a function of x (no x_proj, no
+dt_proj; the same scan kernel with the constants broadcast over batch and time).
+
 Tensor-parallel layout (applied from outside, parallel/tp.py `_plan_mamba1`): in_proj rows [x | z] and every
 per-channel tensor (conv, dt_proj rows, A_log, D) split by channel; x_proj contracts over all d_inner channels,
 so its small output (R + 2N per token) is all-reduced (the first of two all-reduces per layer); out_proj is
@@ -136,11 +140,32 @@ class Mamba1Mixer(SelectiveScanMixer):
     def __init__(self, cfg: ModelConfig, n_layer: int):
         mc = cfg.mamba1
         super().__init__(cfg, n_layer, mc, "S")
-        self.dt_proj = _linear(self.dt_rank, self.d_inner, True, self._low_rank_rule())
-        self.dt_proj.init_rules["bias"] = InitRule("dt_bias", low=mc.dt_min, high=mc.dt_max, floor=mc.dt_init_floor,
-                                                   no_wd=True)
+        dt_rule = InitRule("dt_bias", low=mc.dt_min, high=mc.dt_max, floor=mc.dt_init_floor, no_wd=True)
+        self.lti = mc.lti
+        if self.lti:  # time-invariant ablation: constants in place of the input-dependent projections
+            del self.x_proj
+            self.dt_bias = nn.Parameter(torch.empty(self.d_inner, dtype=torch.float32))
+            self.B_lti = nn.Parameter(torch.empty(self.d_state, dtype=torch.float32))
+            self.C_lti = nn.Parameter(torch.empty(self.d_state, dtype=torch.float32))
+            self.init_rules.update(dt_bias=dt_rule, B_lti=InitRule("ones", no_wd=True),
+                                   C_lti=InitRule("normal", std=self.d_state ** -0.5, no_wd=True))
+        else:
+            self.dt_proj = _linear(self.dt_rank, self.d_inner, True, self._low_rank_rule())
+            self.dt_proj.init_rules["bias"] = dt_rule
         self.A_log = nn.Parameter(torch.empty(self.d_inner, self.d_state, dtype=torch.float32))
         self.init_rules["A_log"] = InitRule("s4d_real", no_wd=True)
+
+    def _split_proj(self, x: torch.Tensor):
+        if not self.lti:
+            return super()._split_proj(x)
+        shape = (*x.shape[:-1], self.d_state)
+        return None, self.B_lti.to(x.dtype).expand(shape).contiguous(), self.C_lti.to(x.dtype).expand(shape).contiguous()
+
+    def _delta(self, dt_low: torch.Tensor | None, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(delta before its bias, the bias): the kernel adds the bias and applies softplus in fp32."""
+        if self.lti:
+            return torch.zeros_like(x), self.dt_bias
+        return F.linear(dt_low, self.dt_proj.weight), self.dt_proj.bias
 
     def _A(self) -> torch.Tensor:
         # at least fp32 (fp64 stays fp64, so the oracle tests can compare tightly)
@@ -148,12 +173,12 @@ class Mamba1Mixer(SelectiveScanMixer):
 
     def scan(self, x, dt_low, Bm, Cm, z, seq_idx, ssm_state, return_state):
         """y [B, L, d_inner] (x.dtype) with the D skip and the z gate, and the final state if asked."""
+        delta, bias = self._delta(dt_low, x)
         return kernels.selective_scan(
-            x, F.linear(dt_low, self.dt_proj.weight), self._A(), Bm, Cm, D=self.D, z=z,
-            delta_bias=self.dt_proj.bias, delta_softplus=True, decay="exp", initial_state=ssm_state,
-            seq_idx=seq_idx, return_final_state=return_state)
+            x, delta, self._A(), Bm, Cm, D=self.D, z=z, delta_bias=bias, delta_softplus=True, decay="exp",
+            initial_state=ssm_state, seq_idx=seq_idx, return_final_state=return_state)
 
     def scan_step(self, ssm_state, x, dt_low, Bm, Cm, z):
-        return kernels.selective_scan_step(ssm_state, x, F.linear(dt_low, self.dt_proj.weight), self._A(), Bm, Cm,
-                                           D=self.D, z=z, delta_bias=self.dt_proj.bias, delta_softplus=True,
-                                           decay="exp")
+        delta, bias = self._delta(dt_low, x)
+        return kernels.selective_scan_step(ssm_state, x, delta, self._A(), Bm, Cm, D=self.D, z=z, delta_bias=bias,
+                                           delta_softplus=True, decay="exp")
