@@ -1,18 +1,26 @@
 """`megassm-launch`: start training processes.
 
     megassm-launch local --nproc-per-node 1 --config configs/tiny.yaml [key=value ...] [--dry-run]
+    megassm-launch slurm --nodes 4 --gpus-per-node 8 --config configs/recipes/hybrid-7b-4node.yaml \
+        --time 24:00:00 --partition gpu [--launcher deepspeed] [--dry-run | --submit] [key=value ...]
 
 `local` runs `torchrun --standalone` on this machine with the same command line a cluster job runs
-(`python -m megassm.train --config FILE overrides`). Cluster launchers (SLURM, the DeepSpeed launcher)
-are added as further subcommands that build on `train_command`.
+(`python -m megassm.train --config FILE overrides`). `slurm` checks the config at the job's world size
+(before anything is queued), writes RUN_DIR/launch/{job.sbatch, config.yaml, version.json} and prints the
+script; `--submit` hands it to sbatch (launch/slurm.py has the script's design, docs/launch.md the recipes).
 """
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
+import re
 import shlex
 import subprocess
 import sys
+
+from . import slurm
 
 
 def train_command(config: str, overrides: list[str]) -> list[str]:
@@ -35,11 +43,138 @@ def build_parser() -> argparse.ArgumentParser:
     loc.add_argument("--config", required=True)
     loc.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
     loc.add_argument("overrides", nargs="*", help="key=value config overrides")
+
+    sl = sub.add_parser("slurm", help="write (and submit) an sbatch script: one launcher task per node")
+    sl.add_argument("--nodes", type=int, required=True)
+    sl.add_argument("--gpus-per-node", type=int, required=True)
+    sl.add_argument("--config", required=True)
+    sl.add_argument("--launcher", choices=("torchrun", "deepspeed"), default="torchrun")
+    sl.add_argument("--run-dir", default=None, help="default: the config's run.dir (made absolute)")
+    sl.add_argument("--job-name", default=None, help="default: the run directory's name")
+    sl.add_argument("--time", default=None, help="HH:MM:SS or D-HH:MM:SS")
+    sl.add_argument("--partition", default=None)
+    sl.add_argument("--account", default=None)
+    sl.add_argument("--cpus-per-task", type=int, default=None)
+    sl.add_argument("--signal-lead", type=int, default=300,
+                    help="seconds before the time limit at which SIGUSR1 asks for a checkpoint (default 300)")
+    sl.add_argument("--port", type=int, default=29500, help="rendezvous port on the head node")
+    sl.add_argument("--python", default="python3", help="the interpreter on the compute nodes")
+    sl.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
+                    help="an extra #SBATCH line, e.g. --sbatch=--exclusive (repeatable)")
+    mode = sl.add_mutually_exclusive_group()
+    mode.add_argument("--dry-run", action="store_true", help="print the script only; write nothing")
+    mode.add_argument("--submit", action="store_true", help="run sbatch on the written script")
+    sl.add_argument("overrides", nargs="*", help="key=value config overrides")
     return p
+
+
+def _code_version() -> dict:
+    """The megassm checkout a job runs: git commit and whether the tree had uncommitted changes."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*a):
+        r = subprocess.run(["git", "-C", here, *a], capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    return {"git_commit": commit, "git_dirty": bool(git("status", "--porcelain")) if commit else None,
+            "source": here}
+
+
+def _write_atomic(path: str, text: str, mode: int | None = None) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    if mode is not None:
+        os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def slurm_main(args) -> int:
+    """Check the config at the job's world size, write RUN_DIR/launch/*, print (and maybe submit) the script."""
+    from megassm.config import ConfigError, dump_config, load_config
+
+    if args.nodes < 1 or args.gpus_per_node < 1:
+        print("megassm-launch: --nodes and --gpus-per-node must be >= 1", file=sys.stderr)
+        return 2
+    world = args.nodes * args.gpus_per_node
+    overrides = [o for o in args.overrides if not o.startswith(("parallel.world_size=", "run.resume="))]
+    if args.run_dir:
+        overrides.append(f"run.dir={os.path.abspath(args.run_dir)}")
+    try:
+        cfg = load_config(args.config, [*overrides, f"parallel.world_size={world}"])
+        _check_data(cfg)
+    except ConfigError as e:
+        print(f"megassm-launch: config error at world size {world} ({args.nodes} nodes x {args.gpus_per_node} "
+              f"GPUs): {e}", file=sys.stderr)
+        return 2
+    run_dir = os.path.abspath(cfg.run.dir)
+    cfg.run.dir = run_dir
+    job = slurm.SlurmJob(
+        nodes=args.nodes, gpus_per_node=args.gpus_per_node, config=args.config, overrides=overrides,
+        run_dir=run_dir, job_name=args.job_name or re.sub(r"[^\w.-]", "_", os.path.basename(run_dir)) or "megassm",
+        time=args.time, partition=args.partition, account=args.account, cpus_per_task=args.cpus_per_task,
+        signal_lead_s=args.signal_lead, port=args.port, launcher=args.launcher, python=args.python,
+        extra_sbatch=args.sbatch)
+    launch_dir = os.path.join(run_dir, "launch")
+    # the job trains from the resolved config saved beside the script (a later edit of the original does not
+    # change a requeued job); run.resume=auto: a fresh start, or the newest checkpoint after a requeue
+    train_args = train_command(os.path.join(launch_dir, "config.yaml"), ["run.resume=auto"])
+    try:
+        script = slurm.batch_script(job, train_args)
+    except ValueError as e:
+        print(f"megassm-launch: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(script, end="")
+        return 0
+    os.makedirs(launch_dir, exist_ok=True)
+    os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+    _write_atomic(os.path.join(launch_dir, "config.yaml"), dump_config(cfg))
+    version = {**_code_version(), "command": ["megassm-launch", *sys.argv[1:]] if argv_is_cli() else None,
+               "config": os.path.abspath(args.config), "overrides": overrides, "nodes": args.nodes,
+               "gpus_per_node": args.gpus_per_node, "launcher": args.launcher,
+               "written": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    _write_atomic(os.path.join(launch_dir, "version.json"), json.dumps(version, indent=1) + "\n")
+    path = os.path.join(launch_dir, "job.sbatch")
+    _write_atomic(path, script, mode=0o755)
+    print(script, end="")
+    print(f"# written: {path}", file=sys.stderr)
+    if not args.submit:
+        print(f"# submit with: sbatch {shlex.quote(path)}", file=sys.stderr)
+        return 0
+    try:
+        r = subprocess.run(["sbatch", "--parsable", path], capture_output=True, text=True)
+    except FileNotFoundError:
+        print("megassm-launch: sbatch not found on PATH (run --submit on a SLURM login node)", file=sys.stderr)
+        return 2
+    if r.returncode != 0:
+        print(f"megassm-launch: sbatch failed ({r.returncode}): {r.stderr.strip()}", file=sys.stderr)
+        return r.returncode
+    print(f"submitted job {r.stdout.strip().split(';')[0]}; logs in {run_dir}/logs", file=sys.stderr)
+    return 0
+
+
+def argv_is_cli() -> bool:
+    return os.path.basename(sys.argv[0]) in ("megassm-launch", "cli.py")
+
+
+def _check_data(cfg) -> None:
+    """data.paths must name shards that exist (the login node sees the cluster's file system)."""
+    from megassm.config import ConfigError
+    from megassm.data_tools.indexed import shard_prefixes
+
+    for prefix in cfg.data.paths:
+        try:
+            shard_prefixes(prefix)
+        except FileNotFoundError as e:
+            raise ConfigError(f"data.paths: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.mode == "slurm":
+        return slurm_main(args)
     if args.nproc_per_node < 1:
         print("megassm-launch: --nproc-per-node must be >= 1", file=sys.stderr)
         return 2

@@ -2,15 +2,28 @@
 
     megassm-train --config configs/tiny.yaml model.d_model=256 train.steps=50 run.dir=runs/x
     megassm-train --config configs/tiny.yaml --resume auto
-    megassm-train --config configs/mamba2-1.3b.yaml --dry-run
+    megassm-train --config configs/hybrid-7b.yaml --dry-run parallel.world_size=64 parallel.tp=2 parallel.pp=4
+
+Exit codes: 0 done; 2 config error (before any compute); 3 non-finite loss; 99 (PREEMPT_EXIT_CODE) a
+SIGUSR1 / SIGTERM made every rank checkpoint at the same step boundary and stop: "checkpointed, requeue
+me", resume with --resume auto (docs/launch.md). Rank 0 records the code in run.dir/last_exit.json, which
+the SLURM batch script of `megassm-launch slurm` reads to decide on a requeue.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
+import json
 import logging
+import os
 import sys
 
-from megassm.config import ConfigError, dump_config, load_config
+from megassm.config import ConfigError, dump_config, load_config, world_size
+from megassm.training import preemption
+
+EXIT_OK, EXIT_CONFIG, EXIT_NONFINITE = 0, 2, 3
+EXIT_PREEMPTED = preemption.PREEMPT_EXIT_CODE  # 99: checkpointed, requeue me
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,18 +35,59 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="YAML config file (see configs/)")
     p.add_argument("--resume", default=None, help="none | auto (newest complete checkpoint in run.dir) | PATH")
     p.add_argument("--dry-run", action="store_true",
-                   help="validate the config, build the model on the meta device and print it; no training")
+                   help="validate the layout, print the model size and a per-GPU memory estimate (table, then "
+                   "one JSON line); builds models on the meta device only, never touches a GPU")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     return p
 
 
-def dry_run(cfg) -> None:
-    """Check the config and report model size without allocating weights or touching a GPU."""
+@contextlib.contextmanager
+def _env(**kv):
+    old = {k: os.environ.get(k) for k in kv}
+    os.environ.update({k: str(v) for k, v in kv.items()})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _dry_run_config(config: str, overrides: list[str]):
+    """The config for a dry run, and notes: a layout can be checked before its data exists, so a config
+    without data gets a stand-in source (noted), and data.paths that name no shards are noted, not fatal."""
+    from megassm.config import validate
+    from megassm.data_tools.indexed import shard_prefixes
+
+    cfg = load_config(config, overrides, validate_config=False)
+    notes = []
+    if not cfg.data.paths and cfg.data.builtin is None:
+        cfg.data.builtin = "stdlib"
+        notes.append("no data.paths or data.builtin: a training run needs one (the dry run checked the layout "
+                     "without data)")
+    validate(cfg)
+    for prefix in cfg.data.paths:
+        try:
+            shard_prefixes(prefix)
+        except FileNotFoundError as e:
+            notes.append(f"data.paths: {e}")
+    return cfg, notes
+
+
+def dry_run(cfg, notes: list[str] = ()) -> int:
+    """Check the config and layout, report model size and the per-GPU memory estimate without allocating
+    weights or touching a GPU. Returns the exit code (2 when the trainer would refuse the layout)."""
+    import copy
+
     import torch
 
     from megassm.models import build_model
+    from megassm.training import memory
     from megassm.training.flops import flops_per_sequence
+    from megassm.training.trainer import check_supported
 
     vocab = cfg.model.vocab_size or 257  # byte tokenizer when the data decides the vocabulary
     with torch.device("meta"):
@@ -42,6 +96,45 @@ def dry_run(cfg) -> None:
     print(dump_config(cfg), end="")
     print(f"# blocks: {model.n_layers}  parameters: {model.num_parameters() / 1e6:.2f}M  "
           f"train FLOPs/token: {3 * fl['total'] / cfg.train.seq_len:.4g}")
+    est = memory.estimate(cfg, vocab=vocab)
+    print(memory.format_table(est))
+    for w in [*notes, *memory.layout_warnings(cfg, est)]:
+        print(f"# warning: {w}")
+    refused = None
+    target = copy.deepcopy(cfg)  # the layout as the launched job sees it: one process per rank, a GPU
+    target.train.device, target.train.precision = "auto", "auto"
+    try:
+        with _env(WORLD_SIZE=world_size(cfg)):
+            check_supported(target)
+    except ConfigError as e:
+        refused = str(e)
+    print(memory.to_json(est))
+    if refused:
+        print(f"megassm-train: config error: the trainer would refuse this layout: {refused}", file=sys.stderr)
+        return EXIT_CONFIG
+    return EXIT_OK
+
+
+def write_exit_status(run_dir: str, code: int, reason: str, trainer=None) -> None:
+    """run_dir/last_exit.json (rank 0, only when the run directory exists): the exit code and where the run
+    stands, for the SLURM batch script's requeue decision and for people."""
+    if int(os.environ.get("RANK", "0")) != 0 or not os.path.isdir(run_dir):
+        return
+    status = {
+        "exit_code": code,
+        "reason": reason,
+        "step": getattr(trainer, "step", None),
+        "checkpoint": getattr(trainer, "last_checkpoint", None),
+        "signal": preemption.reason(),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    path = os.path.join(run_dir, "last_exit.json")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(status, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,28 +144,50 @@ def main(argv: list[str] | None = None) -> int:
     overrides = list(args.overrides)
     if args.resume is not None:
         overrides.append(f"run.resume={args.resume}")
+    if args.dry_run:
+        try:
+            return dry_run(*_dry_run_config(args.config, overrides))
+        except ConfigError as e:
+            print(f"megassm-train: config error: {e}", file=sys.stderr)
+            return EXIT_CONFIG
+    preemption.reset()
+    preemption.install()  # before anything slow: a preemption signal during setup must not kill the process
     try:
-        cfg = load_config(args.config, overrides)
-        if args.dry_run:
-            dry_run(cfg)
-            return 0
+        return _train(args.config, overrides)
+    finally:
+        preemption.uninstall()
+
+
+def _train(config: str, overrides: list[str]) -> int:
+    trainer = None
+    try:
+        cfg = load_config(config, overrides)
+        preemption.write_pid_file(cfg.run.dir)
         from megassm.training.trainer import NonFiniteLossError, Trainer
 
         trainer = Trainer(cfg)
     except ConfigError as e:
         print(f"megassm-train: config error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     try:
         trainer.fit()
     except NonFiniteLossError as e:
         print(f"megassm-train: {e}", file=sys.stderr)
-        return 3
+        write_exit_status(cfg.run.dir, EXIT_NONFINITE, "non-finite loss", trainer)
+        return EXIT_NONFINITE
     finally:
         from megassm.parallel.state import destroy
 
         destroy()  # process groups of a torchrun launch (no-op for one process)
+    if trainer.preempted:
+        write_exit_status(cfg.run.dir, EXIT_PREEMPTED, "preempted: checkpointed, requeue me", trainer)
+        print(f"megassm-train: preempted ({preemption.reason() or 'signal on another rank'}) at step {trainer.step}, "
+              f"checkpoint {trainer.last_checkpoint}; exit {EXIT_PREEMPTED}: resume with --resume auto",
+              file=sys.stderr)
+        return EXIT_PREEMPTED
+    write_exit_status(cfg.run.dir, EXIT_OK, "done", trainer)
     print(f"megassm-train: done, {trainer.step} steps; run directory {cfg.run.dir}", file=sys.stderr)
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from megassm.config import Config, ConfigError, data_parallel_size, dump_config,
 from megassm.models.coffee import deer_stats
 from megassm.parallel import runtime as prt
 from megassm.training import checkpoint as ckpt
+from megassm.training import preemption
 from megassm.training.flops import flops_per_sequence, mfu, peak_flops_for
 from megassm.training.metrics import MetricsLogger, ProgressBar, memory_scalars
 from megassm.training.optim import LRScheduler, build_optimizer, clip_grad_norm
@@ -328,16 +329,31 @@ class Trainer:
         log.info("resumed from %s at step %d", path, self.step)
 
     # ------------------------------------------------------------------------------------------------
+    def _preempt(self) -> None:
+        """Checkpoint (unless this step's checkpoint exists already) and mark the run preempted: megassm.train
+        then exits with preemption.PREEMPT_EXIT_CODE (docs/launch.md)."""
+        saved = self.last_checkpoint is not None and os.path.basename(
+            self.last_checkpoint.rstrip(os.sep)) == ckpt.checkpoint_name(self.step)
+        if self.step > 0 and not saved:
+            self.save()
+        self.preempted = True
+        log.warning("preempted (%s) at step %d: checkpoint %s", preemption.reason() or "signal on another rank",
+                    self.step, self.last_checkpoint)
+
     def fit(self) -> list[float]:
         """Train to cfg.train.steps. Returns the per-step training losses of this invocation."""
         cfg = self.cfg
         losses: list[float] = []
+        self.preempted = False  # set when a preemption signal stopped the loop (megassm.train exits 99)
         bar = ProgressBar(cfg.train.steps, self.step, enabled=cfg.run.progress and prt.is_rank0(self.groups))
         window_tokens, window_time, window_data = 0, 0.0, 0.0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         try:
             while self.step < cfg.train.steps:
+                if preemption.agreed_stop(self.device):  # SIGUSR1/SIGTERM on any rank: every rank stops here
+                    self._preempt()
+                    break
                 r = self.train_step()
                 self.step += 1
                 losses.append(r.loss)

@@ -1,0 +1,368 @@
+"""Per-GPU memory estimate of a training layout, without a GPU and without real weights.
+
+    est = estimate(cfg)            # dict: one entry per pipeline rank, components in bytes, the peak
+    print(format_table(est))       # the table `megassm-train --dry-run` prints (and json.dumps(est))
+
+Parameters are counted on meta-device models cut exactly as training cuts them: `parallel/pp.split_model`
+for this pipeline rank's stages and `parallel/tp.apply_tensor_parallel` for its tensor-parallel shard (run
+under torch's in-process "fake" process group, so nothing is communicated or allocated). The local sizes
+of every mixer (heads, groups, MLP width, vocabulary slice) are then read off the sharded modules.
+
+What counts, per GPU (docs/launch.md "Memory estimate" has the derivation and the comparison with the
+measured peaks of docs/benchmarks.md):
+
+  weights / grads / optimizer   bytes per parameter by engine (ENGINE_BYTES), divided over the
+                                data-parallel ranks where ZeRO / FSDP2 shards them
+  weight copies                 bf16 autocast casts of the matmul weights, saved for the backward
+  activations                   the tensors each block saves for its backward, per token (`block_bytes`),
+                                times tokens per micro-batch (micro_batch x seq_len / cp), times the
+                                micro-batches a pipeline rank holds in flight (1F1B / GPipe / interleaved),
+                                times train.bptt_windows; with activation checkpointing only each block's
+                                inputs plus one block being recomputed
+  head                          logits (bf16), their fp32 copy and the saved log-softmax of one micro-batch
+  peak                          the largest of: end of forward / start of backward, the backward sweep
+                                (activations freed while gradients appear), the optimizer step
+
+Not counted (they are outside torch.cuda.max_memory_allocated, which the benchmarks report): the CUDA
+context (~0.5-1 GiB), allocator fragmentation (reserved exceeds allocated by a few %), NCCL buffers.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+
+from megassm.config import Config, blocks_of, data_parallel_size, world_size
+
+__all__ = ["ENGINE_BYTES", "engine_bytes", "block_bytes", "head_bytes", "checkpointed_bytes", "inflight_microbatches",
+           "rank_models", "estimate", "layout_warnings", "format_table", "to_json", "GiB", "GPU_MEMORY_GIB"]
+
+GiB = float(2 ** 30)
+
+# bytes per parameter: (weights, grads, optimizer) and the ZeRO stage from which each is sharded over dp.
+#   ddp       fp32 master weights used in place, fp32 grads, AdamW m + v (fp32); bf16 autocast makes
+#             per-step bf16 copies of the matmul weights (counted as "weight copies")
+#   deepspeed ZeRO's mixed precision: bf16 weights and grads, fp32 master copy + m + v in the optimizer
+#             (2 + 2 + 12; the ZeRO paper's K = 12); no autocast copies (the weights are bf16 already)
+#   fsdp2     fp32 sharded weights, grads and AdamW states (always fully sharded, like ZeRO-3), bf16
+#             compute through FSDP2's mixed-precision policy: unsharded bf16 weights of the blocks being
+#             gathered (two at a time: the current one and the prefetched one)
+ENGINE_BYTES = {
+    "ddp": {"weights": 4, "grads": 4, "optimizer": 8},
+    "deepspeed": {"weights": 2, "grads": 2, "optimizer": 12},
+    "fsdp2": {"weights": 4, "grads": 4, "optimizer": 8},
+}
+
+
+def engine_bytes(engine: str, zero_stage: int, bf16: bool, dp: int) -> dict:
+    """Bytes per local parameter of weights, grads and optimizer states, after sharding over `dp` ranks."""
+    b = dict(ENGINE_BYTES[engine])
+    if engine == "deepspeed" and not bf16:  # fp32 training: fp32 weights / grads, no master copy
+        b = {"weights": 4, "grads": 4, "optimizer": 8}
+    stage = 3 if engine == "fsdp2" else zero_stage
+    if stage >= 1:
+        b["optimizer"] /= dp
+    if stage >= 2:
+        b["grads"] /= dp
+    if stage >= 3:
+        b["weights"] /= dp
+    return b
+
+
+# ----------------------------------------------------------------------------------------------------
+# activations per token, per block kind, from the block's local (TP-sharded) sizes
+# ----------------------------------------------------------------------------------------------------
+def block_bytes(block, a: int, cfg: Config, *, sp_tp: int = 1, cp: int = 1, seq_len: int = 0,
+                doc_mask: bool = True) -> dict:
+    """Bytes per token a block saves for its backward: {"stream": residual-stream tensors (sequence
+    shards under SP: divide by sp_tp), "local": the mixer's own (already the TP shard)}. `a` is the
+    activation dtype size (2 under bf16 autocast, 4 in fp32). `block` is a (possibly TP-sharded) Block."""
+    d = cfg.model.d_model
+    # fused add + RMSNorm saves its input x (the previous mixer's output), the new fp32 residual and its
+    # output (the mixer's input, saved again by the first projection: the same tensor)
+    stream = (2 * a + 4) * d
+    m = block.mixer
+    kind = block.kind
+    extra = a * d if sp_tp > 1 else 0  # SP: the all-gathered mixer input is saved by the first projection
+    if kind in ("M", "B"):
+        local, fused = _mamba2_bytes(m.ssm if kind == "B" else m, a)
+        stream += fused
+        if kind == "B":  # rough (not measured): the SSM plus attention over window + memory tokens, its mask
+            hq, hkv, hd = m.n_heads, m.n_kv_heads, m.head_dim
+            local += a * (2 * hq * hd + 2 * hkv * hd + hq * hd + d) + a * (m.window + m.n_fading + m.n_eidetic)
+    elif kind == "*":
+        hq, hkv, hd = m.n_heads, m.n_kv_heads, m.head_dim
+        # q, k, v (SDPA saves them), SDPA output + logsumexp, the output made contiguous for o_proj
+        local = a * (2 * hq * hd + 2 * hkv * hd + hq * hd) + 4 * hq
+        if cp > 1:  # keys / values all-gathered over the CP group, saved at full length
+            local += a * 2 * hkv * hd * (cp - 1)
+        if m.window or doc_mask:  # explicit mask path: a [L, L] bias per row (memory-efficient SDPA)
+            local += a * seq_len
+    elif kind == "-":
+        local = a * 4 * m.hidden  # w1 out, silu(w1 out), w3 out, their product (w2's input)
+    elif kind in ("S", "L"):  # rough (not measured): in_proj [x|z], conv out, x_proj out, dt, y
+        di = m.d_inner
+        n = getattr(m, "d_state", 16)
+        r = getattr(m, "dt_rank", 0)
+        local = a * (5 * di + r + 2 * n)
+    elif kind == "C":  # rough (not measured): projections plus the fp32 states of the solver
+        ch = getattr(m, "channels", d)
+        n = cfg.model.coffee.d_state
+        local = a * 3 * ch + 4 * ch * n
+    else:
+        raise ValueError(f"memory estimate: no activation model for block letter {kind!r}")
+    return {"stream": stream, "local": local + extra}
+
+
+def _mamba2_bytes(m, a: int) -> tuple[int, int]:
+    """(local, stream) bytes per token of a Mamba-2 mixer: in_proj output [z|x|B|C|dt] (conv and SSD read
+    views of it), conv output (SSD's x, B, C), SSD output y (the gated norm's input), gated-norm output
+    (out_proj's input); the Triton ops save only their inputs. Under TP > ngroups the gated norm runs in
+    fp32 PyTorch inside out_proj's all-reduce (parallel/tp.py `_FusedNormMamba2Mixer`): y, z, the gate and
+    y * gate in fp32, the normed product in y's dtype, and the reduced fp32 buffer [G x d_model + G]."""
+    from megassm.parallel.tp import _FusedNormMamba2Mixer
+
+    gn = m.ngroups * m.d_state
+    zxbcdt = 2 * m.d_inner + 2 * gn + m.nheads
+    if isinstance(m, _FusedNormMamba2Mixer):
+        return a * (zxbcdt + m.conv_dim) + (16 + a) * m.d_inner, 4 * m.n_slots * (m.d_model + 1)
+    return a * (zxbcdt + m.conv_dim + 2 * m.d_inner), 0
+
+
+def head_bytes(vocab_local: int, a: int) -> int:
+    """Per token, on the last stage: bf16 logits, their fp32 copy for the loss, the saved log-softmax."""
+    return (a + 8) * vocab_local
+
+
+def checkpointed_bytes(a: int, d: int, sp_tp: int = 1) -> int:
+    """Per token and block under activation checkpointing: the block's inputs (hidden + fp32 residual)."""
+    return (a + 4) * d // sp_tp
+
+
+def inflight_microbatches(schedule: str, pp: int, virtual: int, rank: int, n_micro: int) -> float:
+    """Micro-batches whose activations pipeline rank `rank` holds at once, in units of the rank's full
+    per-micro-batch activations (an interleaved virtual stage holds 1/virtual of them)."""
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(n_micro)
+    if virtual == 1:  # 1F1B: pp - rank forwards before the first backward
+        return float(min(pp - rank, n_micro))
+    # interleaved 1F1B (torch.distributed.pipelining's warm-up): chunk-micro-batches in flight
+    rounds = max(1, n_micro // pp)
+    per_round = n_micro // rounds
+    warmup = min((virtual - 1) * per_round + 2 * (pp - 1 - rank), n_micro * virtual)
+    return (warmup + 1) / virtual
+
+
+# ----------------------------------------------------------------------------------------------------
+# the models, cut as training cuts them
+# ----------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _fake_tp_group(tp: int):
+    """A process group of `tp` ranks that never communicates (torch's in-process fake backend), for
+    running the real TP plan on a meta model."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialized")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def rank_models(cfg: Config, vocab: int) -> list:
+    """One meta-device model per pipeline rank, split into that rank's stages and TP-sharded as rank 0 of
+    its TP group (every TP rank holds the same sizes)."""
+    from megassm.models import build_model
+    from megassm.parallel import pp as ppl
+    from megassm.parallel.tp import apply_tensor_parallel
+
+    p = cfg.parallel
+    models = []
+    for r in range(p.pp):
+        m = build_model(cfg.model, vocab_size=vocab, device="meta")
+        if p.pp > 1:
+            ppl.split_model(m, p.pp, r, virtual=p.pp_virtual)
+        if p.tp > 1:
+            with _fake_tp_group(p.tp) as g:
+                apply_tensor_parallel(m, g, sp=p.sp)
+        models.append(m)
+    return models
+
+
+def _matmul_params(model) -> int:
+    """Parameters that bf16 autocast casts for a matmul (Linear weights and the head); the embedding lookup,
+    norms, conv and per-head parameters stay fp32."""
+    from torch import nn
+
+    n = sum(mod.weight.numel() for mod in model.modules() if isinstance(mod, nn.Linear))
+    plan = getattr(model, "pp_plan", None)
+    last = plan is None or plan.last
+    if model.lm_head is None and last and model.embedding is not None:  # tied: the head casts the embedding
+        n += model.embedding.weight.numel()
+    return n
+
+
+@dataclass
+class _Block:
+    kind: str
+    params: int
+    matmul: int
+    act: float  # bytes of one micro-batch's saved activations (full, no checkpointing)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the estimate
+# ----------------------------------------------------------------------------------------------------
+def estimate(cfg: Config, vocab: int | None = None, bf16: bool | None = None, doc_mask: bool | None = None) -> dict:
+    """Per-GPU memory of the layout in `cfg` (see the module docstring). `vocab`: the tokenizer's vocabulary
+    when model.vocab_size is unset (default 257, the byte tokenizer); `bf16`: autocast (default: the
+    config's precision, `auto` meaning a GPU run); `doc_mask`: whether the batches pack several documents
+    per row so attention takes its masked path (default model.attn.doc_mask)."""
+    from torch import nn
+
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    vocab = m.vocab_size or vocab or 257
+    if bf16 is None:
+        bf16 = t.precision in ("auto", "bf16")
+    a = 2 if bf16 else 4
+    if doc_mask is None:
+        doc_mask = m.attn.doc_mask
+    ws = world_size(cfg)
+    dp = data_parallel_size(cfg)
+    accum = t.global_batch // (t.micro_batch * dp)
+    tokens = t.micro_batch * t.seq_len // p.cp  # per micro-batch on one rank
+    sp_tp = p.tp if p.sp else 1
+    eb = engine_bytes(p.engine, p.zero_stage, bf16, dp)
+    autocast_copies = bf16 and p.engine == "ddp"
+    windows = t.bptt_windows if t.bptt else 1
+    grads_accumulate = accum > 1 or p.pp > 1 or windows > 1
+
+    ranks = []
+    for r, model in enumerate(rank_models(cfg, vocab)):
+        plan = getattr(model, "pp_plan", None)
+        last = plan is None or plan.last
+        blocks = []
+        for layer in model.layers:
+            bb = block_bytes(layer, a, cfg, sp_tp=sp_tp, cp=p.cp, seq_len=t.seq_len, doc_mask=doc_mask)
+            per_tok = bb["stream"] / sp_tp + bb["local"]
+            blocks.append(_Block(layer.kind, sum(q.numel() for q in layer.parameters()),
+                                 sum(mod.weight.numel() for mod in layer.modules() if isinstance(mod, nn.Linear)),
+                                 per_tok * tokens))
+        n_params = sum(q.numel() for q in model.parameters())
+        n_matmul = _matmul_params(model)
+        vocab_local = model.vocab_size_padded // p.tp
+        head = head_bytes(vocab_local, a) * tokens if last else 0.0
+        inflight = inflight_microbatches(p.pp_schedule, p.pp, p.pp_virtual, r, accum) * windows
+
+        weights = eb["weights"] * n_params
+        grads = eb["grads"] * n_params
+        optim = eb["optimizer"] * n_params
+        copies = 2.0 * n_matmul if autocast_copies else 0.0
+        gather = 0.0
+        if p.engine == "fsdp2" or (p.engine == "deepspeed" and p.zero_stage >= 3):
+            biggest = max((b.params for b in blocks), default=0)
+            gather = 2 * (2 if bf16 else 4) * biggest  # the block being computed and the prefetched one
+
+        # the timeline: forward end, then the backward block by block (last first), then the optimizer step
+        ac = t.activation_checkpointing
+        ck = checkpointed_bytes(a, m.d_model, sp_tp) * tokens
+        saved = [(ck if ac else b.act) * inflight for b in blocks]
+        cast = [2.0 * b.matmul if autocast_copies else 0.0 for b in blocks]
+        block_grads = [eb["grads"] * b.params for b in blocks]
+        other_grads = grads - sum(block_grads)  # embedding, final norm, head
+        held_grads = grads if grads_accumulate else 0.0
+        # forward end: every block's saved tensors, the bf16 casts (autocast's cache holds them through the
+        # forward even under checkpointing), the loss of the last micro-batch
+        fwd_end = sum(saved) + copies + head + held_grads
+        head_bwd = sum(saved) + copies + head + (grads if grads_accumulate else other_grads)
+        act_peak = max(fwd_end, head_bwd)
+        for k in range(len(blocks) - 1, -1, -1):  # backward of block k
+            live = sum(saved[:k + 1])
+            if ac:  # block k recomputed: its activations and its weights cast again
+                live += blocks[k].act + cast[k]
+            else:  # the casts of blocks not yet done are still saved
+                live += sum(cast[:k + 1])
+            live += grads if grads_accumulate else other_grads + sum(block_grads[k:])
+            act_peak = max(act_peak, live)
+        act_report = sum(saved) + (max((b.act for b in blocks), default=0.0) if ac else 0.0)
+        step_peak = weights + grads + optim  # optimizer step: every gradient and state
+        peak = max(weights + optim + act_peak + gather, step_peak)
+        sizes = {"weights": weights, "grads": grads, "optimizer": optim, "weight_copies": copies,
+                 "activations": act_report, "head": head, "gather": gather, "peak": peak}
+        ranks.append({"pp_rank": r, "blocks": "".join(b.kind for b in blocks), "params": n_params,
+                      "inflight_microbatches": inflight, **{k: int(round(v)) for k, v in sizes.items()}})
+    worst = max(ranks, key=lambda x: x["peak"])
+    return {
+        "world_size": ws, "tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": dp, "sp": p.sp,
+        "engine": p.engine, "zero_stage": p.zero_stage, "precision": "bf16" if bf16 else "fp32",
+        "micro_batch": t.micro_batch, "seq_len": t.seq_len, "accumulation": accum,
+        "activation_checkpointing": t.activation_checkpointing, "doc_mask": doc_mask, "vocab": vocab,
+        "tokens_per_microbatch_per_gpu": tokens,
+        "ranks": ranks,
+        "peak_per_gpu": worst["peak"], "peak_per_gpu_gib": round(worst["peak"] / GiB, 2),
+        "worst_pp_rank": worst["pp_rank"],
+    }
+
+
+GPU_MEMORY_GIB = {"H100 80GB": 79.1, "H200 141GB": 139.8}  # what torch reports as total memory
+
+
+def layout_warnings(cfg: Config, est: dict) -> list[str]:
+    """Legal but costly layouts: pipeline stages out of balance, a pipeline with fewer micro-batches than
+    stages, a peak that no GPU of GPU_MEMORY_GIB holds."""
+    p = cfg.parallel
+    out = []
+    if p.pp > 1:
+        params = [r["params"] for r in est["ranks"]]
+        if max(params) > 1.25 * min(params):
+            out.append(f"pipeline stages out of balance: parameters per pipeline rank "
+                       f"{', '.join(f'{x / 1e6:.0f}M' for x in params)} (max/min {max(params) / min(params):.2f}); "
+                       "move the '|' cuts in model.pattern or drop them to balance by parameters")
+        n = est["accumulation"]
+        if n < p.pp:
+            bubble = (p.pp - 1) / (n + p.pp - 1)
+            out.append(f"{n} micro-batch(es) per step for {p.pp} pipeline stages: the pipeline idles "
+                       f"{100 * bubble:.0f}% of the step; raise train.global_batch or lower train.micro_batch "
+                       f"(micro-batches per step = global_batch / (micro_batch x dp))")
+    fits = [name for name, gib in GPU_MEMORY_GIB.items() if est["peak_per_gpu"] / GiB < 0.92 * gib]
+    if not fits:
+        out.append(f"estimated peak {est['peak_per_gpu_gib']:.1f} GiB per GPU does not fit "
+                   f"{' or '.join(GPU_MEMORY_GIB)} (with ~8% kept for the CUDA context, NCCL and allocator slack): "
+                   "raise parallel.tp / parallel.pp, shard states (parallel.engine=fsdp2 or deepspeed zero_stage), "
+                   "turn on train.activation_checkpointing or lower train.micro_batch")
+    elif len(fits) < len(GPU_MEMORY_GIB):
+        out.append(f"estimated peak {est['peak_per_gpu_gib']:.1f} GiB per GPU fits only {' and '.join(fits)}")
+    return out
+
+
+def format_table(est: dict) -> str:
+    """The estimate as a fixed-width table, GiB per GPU, one row per pipeline rank."""
+    cols = [("weights", "weights"), ("grads", "grads"), ("optimizer", "optim"), ("weight_copies", "bf16 copies"),
+            ("activations", "activations"), ("head", "logits/loss"), ("gather", "gathered"), ("peak", "PEAK")]
+    head = f"{'pp rank':>7} {'blocks':>6} {'params':>9} " + " ".join(f"{h:>11}" for _, h in cols)
+    lines = [
+        f"# memory per GPU (GiB): world {est['world_size']} = tp {est['tp']} x cp {est['cp']} x pp {est['pp']} x "
+        f"dp {est['dp']}{' (+SP)' if est['sp'] else ''}; engine {est['engine']} zero_stage {est['zero_stage']}; "
+        f"{est['precision']}; micro-batch {est['micro_batch']} x {est['seq_len']} tokens"
+        f"{'' if est['cp'] == 1 else ' (%d per GPU)' % est['tokens_per_microbatch_per_gpu']}, accumulation "
+        f"{est['accumulation']}; activation checkpointing {'on' if est['activation_checkpointing'] else 'off'}",
+        head,
+    ]
+    for r in est["ranks"]:
+        lines.append(f"{r['pp_rank']:>7} {len(r['blocks']):>6} {r['params'] / 1e6:>8.1f}M " +
+                     " ".join(f"{r[k] / GiB:>11.2f}" for k, _ in cols))
+    lines.append(f"# peak {est['peak_per_gpu_gib']:.2f} GiB per GPU (pipeline rank {est['worst_pp_rank']}); "
+                 "allocated bytes as torch.cuda.max_memory_allocated counts them: add the CUDA context "
+                 "(~1 GiB), NCCL buffers and allocator slack (docs/launch.md)")
+    return "\n".join(lines)
+
+
+def to_json(est: dict) -> str:
+    """One JSON line (bytes as integers, `peak_per_gpu_gib` rounded)."""
+    return json.dumps(est)
