@@ -100,11 +100,14 @@ def block_bytes(block, a: int, cfg: Config, *, sp_tp: int = 1, cp: int = 1, seq_
             local += a * seq_len
     elif kind == "-":
         local = a * 4 * m.hidden  # w1 out, silu(w1 out), w3 out, their product (w2's input)
-    elif kind in ("S", "L"):  # rough (not measured): in_proj [x|z], conv out, x_proj out, dt, y
+    elif kind in ("S", "L"):  # in_proj [x|z], conv out, x_proj out, y; then the step size
         di = m.d_inner
         n = getattr(m, "d_state", 16)
         r = getattr(m, "dt_rank", 0)
-        local = a * (5 * di + r + 2 * n)
+        local = a * (4 * di + r + 2 * n)
+        # S: dt_proj's output (the kernel adds the bias). L: eps = beta / (1 + beta |k|^2) is built in fp32
+        # (models/longhorn.py), which saves sigmoid's output and the denominator, and the kernel saves eps
+        local += a * di if kind == "S" else 12 * di
     elif kind == "C":  # rough (not measured): projections plus the fp32 states of the solver
         ch = getattr(m, "channels", d)
         n = cfg.model.coffee.d_state
