@@ -203,8 +203,10 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"  # 1f1b | gpipe (torch.distributed.pipelining schedules; docs/parallelism.md)
     pp_virtual: int = 1  # stages per pipeline rank (> 1: interleaved 1F1B)
     sp: bool = False
-    engine: str = "ddp"  # ddp | fsdp2 | deepspeed
-    zero_stage: int = 0
+    engine: str = "ddp"  # ddp | fsdp2 | deepspeed (parallel/engines.py, docs/parallelism.md "Engines")
+    zero_stage: int = 0  # engine=deepspeed: ZeRO stage 0-3
+    deepspeed_config: str | None = None  # engine=deepspeed: JSON partial merged into the derived config
+    bucket_mb: float = 25.0  # engine=ddp: gradient bucket size (MB) of DistributedDataParallel
     world_size: int | None = None  # None = from the launcher's environment (WORLD_SIZE), else 1
 
 
@@ -597,6 +599,7 @@ def validate(cfg: Config) -> None:
          f"model.pad_vocab_multiple={m.pad_vocab_multiple})")
     need(p.engine in ("ddp", "fsdp2", "deepspeed"), f"parallel.engine must be ddp, fsdp2 or deepspeed, got '{p.engine}'")
     need(p.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage must be 0..3, got {p.zero_stage}")
+    need(p.bucket_mb > 0, f"parallel.bucket_mb must be > 0, got {p.bucket_mb}")
     ws = world_size(cfg)
     model_par = p.tp * p.cp * p.pp
     need(ws % model_par == 0,

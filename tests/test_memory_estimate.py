@@ -98,7 +98,7 @@ def test_dry_run_7b_at_world_size_64():
 def test_dry_run_names_bad_layouts():
     r = _dry("--config", "configs/hybrid-7b.yaml", "parallel.world_size=64", "parallel.tp=3")
     assert r.returncode == 2 and "parallel.tp=3" in r.stderr
-    r = _dry("--config", "configs/hybrid-7b.yaml", "parallel.world_size=64", "parallel.engine=fsdp2")
+    r = _dry("--config", "configs/hybrid-7b.yaml", "parallel.world_size=64", "parallel.engine=fsdp2", "parallel.tp=2")
     assert r.returncode == 2 and "trainer would refuse" in r.stderr and "parallel.engine=fsdp2" in r.stderr
     assert r.stdout.strip().splitlines()[-1].startswith("{")  # the estimate is still printed
     r = _dry("--config", "configs/mamba2-1.3b.yaml", "train.micro_batch=64", "train.global_batch=64")

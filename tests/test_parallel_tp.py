@@ -53,9 +53,10 @@ def test_check_supported_allows_tp_cp_pp(monkeypatch):
     check_supported(_cfg())  # pure data parallel, 2 ranks
     check_supported(_cfg("parallel.cp=2"))  # context parallel (tests/test_parallel_cp.py)
     check_supported(_cfg("parallel.pp=2"))  # pipeline parallel (tests/test_parallel_pp.py)
-    for over, word in ((["parallel.engine=fsdp2"], "engine=fsdp2"),):
-        with pytest.raises(ConfigError, match=word):
-            check_supported(_cfg(*over))
+    check_supported(_cfg("parallel.engine=fsdp2"))  # pure data parallel: engines (test_parallel_engines.py)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match="engine=fsdp2 with parallel.tp=2"):
+        check_supported(_cfg("parallel.tp=2", "parallel.engine=fsdp2"))
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ConfigError, match="sp=true needs parallel.tp"):
         check_supported(_cfg("parallel.sp=true"))

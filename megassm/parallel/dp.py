@@ -1,5 +1,6 @@
-"""Plain data parallelism: average gradients over the data-parallel group after backward (one flat
-all-reduce per step). A stand-in until the engines issue brings DDP / FSDP2 / ZeRO (bucketed, overlapped)."""
+"""Average gradients over the data-parallel group after the backward, one flat all-reduce per dtype. The
+DDP engine's path where torch DDP cannot run (pipeline stages, BPTT with several windows per backward;
+parallel/engines.py), and the reference for the PP tests."""
 from __future__ import annotations
 
 import torch

@@ -5,8 +5,8 @@
     model = prepare_model(model, groups, cfg)    TP/SP plan, CP plan, PP stages, activation checkpointing
     loss_sum = pipeline_step(model, batches, autocast)   PP: one step's forward + backward (schedule)
     batch = local_batch(batch, groups)           CP: this rank's contiguous slice of every row
-    finish_grads(model, groups)                  TP partial-grad sync, PP tied-embedding sum, CP gradient sum,
-                                                 DP gradient average
+    finish_grads(model, groups, engine)          TP partial-grad sync, PP tied-embedding sum, CP gradient sum,
+                                                 then the DP reduction the engine left (parallel/engines.py)
     clip_grad_norm(model, groups, max_norm)      norm of the canonical gradient (replicas counted once)
     mean_over_dp(x, groups)                      average a scalar tensor over data-parallel ranks
     model_state, optim_state = gather_states(model, optimizer, groups)   canonical (collective)
@@ -92,14 +92,16 @@ def pipeline_eval(model, batches: list, autocast) -> torch.Tensor:
     return ppl.eval_losses(model, batches, autocast)
 
 
-def finish_grads(model, groups: ParallelGroups) -> None:
+def finish_grads(model, groups: ParallelGroups, engine=None) -> None:
     if groups.tp > 1:
         sync_tp_grads(model)
     if groups.pp > 1:  # tied embeddings: the first stage's and the last stage's copy summed
         ppl.sync_embedding_grads(model)
     if groups.cp > 1:  # each CP rank holds the gradient of its own tokens' share of the global loss
         allreduce_cp_grads(list(model.parameters()), groups.cp_group)
-    if groups.dp > 1:
+    if engine is not None:  # the data-parallel engine: what its backward did not reduce (parallel/engines.py)
+        engine.reduce_grads()
+    elif groups.dp > 1:
         allreduce_grads(list(model.parameters()), groups.dp_group)
 
 

@@ -24,6 +24,7 @@ import torch
 from megassm.config import Config, ConfigError, data_parallel_size, dump_config, world_size
 from megassm.models.coffee import deer_stats
 from megassm.parallel import runtime as prt
+from megassm.parallel.engines import build_engine, check_engine
 from megassm.training import checkpoint as ckpt
 from megassm.training import preemption
 from megassm.training.flops import flops_per_sequence, mfu, peak_flops_for
@@ -55,11 +56,7 @@ def check_supported(cfg: Config) -> None:
             f"parallel.tp={p.tp} with world size {world_size(cfg)} but WORLD_SIZE={os.environ.get('WORLD_SIZE', '1')}: "
             "launch one process per rank with torchrun (torchrun --nproc_per_node N -m megassm.train ...)"
         )
-    if data_parallel_size(cfg) > 1 and (p.engine != "ddp" or p.zero_stage != 0):
-        raise ConfigError(
-            f"parallel.engine={p.engine} zero_stage={p.zero_stage}: only plain data parallelism (engine=ddp, "
-            "zero_stage=0: gradients averaged by one all-reduce per step) is built in this version"
-        )
+    check_engine(cfg)  # DDP / FSDP2 / DeepSpeed layouts (parallel/engines.py)
     if cfg.train.bptt_windows != 1 and not cfg.train.bptt:
         raise ConfigError(f"train.bptt_windows={cfg.train.bptt_windows} needs train.bptt=true")
     if cfg.train.bptt and p.pp > 1 and cfg.train.bptt_windows > 1:  # BPTT: training/bptt.py, docs/bptt.md
@@ -159,9 +156,10 @@ class Trainer:
         n_params = model.num_parameters()  # canonical count, before any sharding or pipeline split
         model = prt.init_model(model, self.groups, cfg)  # canonical weights
         self.model = prt.prepare_model(model.to(self.device), self.groups, cfg)  # TP/SP plan (no-op at tp=1)
-        self.optimizer = build_optimizer(
-            self.model.param_groups(cfg.optim.weight_decay), cfg.optim, self.device.type
-        )
+        # the data-parallel engine last (DDP / FSDP2 / DeepSpeed ZeRO); it owns the optimizer step
+        self.engine = build_engine(cfg, self.model, self.groups, self.device, bf16=self.amp_dtype is torch.bfloat16)
+        self.optimizer = self.engine.make_optimizer(lambda: build_optimizer(
+            self.model.param_groups(cfg.optim.weight_decay), cfg.optim, self.device.type))
         self.scheduler = LRScheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.carrier = None  # BPTT: the rows' recurrent states between windows (training/bptt.py)
         if cfg.train.bptt:
@@ -215,15 +213,16 @@ class Trainer:
             data_time = self.carrier.train_step(self, loss_sum)
         else:
             data_time = self._accumulate_pipeline(loss_sum) if self.groups.pp > 1 else self._accumulate(loss_sum)
-        prt.finish_grads(self.model, self.groups)  # TP partial grads summed, DP grads averaged
-        grad_norm = prt.clip_grad_norm(self.model, self.groups, self.cfg.train.grad_clip)
+        # TP partial grads summed, tied embeddings (PP), CP sum, then what the engine leaves to reduce over DP
+        prt.finish_grads(self.model, self.groups, self.engine)
         loss_sum = prt.mean_over_dp(loss_sum, self.groups)
         loss = (loss_sum / self.accum).item()  # one host sync per step
-        if not math.isfinite(loss) or not math.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteLossError(self._non_finite_message(loss, grad_norm))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+
+        def check(grad_norm: float) -> None:
+            if not math.isfinite(loss) or not math.isfinite(grad_norm):
+                raise NonFiniteLossError(self._non_finite_message(loss, grad_norm))
+
+        grad_norm = self.engine.clip_and_step(self.cfg.train.grad_clip, check)  # clip, check, step, zero
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return StepResult(loss, grad_norm, lr, self.tokens_per_step, time.perf_counter() - t0, data_time)
@@ -232,13 +231,14 @@ class Trainer:
         """Forward/backward over this step's `accum` micro-batches, adding their losses into loss_sum.
         Returns the seconds spent waiting for data."""
         data_time = 0.0
-        for _ in range(self.accum):
+        for i in range(self.accum):
             td = time.perf_counter()
             batch = self._to_device(self.data.next_batch())
             data_time += time.perf_counter() - td
-            with self._autocast():
-                out = self.model(batch["tokens"], seq_idx=batch["seq_idx"], labels=batch["labels"])
-            (out.loss / self.accum).backward()
+            with self.engine.micro_batch(last=i == self.accum - 1):  # DDP: no_sync until the last
+                with self._autocast():
+                    out = self.engine.forward(batch["tokens"], seq_idx=batch["seq_idx"], labels=batch["labels"])
+                self.engine.backward(out.loss, self.accum)
             loss_sum += out.loss.detach()
         return data_time
 
@@ -296,7 +296,10 @@ class Trainer:
 
     def save(self) -> str:
         # canonical single-device layout: TP shards gathered on every rank (collective), rank 0 writes
-        model_state, optim_state = prt.gather_states(self.model, self.optimizer, self.groups)
+        if self.engine.handles_states:  # FSDP2 / DeepSpeed shards -> canonical on rank 0 (collective)
+            model_state, optim_state = self.engine.gather_states()
+        else:
+            model_state, optim_state = prt.gather_states(self.model, self.optimizer, self.groups)
         # BPTT: the canonical carried states on rank 0 (collective: every rank's rows / blocks / shards)
         carried = self.carrier.state_dict() if self.carrier is not None else None
         path = os.path.join(self.run_dir, ckpt.CHECKPOINTS, ckpt.checkpoint_name(self.step))
@@ -312,7 +315,10 @@ class Trainer:
         return path
 
     def _load(self, path: str) -> None:
-        if self.groups.tp > 1 or self.groups.pp > 1:  # canonical checkpoint -> this rank's shards / stages
+        if self.engine.handles_states:  # canonical checkpoint -> FSDP2 / DeepSpeed shards
+            extra = ckpt.load_checkpoint(path, model=None, optimizer=None)
+            self.engine.load_states(*ckpt.read_model_and_optim(path))
+        elif self.groups.tp > 1 or self.groups.pp > 1:  # canonical checkpoint -> this rank's shards / stages
             extra = ckpt.load_checkpoint(path, model=None, optimizer=None)
             prt.load_states(path, self.model, self.optimizer)
         else:

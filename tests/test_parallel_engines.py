@@ -1,0 +1,199 @@
+"""Data-parallel engines (parallel.engine: ddp / fsdp2 / deepspeed ZeRO 0-3) through `torchrun -m megassm.train`
+on CPU (gloo): DP=2 equals DP=1 with doubled accumulation (losses and final weights), the canonical checkpoint
+resumes exactly in any engine (and back in a single process), BPTT under DDP and FSDP2, the DeepSpeed config
+is derived from ours, and bad layouts are refused before any model is built."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megassm.config import ConfigError, load_config
+from megassm.parallel.testing import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = [
+    "data.builtin=stdlib", "model.pattern=M*M-", "model.d_model=64", "model.mamba.d_state=16",
+    "model.mamba.headdim=16", "model.mamba.chunk_size=16", "model.attn.n_heads=4", "model.attn.n_kv_heads=2",
+    "model.mlp.ffn_hidden=128", "train.seq_len=40", "train.micro_batch=2", "train.global_batch=8",
+    "train.log_interval=1", "train.eval_interval=0", "optim.warmup_steps=2", "optim.lr=3e-3",
+    "run.progress=false", "run.tensorboard=false", "train.steps=4", "run.save_interval=2", "train.device=cpu",
+]
+ENGINES = {
+    "ddp": ["parallel.engine=ddp"],
+    "fsdp2": ["parallel.engine=fsdp2"],
+    "zero0": ["parallel.engine=deepspeed", "parallel.zero_stage=0"],
+    "zero1": ["parallel.engine=deepspeed", "parallel.zero_stage=1"],
+    "zero2": ["parallel.engine=deepspeed", "parallel.zero_stage=2"],
+    "zero3": ["parallel.engine=deepspeed", "parallel.zero_stage=3"],
+}
+
+
+def _has_deepspeed() -> bool:
+    try:
+        import deepspeed  # noqa: F401
+    except Exception:  # ImportError, or its accelerator probe failing
+        return False
+    return True
+
+
+def _needs(name: str):
+    if ENGINES[name][0].endswith("deepspeed") and not _has_deepspeed():
+        pytest.skip("DeepSpeed is not installed (pip install 'megassm[deepspeed]')")
+
+
+def _run(run_dir, nproc=1, extra=(), resume=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    args = ["--config", "configs/tiny.yaml", *TINY, f"run.dir={run_dir}", *extra]
+    if resume:
+        args += ["--resume", str(resume)]
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "megassm.train", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_port", str(free_port()), "-m", "megassm.train", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=400)
+    assert r.returncode == 0, r.stderr[-5000:]
+    lines = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    return {d["step"]: d["loss"] for d in lines if "loss" in d}
+
+
+def _ckpt(run_dir, step):
+    return os.path.join(run_dir, "checkpoints", f"step_{step:08d}")
+
+
+def _close(a: dict, b: dict, rel=2e-5):
+    return sorted(a) == sorted(b) and all(abs(a[s] - b[s]) <= rel * abs(b[s]) for s in b)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    d = tmp_path_factory.mktemp("engines") / "single"
+    return d, _run(d)
+
+
+@pytest.mark.parametrize("name", list(ENGINES))
+def test_dp2_equals_dp1_with_doubled_accumulation(name, single, tmp_path):
+    """2 ranks x accumulation 2 against 1 rank x accumulation 4, same global batch: equal losses at every
+    step, equal canonical weights and AdamW moments in the checkpoints."""
+    _needs(name)
+    ref_dir, ref = single
+    got = _run(tmp_path / name, nproc=2, extra=ENGINES[name])
+    assert _close(got, ref), (name, got, ref)
+    for fname in ("model.pt", "optim.pt"):
+        a = torch.load(os.path.join(_ckpt(tmp_path / name, 4), fname))
+        b = torch.load(os.path.join(_ckpt(ref_dir, 4), fname))
+        if fname == "optim.pt":
+            assert [g["params"] for g in a["param_groups"]] == [g["params"] for g in b["param_groups"]]
+            assert sorted(a["state"]) == sorted(b["state"])
+            assert all(float(a["state"][i]["step"]) == float(b["state"][i]["step"]) == 4 for i in b["state"])
+            a = {f"{i}.{k}": v for i, st in a["state"].items() for k, v in st.items() if k != "step"}
+            b = {f"{i}.{k}": v for i, st in b["state"].items() for k, v in st.items() if k != "step"}
+        assert sorted(a) == sorted(b)
+        for k in b:
+            scale = b[k].float().abs().max().clamp(min=1e-12)
+            assert float((a[k].float() - b[k].float()).abs().max() / scale) < 1e-4, (name, fname, k)
+
+
+@pytest.mark.parametrize("name", ["fsdp2", "zero1", "zero3"])
+def test_resume_single_process_checkpoint_in_engine(name, single, tmp_path):
+    """The canonical checkpoint of a single-process run, resumed at step 2 by a sharded engine, continues the
+    single-process losses exactly."""
+    _needs(name)
+    ref_dir, ref = single
+    got = _run(tmp_path / name, nproc=2, extra=ENGINES[name], resume=_ckpt(ref_dir, 2))
+    assert _close(got, {s: ref[s] for s in (3, 4)}), (name, got, ref)
+
+
+def test_zero3_checkpoint_resumes_in_single_process(single, tmp_path):
+    _needs("zero3")
+    _, ref = single
+    _run(tmp_path / "z3", nproc=2, extra=ENGINES["zero3"] + ["train.steps=2"])
+    got = _run(tmp_path / "back", resume=_ckpt(tmp_path / "z3", 2))
+    assert _close(got, {s: ref[s] for s in (3, 4)}), (got, ref)
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp2"])
+def test_bptt_windows_under_engine(name, tmp_path):
+    """BPTT with two windows per backward: DDP falls back to the flat all-reduce (logged), FSDP2 takes the
+    carrier's several forwards before one backward; both equal the single process."""
+    bptt = ["train.bptt=true", "train.bptt_windows=2"]
+    ref = _run(tmp_path / "single", extra=bptt)
+    got = _run(tmp_path / name, nproc=2, extra=bptt + ENGINES[name])
+    assert _close(got, ref), (name, got, ref)
+
+
+# ----------------------------------------------------------------------------------------------------
+# config: derived DeepSpeed JSON, refusals
+# ----------------------------------------------------------------------------------------------------
+
+
+def _cfg(*over):
+    return load_config(None, ["data.builtin=stdlib", "model.pattern=M-", "model.d_model=64",
+                              "model.mamba.headdim=16", "train.micro_batch=2", "train.global_batch=16",
+                              "run.progress=false", *over])
+
+
+def test_deepspeed_config_is_derived(tmp_path):
+    from megassm.parallel.engines import deepspeed_config
+
+    cfg = _cfg("parallel.world_size=4", "parallel.engine=deepspeed", "parallel.zero_stage=3", "train.grad_clip=0.5")
+    ds = deepspeed_config(cfg, bf16=True)
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (16, 2, 2)
+    assert ds["gradient_clipping"] == 0.5 and ds["bf16"] == {"enabled": True} and ds["zero_optimization"]["stage"] == 3
+    partial = tmp_path / "offload.json"
+    partial.write_text(json.dumps({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}))
+    ds = deepspeed_config(_cfg("parallel.world_size=4", "parallel.engine=deepspeed", "parallel.zero_stage=3",
+                               f"parallel.deepspeed_config={partial}"), bf16=False)
+    assert ds["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    assert ds["zero_optimization"]["stage"] == 3 and ds["bf16"] == {"enabled": False}
+    shipped = os.path.join(ROOT, "configs", "deepspeed", "zero3-buckets.json")  # the example partial
+    ds = deepspeed_config(_cfg("parallel.world_size=4", "parallel.engine=deepspeed", "parallel.zero_stage=3",
+                               f"parallel.deepspeed_config={shipped}"), bf16=True)
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 200000000 and ds["zero_optimization"]["stage"] == 3
+
+
+@pytest.mark.parametrize("content,word", [
+    ('{"train_batch_size": 64}', "sets 'train_batch_size'"),
+    ('{"zero_optimization": {"stage": 2}}', "sets 'zero_optimization.stage'"),
+    ('{"bf16": {"enabled": true}}', "sets 'bf16'"),
+    ('{"zero_optimization": {\n  "stage" 2}}', ":2:"),
+    ("[1, 2]", "JSON object"),
+])
+def test_deepspeed_partial_refusals_name_file_and_key(content, word, tmp_path):
+    from megassm.parallel.engines import check_engine
+
+    partial = tmp_path / "partial.json"
+    partial.write_text(content)
+    cfg = _cfg("parallel.world_size=2", "parallel.engine=deepspeed", f"parallel.deepspeed_config={partial}")
+    with pytest.raises(ConfigError, match=word) as e:
+        check_engine(cfg)
+    assert str(partial) in str(e.value)
+
+
+@pytest.mark.parametrize("over,word", [
+    (["parallel.world_size=4", "parallel.engine=fsdp2", "parallel.tp=2"], "engine=fsdp2 with parallel.tp=2"),
+    (["parallel.world_size=4", "parallel.engine=deepspeed", "parallel.pp=2"], "engine=deepspeed with parallel.pp=2"),
+    (["parallel.world_size=4", "parallel.engine=fsdp2", "parallel.cp=2", "train.seq_len=64"], "parallel.cp=2"),
+    (["parallel.world_size=2", "parallel.engine=ddp", "parallel.zero_stage=1"], "zero_stage=1 applies to"),
+    (["parallel.world_size=2", "parallel.engine=fsdp2", "parallel.zero_stage=3"], "zero_stage=3 applies to"),
+    (["parallel.world_size=2", "parallel.engine=deepspeed", "train.bptt=true"], "BPTT"),
+    (["parallel.world_size=2", "parallel.deepspeed_config=x.json"], "needs parallel.engine=deepspeed"),
+])
+def test_engine_refusals(over, word):
+    from megassm.parallel.engines import check_engine
+
+    with pytest.raises(ConfigError, match=word):
+        check_engine(_cfg(*over))
+
+
+def test_engines_accepted_layouts():
+    from megassm.parallel.engines import check_engine
+
+    check_engine(_cfg("parallel.world_size=4", "parallel.engine=ddp", "parallel.tp=2", "parallel.pp=2"))
+    check_engine(_cfg("parallel.world_size=4", "parallel.engine=fsdp2", "train.bptt=true"))
+    check_engine(_cfg("parallel.world_size=1", "parallel.engine=fsdp2"))  # one DP rank: no engine needed
+    if _has_deepspeed():
+        check_engine(_cfg("parallel.world_size=8", "parallel.engine=deepspeed", "parallel.zero_stage=3"))
