@@ -166,4 +166,8 @@ def test_generated_script_trains_preempts_requeues_and_resumes(tmp_path):
                         "-m", "megassm.train", "--config", "configs/tiny.yaml", *TINY, f"run.dir={straight}"],
                        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert _losses(run) == _losses(straight)
+    # equal to fp32 rounding: torch DDP reduces the first step after the resume with its initial bucket
+    # layout, the uninterrupted run with the layout it rebuilt after step 1 (gloo's ring sums each element in
+    # an order that depends on its offset in the bucket), so single bits may differ (docs/parallelism.md)
+    got, want = _losses(run), _losses(straight)
+    assert sorted(got) == sorted(want) and all(abs(got[s] - want[s]) <= 1e-6 * abs(want[s]) for s in want), (got, want)
