@@ -2,6 +2,7 @@
 
     python benchmarks/data_throughput.py [--tokenizers byte,mistral] [--workers 1,2] [--max-mb 16]
                                          [--source stdlib|site-packages] [--repeats N]
+                                         [--shard-input-size 32M]   # one shard per 32 MB of input, per worker
 
 Corpus: the Python standard library's sources (one document per file), written once as JSONL and as
 Parquet. For each tokenizer x format x worker count: end-to-end `preprocess()` tokens/s (reading,
@@ -71,14 +72,15 @@ def _mistral_model() -> str | None:
     return path if os.path.exists(path) else None
 
 
-def bench_preprocess(inp: str, tok: str, workers: int, tmp: str, repeats: int = 1) -> dict:
+def bench_preprocess(inp: str, tok: str, workers: int, tmp: str, repeats: int = 1, shard_input_size=None) -> dict:
     from megassm.data_tools.preprocess import preprocess
 
     best = None
     for _ in range(repeats):
         out = os.path.join(tmp, "out", "o")
         t0 = time.perf_counter()
-        m = preprocess([inp], out, tokenizer=tok, workers=workers, overwrite=True, quiet=True, progress=False)
+        m = preprocess([inp], out, tokenizer=tok, workers=workers, overwrite=True, quiet=True, progress=False,
+                       shard_input_size=shard_input_size)
         dt = time.perf_counter() - t0
         best = dt if best is None else min(best, dt)
         shutil.rmtree(os.path.dirname(out))
@@ -113,6 +115,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="best of N preprocessing runs")
     ap.add_argument("--source", choices=("stdlib", "site-packages"), default="stdlib",
                     help="corpus: the standard library's sources (12 MB) or the installed packages' (larger)")
+    ap.add_argument("--shard-input-size", default=None,
+                    help="preprocess into numbered shards cut by input size, each written by one worker")
     args = ap.parse_args()
     workers = [int(w) for w in args.workers.split(",")]
     tmp = tempfile.mkdtemp(prefix="megassm-bench-")
@@ -131,8 +135,9 @@ def main() -> None:
                 result["preprocess"].append({"tokenizer": name, "skipped": "mistral-common / sentencepiece not installed"})
                 continue
             for fmt, inp in (("jsonl", jsonl), ("parquet", parquet)):
-                runs = {w: bench_preprocess(inp, tok, w, tmp, args.repeats) for w in workers}
-                entry = {"tokenizer": name, "format": fmt, "runs": {str(w): r for w, r in runs.items()}}
+                runs = {w: bench_preprocess(inp, tok, w, tmp, args.repeats, args.shard_input_size) for w in workers}
+                entry = {"tokenizer": name, "format": fmt, "shard_input_size": args.shard_input_size,
+                         "runs": {str(w): r for w, r in runs.items()}}
                 if 1 in runs and len(runs) > 1:
                     top = max(workers)
                     entry[f"speedup_{top}_vs_1"] = round(runs[top]["tokens_per_s"] / runs[1]["tokens_per_s"], 2)

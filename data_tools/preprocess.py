@@ -31,6 +31,8 @@ import threading
 import time
 from typing import Iterable, Iterator
 
+import numpy as np
+
 from .encode import STAT_KEYS, EncodeOptions, close_direct, encode_direct, encode_task, init_direct, init_worker
 from .indexed import CODE_OF_DTYPE, bin_path, dtype_for_vocab, idx_path
 from .shard_writer import ShardWriter, read_progress, write_json_atomic
@@ -237,15 +239,25 @@ def preprocess(
     append_eos: bool = True,
     skip_bad: bool = False,
     shard_size: int | str | None = None,
+    shard_input_size: int | str | None = None,
     resume: bool = False,
     overwrite: bool = False,
     progress: bool = True,
     quiet: bool = False,
     _stop_after_tasks: int | None = None,  # tests: simulate an interruption after this many tasks
 ) -> dict:
-    """Tokenize `inputs` into `output_prefix`.bin/.idx (or numbered shards); returns the manifest."""
+    """Tokenize `inputs` into `output_prefix`.bin/.idx (or numbered shards); returns the manifest.
+    shard_size: numbered shards of about that many tokens (one writer). shard_input_size: numbered shards of
+    about that many input bytes, each written and hashed by one worker (group_shards.py)."""
     t0 = time.perf_counter()
     shard_size = parse_size(shard_size)
+    shard_input_size = parse_size(shard_input_size)
+    if shard_size is not None and shard_input_size is not None:
+        raise ValueError("--shard-size and --shard-input-size exclude each other: shards are cut either by "
+                         "tokens (one writer) or by input bytes (one writer per shard)")
+    for name, v in (("--shard-size", shard_size), ("--shard-input-size", shard_input_size)):
+        if v is not None and v <= 0:
+            raise ValueError(f"{name} must be positive, got {v}")
     tok = load_tokenizer(tokenizer)
     if append_eos and tok.eos_id is None:
         raise TokenizerError(f"{tokenizer}: the tokenizer has no end-of-document token; pass --no-eos")
@@ -261,6 +273,10 @@ def preprocess(
     if old and not overwrite:
         raise FileExistsError(f"{output_prefix}: outputs already exist ({', '.join(old[:3])}...); pass --overwrite")
 
+    if shard_input_size is not None:
+        fingerprint["options"]["shard_input_size"] = shard_input_size
+        return _preprocess_groups(files, output_prefix, work, tok, opts, fingerprint, shard_input_size, workers,
+                                  resume, overwrite, progress, quiet, _stop_after_tasks, t0)
     writer = ShardWriter(work, dtype, shard_size)
     state = read_progress(work) if os.path.isdir(work) else None
     if os.path.isdir(work) and not resume:
@@ -381,27 +397,103 @@ def preprocess(
     for p in existing_outputs(output_prefix):  # --overwrite: stale shards must not be picked up later
         os.remove(p)
     writer.move_into_place(n_shards, output_prefix, numbered)
-    manifest = {
+    manifest = _manifest(tok, dtype, opts, stats, shards, numbered, shard_size, text_per_line, files, in_sha)
+    write_json_atomic(manifest_path(output_prefix), manifest)
+    shutil.rmtree(work, ignore_errors=True)
+    if not quiet:
+        _summary(manifest, output_prefix, total_bytes, time.perf_counter() - t0)
+    return manifest
+
+
+def _preprocess_groups(files, output_prefix, work, tok, opts, fingerprint, group_bytes, workers, resume, overwrite,
+                       progress, quiet, stop_after, t0) -> dict:
+    """--shard-input-size: input tasks grouped by input bytes, one shard per group, each written and hashed
+    by the worker that tokenizes it (group_shards.py). Same manifest as the other modes."""
+    from . import group_shards as gs
+
+    dtype = np.dtype(opts.dtype)
+    done: dict = {}
+    if os.path.isdir(work):
+        if not resume and not overwrite:
+            raise FileExistsError(
+                f"{work}: an interrupted run left this folder; pass --resume to continue it or --overwrite to start over")
+        if resume and os.path.exists(os.path.join(work, gs.PROGRESS)):
+            done = gs.read_done(work, fingerprint)
+            if not quiet:
+                print(f"resuming {work}: {len(done)} shard groups already written", file=sys.stderr)
+        else:
+            shutil.rmtree(work)
+    os.makedirs(work, exist_ok=True)
+    total_bytes = sum(f.size for f in files)
+    bar = _progress_bar(total_bytes, sum(r["input_bytes"] for r in done.values()), progress and not quiet)
+    groups = ((g, tasks) for g, tasks in enumerate(gs.group_tasks(iter_tasks(files, opts.text_key, fingerprint[
+        "options"]["text_per_line"]), group_bytes)) if g not in done)
+    input_hashes = None
+    succeeded = False
+    try:
+        gs.write_progress(work, fingerprint, done)
+        results = gs.run_groups(groups, work, opts, tok, workers, _start_method())
+        first = next(results, None)  # the pool forks before the hashing thread starts
+        input_hashes = _InputHashes([f.path for f in files], background=workers > 1)
+        for r in (_chain(first, results) if first is not None else ()):
+            done[r["group"]] = r
+            gs.write_progress(work, fingerprint, done)
+            bar.update(r["input_bytes"])
+            if stop_after is not None and len(done) >= stop_after:
+                raise KeyboardInterrupt("test interruption")
+        bar.close()
+        succeeded = True
+    except KeyboardInterrupt:
+        bar.close()
+        if not quiet:
+            print(f"interrupted: progress kept in {work}; rerun with --resume to continue", file=sys.stderr)
+        raise
+    finally:
+        if not succeeded:
+            exc = sys.exc_info()[1]
+            if not isinstance(exc, KeyboardInterrupt) and os.path.isdir(work):
+                shutil.rmtree(work)  # bad input or a bug: nothing worth resuming, leave nothing behind
+    in_sha = input_hashes.get() if input_hashes is not None else _InputHashes([f.path for f in files], False).get()
+    stats = dict.fromkeys(STAT_KEYS, 0)
+    for r in done.values():
+        for k in STAT_KEYS:
+            stats[k] += r["stats"][k]
+    for p in existing_outputs(output_prefix):  # --overwrite: stale outputs must not be picked up later
+        os.remove(p)
+    placed = gs.move_into_place(work, done, output_prefix)
+    shards = [{
+        "prefix": os.path.basename(final),
+        "bin": {"file": os.path.basename(bin_path(final)), "bytes": done[g]["bin_bytes"], "sha256": done[g]["bin_sha256"]},
+        "idx": {"file": os.path.basename(idx_path(final)), "bytes": done[g]["idx_bytes"], "sha256": done[g]["idx_sha256"]},
+        "tokens": done[g]["bin_bytes"] // dtype.itemsize,
+    } for g, final in placed]
+    manifest = _manifest(tok, dtype, opts, stats, shards, True, None, fingerprint["options"]["text_per_line"], files,
+                         in_sha)
+    manifest["shard_input_size"] = group_bytes
+    write_json_atomic(manifest_path(output_prefix), manifest)
+    shutil.rmtree(work, ignore_errors=True)
+    if not quiet:
+        _summary(manifest, output_prefix, total_bytes, time.perf_counter() - t0)
+    return manifest
+
+
+def _manifest(tok, dtype, opts, stats, shards, numbered, shard_size, text_per_line, files, in_sha) -> dict:
+    return {
         "format": "megassm-shards",
         "version": MANIFEST_VERSION,
         "tokenizer": tokenizer_info(tok),
         "dtype": dtype.name,
         "dtype_code": CODE_OF_DTYPE[dtype],
-        "append_eos": append_eos,
+        "append_eos": opts.append_eos,
         "num_documents": stats["documents"],
         "num_tokens": stats["tokens"],
         "shards": shards,
         "numbered_shards": numbered,
         "shard_size": shard_size,
         "stats": {k: stats[k] for k in STAT_KEYS if k not in ("documents", "tokens")},
-        "options": {"text_key": text_key, "text_per_line": text_per_line, "skip_bad": skip_bad},
+        "options": {"text_key": opts.text_key, "text_per_line": text_per_line, "skip_bad": opts.skip_bad},
         "inputs": [{"path": f.path, "format": f.format, "bytes": f.size, "sha256": in_sha[f.path]} for f in files],
     }
-    write_json_atomic(manifest_path(output_prefix), manifest)
-    shutil.rmtree(work, ignore_errors=True)
-    if not quiet:
-        _summary(manifest, output_prefix, total_bytes, time.perf_counter() - t0)
-    return manifest
 
 
 def _summary(m: dict, prefix: str, nbytes: int, seconds: float) -> None:
@@ -437,6 +529,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-bad", action="store_true", help="skip and count malformed JSON lines instead of failing")
     p.add_argument("--shard-size", default=None, metavar="TOKENS",
                    help="write numbered shards PREFIX-00000 ... of about this many tokens (e.g. 500M)")
+    p.add_argument("--shard-input-size", default=None, metavar="BYTES",
+                   help="write numbered shards PREFIX-00000 ... of about this much input each (e.g. 256M), each "
+                        "tokenized, written and hashed by one worker: what lets cheap tokenizers (byte) use "
+                        "several cores; excludes --shard-size")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run from PREFIX.partial/")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
@@ -452,7 +548,8 @@ def main(argv: list[str] | None = None) -> int:
         preprocess(
             args.input, args.output_prefix, tokenizer=args.tokenizer, workers=args.workers, text_key=args.text_key,
             text_per_line=args.text_per_line, input_format=args.format, append_eos=args.append_eos,
-            skip_bad=args.skip_bad, shard_size=args.shard_size, resume=args.resume, overwrite=args.overwrite,
+            skip_bad=args.skip_bad, shard_size=args.shard_size, shard_input_size=args.shard_input_size,
+            resume=args.resume, overwrite=args.overwrite,
             progress=not args.quiet, quiet=args.quiet,
         )
     except KeyboardInterrupt:

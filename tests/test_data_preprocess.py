@@ -275,3 +275,52 @@ def test_corrupt_compressed_input_names_file(tmp_path):
     with pytest.raises(DataInputError, match=r"t\.jsonl\.gz:\d+: cannot decompress"):
         preprocess([str(tmp_path / "t.jsonl.gz")], str(tmp_path / "o"), quiet=True)
     assert sorted(os.listdir(tmp_path)) == ["t.jsonl.gz"]
+
+
+# --shard-input-size: one shard per group of input tasks, written and hashed by the worker (group_shards.py)
+def _group_corpus(tmp_path, monkeypatch):
+    monkeypatch.setattr(sources, "TASK_DOCS", 5)
+    monkeypatch.setattr(sources, "TASK_BYTES", 200)  # many small range tasks
+    texts = [f"grouped document {i} " + "x" * (i % 7) for i in range(80)] + [""]
+    a = write_jsonl(tmp_path / "a.jsonl", texts[:50])
+    b = write_jsonl(tmp_path / "b.jsonl.gz", texts[50:], opener=gzip.open)  # a raw-content task too
+    return [a, b], [t for t in texts if t]
+
+
+def test_shard_input_size_same_documents_and_bytes_for_any_worker_count(tmp_path, monkeypatch):
+    srcs, texts = _group_corpus(tmp_path, monkeypatch)
+    one = preprocess(srcs, str(tmp_path / "one"), shard_input_size=600, workers=1, quiet=True)
+    two = preprocess(srcs, str(tmp_path / "two"), shard_input_size=600, workers=2, quiet=True)
+    single = preprocess(srcs, str(tmp_path / "single"), quiet=True)
+    assert len(one["shards"]) > 3 and one["numbered_shards"] and one["shard_input_size"] == 600
+    assert docs_of(str(tmp_path / "one")) == texts == docs_of(str(tmp_path / "two"))
+    assert [s["bin"]["sha256"] for s in one["shards"]] == [s["bin"]["sha256"] for s in two["shards"]]
+    for s in one["shards"]:  # the manifest's digests are the files'
+        for kind in ("bin", "idx"):
+            assert sha(str(tmp_path / s[kind]["file"])) == s[kind]["sha256"]
+            assert os.path.getsize(tmp_path / s[kind]["file"]) == s[kind]["bytes"]
+    for k in ("num_documents", "num_tokens", "stats"):
+        assert one[k] == single[k] == two[k], k
+    assert one["stats"]["empty_skipped"] == 1
+    assert not os.path.exists(tmp_path / "one.partial")
+
+
+def test_shard_input_size_resume_and_refusals(tmp_path, monkeypatch):
+    srcs, texts = _group_corpus(tmp_path, monkeypatch)
+    ref = preprocess(srcs, str(tmp_path / "ref"), shard_input_size=600, quiet=True)
+    with pytest.raises(KeyboardInterrupt):
+        preprocess(srcs, str(tmp_path / "o"), shard_input_size=600, workers=2, quiet=True, _stop_after_tasks=2)
+    assert not [p for p in glob.glob(str(tmp_path / "o[.-]*")) if not p.endswith(".partial")]  # nothing final
+    open(tmp_path / "o.partial" / "group-00099.bin.tmp-1", "wb").write(b"half-written")  # a killed worker's file
+    with pytest.raises(FileExistsError, match="--resume"):
+        preprocess(srcs, str(tmp_path / "o"), shard_input_size=600, quiet=True)
+    with pytest.raises(ValueError, match="differ"):
+        preprocess(srcs, str(tmp_path / "o"), shard_input_size=700, resume=True, quiet=True)
+    m = preprocess(srcs, str(tmp_path / "o"), shard_input_size=600, resume=True, quiet=True)
+    assert docs_of(str(tmp_path / "o")) == texts
+    assert [s["bin"]["sha256"] for s in m["shards"]] == [s["bin"]["sha256"] for s in ref["shards"]]
+    with pytest.raises(ValueError, match="exclude each other"):
+        preprocess(srcs, str(tmp_path / "x"), shard_input_size=600, shard_size=100, quiet=True)
+    assert main(["--input", *srcs, "--output-prefix", str(tmp_path / "cli"), "--shard-input-size", "1K",
+                 "--workers", "2", "--quiet"]) == 0
+    assert docs_of(str(tmp_path / "cli")) == texts

@@ -1,0 +1,163 @@
+"""Numbered shards cut by input size, each tokenized, written and hashed by one worker
+(`megassm-preprocess --shard-input-size SIZE`).
+
+The default pipeline (preprocess.py) has one writer: the workers send their tokens back through pipes and
+the main process writes and hashes them. That scales for real tokenizers, but byte-level tokenizing runs at
+~200M tokens/s per core, as fast as the writing and the sha256 of the output, so a single writer cannot use
+a second core (docs/data.md "Speed"). Here the input tasks are grouped, in order, into groups of at least
+SIZE input bytes; group g becomes shard g, and the worker that takes the group writes its .bin/.idx and their
+sha256 itself. Nothing but counters and digests crosses a pipe.
+
+Output depends only on the inputs and the options, never on the number of workers: the groups are cut from
+the deterministic task sequence. A group whose documents are all empty makes no shard; shards are numbered
+in input order over the non-empty groups. The work folder (PREFIX.partial/) holds one finished
+`group-GGGGG.{bin,idx}` per completed group (renamed from temporary names when complete) and progress.json
+with their results, so `--resume` redoes only unfinished groups.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+from .encode import STAT_KEYS, EncodeOptions, encode_task, init_worker
+from .indexed import write_index
+
+PROGRESS = "progress.json"
+
+
+def group_tasks(tasks: Iterable, group_bytes: int) -> Iterator[list]:
+    """Consecutive tasks in groups of at least group_bytes input bytes (the last one may be smaller)."""
+    group, size = [], 0
+    for t in tasks:
+        group.append(t)
+        size += t.nbytes
+        if size >= group_bytes:
+            yield group
+            group, size = [], 0
+    if group:
+        yield group
+
+
+def _paths(work_dir: str, g: int) -> tuple[str, str]:
+    base = os.path.join(work_dir, f"group-{g:05d}")
+    return base + ".bin", base + ".idx"
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def encode_group(job: tuple) -> dict:
+    """Worker: tokenize group `g`'s tasks into work_dir/group-g.{bin,idx} (temporary names, then rename),
+    hashing the .bin as it is written. Returns the group's counters, sizes and digests."""
+    g, tasks, work_dir, dtype_name = job
+    dtype = np.dtype(dtype_name)
+    final_bin, final_idx = _paths(work_dir, g)
+    tmp_bin, tmp_idx = final_bin + f".tmp-{os.getpid()}", final_idx + f".tmp-{os.getpid()}"
+    stats = dict.fromkeys(STAT_KEYS, 0)
+    lengths, h, nbytes_in = [], hashlib.sha256(), 0
+    try:
+        with open(tmp_bin, "wb") as f:
+            for t in tasks:
+                tokens, lens, st = encode_task(t)
+                data = memoryview(np.ascontiguousarray(tokens, dtype=dtype)).cast("B")
+                f.write(data)
+                h.update(data)
+                lengths.append(lens)
+                nbytes_in += t.nbytes
+                for k in STAT_KEYS:
+                    stats[k] += st[k]
+            f.flush()
+            os.fsync(f.fileno())
+        lens = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+        result = {"group": g, "stats": stats, "input_bytes": nbytes_in, "tokens": int(lens.sum())}
+        if len(lens) == 0:  # nothing but empty documents: no shard
+            os.remove(tmp_bin)
+            return {**result, "empty": True}
+        write_index(tmp_idx, dtype, lens, np.arange(len(lens) + 1))
+        result.update(empty=False, bin_bytes=os.path.getsize(tmp_bin), bin_sha256=h.hexdigest(),
+                      idx_bytes=os.path.getsize(tmp_idx), idx_sha256=_sha256(tmp_idx))
+        os.replace(tmp_idx, final_idx)  # .bin last: a final .bin means the group is complete
+        os.replace(tmp_bin, final_bin)
+        return result
+    except BaseException:
+        for p in (tmp_bin, tmp_idx):
+            if os.path.exists(p):
+                os.remove(p)
+        raise
+
+
+def read_done(work_dir: str, fingerprint: dict) -> dict[int, dict]:
+    """The completed groups of an interrupted run (results by group), after checking the fingerprint;
+    files of unfinished groups are removed."""
+    with open(os.path.join(work_dir, PROGRESS)) as f:
+        state = json.load(f)
+    if state.get("fingerprint") != fingerprint:
+        raise ValueError(f"{work_dir}: cannot resume: the inputs, tokenizer or options differ from the interrupted "
+                         "run (pass --overwrite to start over)")
+    done = {int(g): r for g, r in state["groups"].items()}
+    for name in os.listdir(work_dir):
+        if name.startswith("group-"):
+            g = int(name[6:11])
+            if g not in done or ".tmp-" in name:
+                os.remove(os.path.join(work_dir, name))
+    for g, r in done.items():
+        if not r["empty"] and not all(os.path.exists(p) for p in _paths(work_dir, g)):
+            raise RuntimeError(f"{work_dir}: group {g} is recorded as done but its files are missing (pass --overwrite)")
+    return done
+
+
+def write_progress(work_dir: str, fingerprint: dict, done: dict[int, dict]) -> None:
+    path = os.path.join(work_dir, PROGRESS)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"fingerprint": fingerprint, "groups": {str(g): r for g, r in sorted(done.items())}}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def run_groups(groups: Iterable[tuple[int, list]], work_dir: str, opts: EncodeOptions, tok, workers: int,
+               start_method: str) -> Iterator[dict]:
+    """Encode the (g, tasks) groups, in this process (workers <= 1) or over a pool; yields each group's
+    result as it completes (any order with workers)."""
+    jobs = ((g, tasks, work_dir, opts.dtype) for g, tasks in groups)
+    if workers <= 1:
+        init_worker(opts, tok)
+        for job in jobs:
+            yield encode_group(job)
+        return
+    pool = mp.get_context(start_method).Pool(workers, initializer=init_worker, initargs=(opts,))
+    try:
+        # a few groups queued per worker: inputs are read by the workers, a group pickles only byte ranges
+        # (or the raw content of compressed / non-line inputs)
+        yield from pool.imap_unordered(encode_group, jobs, chunksize=1)
+        pool.close()
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+def move_into_place(work_dir: str, done: dict[int, dict], output_prefix: str) -> list[tuple[int, str]]:
+    """Rename the non-empty groups' files to PREFIX-00000 ... in group order; returns (group, final prefix)."""
+    from .indexed import bin_path, idx_path
+
+    out = []
+    for g in sorted(done):
+        if done[g]["empty"]:
+            continue
+        final = f"{output_prefix}-{len(out):05d}"
+        b, x = _paths(work_dir, g)
+        os.replace(x, idx_path(final))
+        os.replace(b, bin_path(final))
+        out.append((g, final))
+    return out
