@@ -311,6 +311,10 @@ def test_shard_input_size_resume_and_refusals(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         preprocess(srcs, str(tmp_path / "o"), shard_input_size=600, workers=2, quiet=True, _stop_after_tasks=2)
     assert not [p for p in glob.glob(str(tmp_path / "o[.-]*")) if not p.endswith(".partial")]  # nothing final
+    with open(tmp_path / "o.partial" / "progress.json") as f:  # the groups finished before the stop are recorded
+        recorded = json.load(f)["groups"]
+    assert len(recorded) >= 2 and all(os.path.exists(tmp_path / "o.partial" / f"group-{int(g):05d}.bin")
+                                      for g, r in recorded.items() if not r["empty"])
     open(tmp_path / "o.partial" / "group-00099.bin.tmp-1", "wb").write(b"half-written")  # a killed worker's file
     with pytest.raises(FileExistsError, match="--resume"):
         preprocess(srcs, str(tmp_path / "o"), shard_input_size=600, quiet=True)
@@ -324,3 +328,35 @@ def test_shard_input_size_resume_and_refusals(tmp_path, monkeypatch):
     assert main(["--input", *srcs, "--output-prefix", str(tmp_path / "cli"), "--shard-input-size", "1K",
                  "--workers", "2", "--quiet"]) == 0
     assert docs_of(str(tmp_path / "cli")) == texts
+
+
+def test_progress_recorder_records_a_group_only_after_its_files_are_synced(tmp_path):
+    from megassm.data_tools import group_shards as gs
+
+    done = {}
+    rec = gs.ProgressRecorder(str(tmp_path), {"fp": 1}, done)
+    for ext in ("bin", "idx"):
+        open(tmp_path / f"group-00000.{ext}", "wb").write(b"x")
+    rec.add({"group": 0, "empty": False})
+    rec.add({"group": 1, "empty": True})  # an all-empty group has no files
+    rec.add({"group": 2, "empty": False})  # its files are missing: the fsync fails, it is never recorded
+    with pytest.raises(FileNotFoundError, match="group-00002"):
+        rec.close()
+    with open(tmp_path / gs.PROGRESS) as f:
+        assert sorted(json.load(f)["groups"]) == ["0", "1"]
+
+
+def test_progress_bar_starts_no_thread_so_workers_fork():
+    """A live tqdm monitor thread made preprocess spawn its workers (re-importing everything) instead of
+    forking them."""
+    import threading
+
+    from megassm.data_tools import preprocess as pp
+
+    before = threading.active_count()
+    bar = pp._progress_bar(100, 0, enabled=True)
+    bar.update(10)
+    assert threading.active_count() == before
+    bar.close()
+    if before == 1 and "fork" in __import__("multiprocessing").get_all_start_methods():
+        assert pp._start_method() == "fork"
