@@ -3,7 +3,8 @@
     python benchmarks/train_step.py --config configs/mamba2-1.3b.yaml --seq-len 2048 --micro-batch 4 2 1
 
 Same step as the trainer: fp32 master weights, bf16 autocast, fused AdamW, gradient clipping, random
-tokens (data loading is measured by the data benchmarks). For each micro-batch size given, it runs
+tokens (data loading is measured by the data benchmarks). `--cuda-graph` adds a row per size with the
+forward + backward captured in one CUDA graph (the host's launch overhead removed). For each micro-batch size given, it runs
 warm-up steps then timed steps and prints one JSON object; an out-of-memory size is reported as such.
 MFU is given two ways: `mfu_6p` = 6 * params * tokens/s / peak (the convention of shared/anchors.md)
 and `mfu_counted` from the FLOPs counted per layer type (docs/flops.md).
@@ -18,11 +19,15 @@ import torch
 
 from megassm.config import load_config
 from megassm.models import build_model
+from megassm.training.cuda_graph import GraphedMicroBatch
 from megassm.training.flops import flops_per_sequence, peak_flops_for
 from megassm.training.optim import build_optimizer, clip_grad_norm
 
 
-def run_one(cfg, micro_batch: int, seq_len: int, steps: int, warmup: int, device: torch.device) -> dict:
+def run_one(cfg, micro_batch: int, seq_len: int, steps: int, warmup: int, device: torch.device,
+            cuda_graph: bool = False) -> dict:
+    if device.type == "cuda":  # peaks over the whole run: a CUDA graph's pool is allocated at its capture
+        torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)
     model = build_model(cfg.model, vocab_size=cfg.model.vocab_size, device="cpu")
     model.init_weights(0)
@@ -36,21 +41,36 @@ def run_one(cfg, micro_batch: int, seq_len: int, steps: int, warmup: int, device
         toks = torch.randint(0, vocab, (micro_batch, seq_len + 1), generator=gen)
         return toks[:, :-1].to(device), toks[:, 1:].to(device)
 
-    def step():
-        tokens, labels = batch()
+    def fwd_bwd(tokens, labels):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             out = model(tokens, labels=labels)
         out.loss.backward()
+        return out.loss.detach()
+
+    def step():
+        loss = fwd_bwd(*batch())
         clip_grad_norm(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return out.loss
+        return loss
 
-    for _ in range(warmup):
+    for _ in range(warmup):  # also runs the kernels' autotuning, which must happen before a capture
         step()
+    if cuda_graph:  # the trainer's train.cuda_graph path (megassm/training/cuda_graph.py)
+        graphed = GraphedMicroBatch(list(model.parameters()), lambda b: fwd_bwd(b["tokens"], b["labels"]))
+
+        def step():
+            tokens, labels = batch()
+            graphed.begin_step()
+            loss = graphed({"tokens": tokens, "labels": labels})
+            clip_grad_norm(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        step()  # warm-up replays and the capture
     if device.type == "cuda":
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     for _ in range(steps):
         loss = step()
@@ -66,10 +86,12 @@ def run_one(cfg, micro_batch: int, seq_len: int, steps: int, warmup: int, device
         "params": n_params,
         "micro_batch": micro_batch,
         "seq_len": seq_len,
+        "cuda_graph": cuda_graph,
         "step_ms": round(dt * 1e3, 2),
         "tokens_per_s": round(tokens_per_s, 1),
         "loss": round(loss, 4),
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
+        "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2) if device.type == "cuda" else None,
     }
     if peak:
         res["mfu_6p"] = round(6 * n_params * tokens_per_s / peak, 4)
@@ -85,19 +107,23 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, nargs="+", default=[4])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="also run each size with forward + backward captured in a CUDA graph")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     cfg = load_config(args.config, ["data.builtin=stdlib", *args.overrides])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for mb in args.micro_batch:
-        row = {"bench": "train_step", "config": args.config, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
-        try:
-            row.update(run_one(cfg, mb, args.seq_len, args.steps, args.warmup, device))
-        except torch.OutOfMemoryError:
-            row.update({"micro_batch": mb, "seq_len": args.seq_len, "error": "out of memory"})
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        print(json.dumps(row), flush=True)
+        for graphed in ((False, True) if args.cuda_graph and device.type == "cuda" else (False,)):
+            row = {"bench": "train_step", "config": args.config,
+                   "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+            try:
+                row.update(run_one(cfg, mb, args.seq_len, args.steps, args.warmup, device, graphed))
+            except torch.OutOfMemoryError:
+                row.update({"micro_batch": mb, "seq_len": args.seq_len, "cuda_graph": graphed, "error": "out of memory"})
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

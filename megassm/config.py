@@ -162,6 +162,7 @@ class TrainConfig:
     bptt: bool = False
     bptt_windows: int = 1
     activation_checkpointing: bool = False  # recompute each block's activations in the backward
+    cuda_graph: bool = False  # capture each micro-batch's forward + backward in a CUDA graph (training/cuda_graph.py)
     seed: int = 1234
     precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32
     grad_clip: float = 1.0  # 0 disables clipping

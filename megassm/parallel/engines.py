@@ -12,8 +12,9 @@ optimizer steps, and how the states reach the canonical checkpoint.
 
   ddp        torch DistributedDataParallel over the DP group: bucketed all-reduce overlapped with the
              backward; accumulation under no_sync(). Under PP (the schedule runs the stage modules) and BPTT
-             with several windows per backward (DDP wants one forward per backward) the gradients are
-             averaged after the step's backward by one flat all-reduce per dtype instead (logged).
+             with several windows per backward (DDP wants one forward per backward), and under
+             train.cuda_graph (DDP's hooks cannot be replayed), the gradients are averaged after the step's
+             backward by one flat all-reduce per dtype instead (logged).
   fsdp2      torch fully_shard per residual block + the root (embedding, final norm, head): parameters,
              gradients and AdamW states sharded over the DP group (ZeRO-3); fp32 all-gather (the model
              computes under bf16 autocast as with DDP, so the numerics are DDP's); reduce-scatter after
@@ -221,9 +222,10 @@ class DDPEngine(Engine):
 
     def __init__(self, model, groups, cfg, device):
         super().__init__(model, groups, cfg)
-        self.overlapped = groups.pp == 1 and not cfg.train.bptt
+        self.overlapped = groups.pp == 1 and not cfg.train.bptt and not cfg.train.cuda_graph
         if not self.overlapped:
-            why = "pipeline stages run by the schedule" if groups.pp > 1 else "BPTT windows share one backward"
+            why = ("pipeline stages run by the schedule" if groups.pp > 1 else "BPTT windows share one backward"
+                   if cfg.train.bptt else "the micro-batches are CUDA graph replays (train.cuda_graph)")
             log.info("engine ddp: %s; gradients averaged over the %d DP ranks by one flat all-reduce per dtype "
                      "after the step's backward (no overlap)", why, groups.dp)
             return

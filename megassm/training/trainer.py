@@ -65,10 +65,38 @@ def check_supported(cfg: Config) -> None:
             "windows would need one graph across several pipeline schedule runs; pipeline stages carry state with "
             "truncated BPTT (train.bptt_windows=1)"
         )
+    if cfg.train.cuda_graph:
+        _check_cuda_graph(cfg)
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda but no CUDA device is visible (use train.device=auto or cpu)")
     if cfg.train.precision == "bf16" and _pick_device(cfg).type == "cpu":
         log.warning("train.precision=bf16 on CPU: autocast to bf16 on CPU is slow; fp32 is the CPU default")
+
+
+def _check_cuda_graph(cfg: Config) -> None:
+    """train.cuda_graph=true: refuse what a captured micro-batch cannot hold (training/cuda_graph.py)."""
+    from megassm.config import blocks_of
+    from megassm.training.cuda_graph import GRAPH_SAFE_LETTERS
+
+    p, t = cfg.parallel, cfg.train
+    why = None
+    if p.tp > 1 or p.cp > 1 or p.pp > 1:
+        why = (f"parallel.tp={p.tp}, parallel.cp={p.cp}, parallel.pp={p.pp}: their collectives run inside the "
+               "forward and backward; only data parallelism (parallel.engine=ddp) combines with it")
+    elif p.engine != "ddp" and data_parallel_size(cfg) > 1:
+        why = f"parallel.engine={p.engine}: FSDP2 and DeepSpeed hook the backward; use parallel.engine=ddp"
+    elif t.bptt:
+        why = "train.bptt=true: the carried state changes between windows"
+    elif t.activation_checkpointing:
+        why = "train.activation_checkpointing=true: recomputation under a capture is not tested"
+    else:
+        bad = sorted(set(blocks_of(cfg.model.pattern)) - set(GRAPH_SAFE_LETTERS))
+        if bad:
+            why = (f"model.pattern='{cfg.model.pattern}' has block(s) {', '.join(repr(c) for c in bad)}: their forward "
+                   "reads values on the host (attention picks its causal kernel per batch, B'MOJO and COFFEE test "
+                   "values); graph-safe blocks: " + ", ".join(f"{k} {v}" for k, v in GRAPH_SAFE_LETTERS.items()))
+    if why is not None:
+        raise ConfigError(f"train.cuda_graph=true: {why}")
 
 
 def _pick_device(cfg: Config) -> torch.device:
@@ -118,6 +146,8 @@ class Trainer:
         # multi-process: torch.distributed from torchrun's env, groups from megatron-core (megassm.parallel)
         self.groups, self.device = prt.setup(cfg, self.device)
         self.amp_dtype = _autocast_dtype(cfg, self.device)
+        if cfg.train.cuda_graph and self.device.type != "cuda":  # the layout was checked above; this run's device
+            raise ConfigError(f"train.cuda_graph=true needs a CUDA device; this run uses {self.device}")
         self.run_dir = cfg.run.dir
         self.dp = data_parallel_size(cfg)
         self.accum = cfg.train.global_batch // (cfg.train.micro_batch * self.dp)
@@ -161,6 +191,11 @@ class Trainer:
         self.optimizer = self.engine.make_optimizer(lambda: build_optimizer(
             self.model.param_groups(cfg.optim.weight_decay), cfg.optim, self.device.type))
         self.scheduler = LRScheduler(self.optimizer, cfg.optim, cfg.train.steps)
+        self.graphed = None  # train.cuda_graph: each micro-batch is one graph replay (training/cuda_graph.py)
+        if cfg.train.cuda_graph:
+            from megassm.training.cuda_graph import GraphedMicroBatch
+
+            self.graphed = GraphedMicroBatch(list(self.model.parameters()), self._forward_backward)
         self.carrier = None  # BPTT: the rows' recurrent states between windows (training/bptt.py)
         if cfg.train.bptt:
             from megassm.training.bptt import StateCarrier
@@ -231,16 +266,24 @@ class Trainer:
         """Forward/backward over this step's `accum` micro-batches, adding their losses into loss_sum.
         Returns the seconds spent waiting for data."""
         data_time = 0.0
+        run = self._forward_backward
+        if self.graphed is not None:
+            self.graphed.begin_step()
+            run = self.graphed
         for i in range(self.accum):
             td = time.perf_counter()
             batch = self._to_device(self.data.next_batch())
             data_time += time.perf_counter() - td
             with self.engine.micro_batch(last=i == self.accum - 1):  # DDP: no_sync until the last
-                with self._autocast():
-                    out = self.engine.forward(batch["tokens"], seq_idx=batch["seq_idx"], labels=batch["labels"])
-                self.engine.backward(out.loss, self.accum)
-            loss_sum += out.loss.detach()
+                loss_sum += run(batch)
         return data_time
+
+    def _forward_backward(self, batch: dict) -> torch.Tensor:
+        """One micro-batch's forward and backward (gradients accumulate); returns its loss, detached."""
+        with self._autocast():
+            out = self.engine.forward(batch["tokens"], seq_idx=batch["seq_idx"], labels=batch["labels"])
+        self.engine.backward(out.loss, self.accum)
+        return out.loss.detach()
 
     def _accumulate_pipeline(self, loss_sum: torch.Tensor) -> float:
         """PP: the step's `accum` micro-batches through the pipeline schedule (1F1B); every rank gets the

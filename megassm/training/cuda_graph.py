@@ -1,0 +1,128 @@
+"""One micro-batch's forward + backward captured in a CUDA graph and replayed (`train.cuda_graph=true`).
+
+A Mamba-2 step launches thousands of small kernels (13 Triton launches and ~30 torch glue ops per SSD call,
+per layer, forward and backward); at 1.3B and micro-batch 4 the host spends ~10% of the step launching them
+(docs/benchmarks.md). Captured once, the whole micro-batch is one `graph.replay()`.
+
+    graphed = GraphedMicroBatch(params, fwd_bwd)     # fwd_bwd(batch) -> detached loss; runs forward + backward
+    graphed.begin_step()                             # before each optimizer step's first micro-batch
+    loss = graphed(batch)                            # the first call warms up and captures, every call replays
+
+How the gradients stay right (two graphs, as the eager loop has two cases):
+- a step's first micro-batch replays a graph captured with no gradient present: autograd's AccumulateGrad
+  hands the backward's output tensors to the parameters, so a replay writes fresh gradients into them;
+- the later micro-batches replay a second graph captured with those gradients present: AccumulateGrad then
+  does `grad += new` in place, so replays accumulate exactly like the eager loop (captured on first need,
+  sharing the first graph's memory pool);
+- the optimizer's `zero_grad(set_to_none=True)` detaches the gradients after each step; begin_step()
+  attaches the same tensors again, so the graphs always write where the optimizer reads;
+- the batch is copied into static tensors the graph reads (shapes must not change: the trainer's batches
+  never do).
+The warm-up forward/backward passes before the capture run the kernels' autotuning (a capture cannot time
+configs) on a side stream, as torch's CUDA-graph notes ask; their gradients are discarded.
+
+What cannot be captured is refused by the config check (trainer.check_supported): host syncs inside the
+forward (attention picks its causal kernel per batch, B'MOJO's memory update and COFFEE's DEER solver test
+values on the host), collectives (TP / CP / PP, and DDP's backward hooks: data parallelism instead averages
+the accumulated gradients after the replays with one flat all-reduce), BPTT's carried state and activation
+checkpointing (untested under capture).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger("megassm.training.cuda_graph")
+
+__all__ = ["GraphedMicroBatch", "GRAPH_SAFE_LETTERS"]
+
+# pattern letters whose forward and backward run no host sync and no collective (at tp = cp = 1)
+GRAPH_SAFE_LETTERS = {"M": "Mamba-2", "-": "gated MLP", "S": "Mamba-1", "L": "Longhorn"}
+
+
+class GraphedMicroBatch:
+    def __init__(self, params: list[torch.nn.Parameter], fwd_bwd: Callable[[dict], torch.Tensor],
+                 warmup: int = 2):
+        self.params = [p for p in params if p.requires_grad]
+        self.fwd_bwd = fwd_bwd
+        self.warmup = warmup
+        self.graph: torch.cuda.CUDAGraph | None = None  # a step's first micro-batch: writes the gradients
+        self.acc_graph: torch.cuda.CUDAGraph | None = None  # the others: add into them
+        self.static: dict[str, torch.Tensor] = {}
+        self.loss = self.acc_loss = None
+        self.grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self._first_of_step = True
+
+    def begin_step(self) -> None:
+        """Start an optimizer step: the next micro-batch writes the gradients afresh. Attaches the graphs'
+        gradient tensors to the parameters again (the optimizer's zero_grad(set_to_none=True) detached them)."""
+        self._first_of_step = True
+        for p, g in self.grads:
+            p.grad = g
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.graph is None:
+            self._capture(batch)
+        self._load(batch)
+        if self._first_of_step:
+            self._first_of_step = False
+            self.graph.replay()
+            return self.loss
+        if self.acc_graph is None:
+            self._capture_accumulating()
+        self.acc_graph.replay()
+        return self.acc_loss
+
+    def _load(self, batch: dict[str, torch.Tensor]) -> None:
+        if batch.keys() != self.static.keys():
+            raise RuntimeError(f"train.cuda_graph: the batch's fields {sorted(batch)} differ from the captured "
+                               f"ones {sorted(self.static)}")
+        for k, v in batch.items():
+            s = self.static[k]
+            if v.shape != s.shape or v.dtype != s.dtype:
+                raise RuntimeError(f"train.cuda_graph: batch field '{k}' has shape {tuple(v.shape)} {v.dtype}, the "
+                                   f"captured graph was built for {tuple(s.shape)} {s.dtype}")
+            s.copy_(v, non_blocking=True)
+
+    def _capture(self, batch: dict[str, torch.Tensor]) -> None:
+        """Warm up (autotuning) on a side stream, then capture the first-micro-batch graph: with no gradient
+        present, the captured backward hands its own output tensors to the parameters as their .grad, so each
+        replay writes fresh gradients there (no zeroing, no add: the eager loop's first micro-batch)."""
+        if any(p.grad is not None for p in self.params):
+            raise RuntimeError("train.cuda_graph: gradients must be empty at the capture (a step's first micro-batch)")
+        self.static = {k: v.clone() for k, v in batch.items()}
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # blocks cached by earlier eager steps: the side stream would not reuse them
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                self.fwd_bwd(self.static)
+        torch.cuda.current_stream().wait_stream(side)
+        for p in self.params:
+            p.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the warm-up's cached activations: the graph's pool holds its own
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.loss = self.fwd_bwd(self.static)
+        self.graph = graph
+        # a parameter the forward never reaches keeps no gradient, as in the eager loop
+        self.grads = [(p, p.grad) for p in self.params if p.grad is not None]
+        log.info("train.cuda_graph: forward + backward of one micro-batch captured (%d gradient tensors)",
+                 len(self.grads))
+
+    def _capture_accumulating(self) -> None:
+        """The graph of the step's later micro-batches: captured with the gradients present, so its backward adds
+        into them in place. It shares the first graph's memory pool (they never run at the same time)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.graph.pool()):
+            self.acc_loss = self.fwd_bwd(self.static)
+        for p, g in self.grads:
+            if p.grad is not g:
+                raise RuntimeError("train.cuda_graph: the captured backward replaced a gradient tensor instead of "
+                                   "adding into it; gradients would not accumulate")
+        self.acc_graph = graph
+        log.info("train.cuda_graph: the accumulating micro-batch graph captured")
