@@ -1,16 +1,27 @@
 #!/usr/bin/env bash
 # The seed papers' small reproductions on one GPU (docs/seeds.md, "Synthetic tasks and reproductions"):
-# every run at once (the models are tiny, so they share the GPU; each is bound by its own Python loop),
-# one JSON line per run, results under ${OUT:-/tmp/seed_repro}/<run>/. About 3 minutes on an H100:
-#   source benchmarks/device_env.sh; MEGASSM_TRITON_AUTOTUNE=0 bash benchmarks/seed_repro.sh
+# the chosen groups' runs at once (the models are tiny, so they share the GPU), one JSON line per run,
+# results under ${OUT:-/tmp/seed_repro}/<run>/.
+#   source benchmarks/device_env.sh; bash benchmarks/seed_repro.sh induction mqar bmojo-lr selcopy
+# Groups:
+#   induction   Mamba paper induction heads, the paper's 204,800 steps at batch 8: Mamba-2 `M` and Mamba-1 `S`
+#               under CUDA graphs, and the attention control `**` (eager, INDUCTION_ATTN_STEPS)
+#   selcopy     Mamba paper selective copying: S6 against its LTI ablation (CUDA graphs)
+#   mqar        MQAR (Zoology settings, T = 256, 16 pairs, d_model 64): Mamba-2 vs Longhorn at state 4 and 16,
+#               8,000 steps, seeds $SEEDS (CUDA graphs); B'MOJO 6,000 steps (eager: its memory update reads
+#               values on the host)
+#   bmojo-lr    B'MOJO on the same MQAR at learning rates 1e-3 and 3e-4 (state 16, seed 0)
+# LIMIT (s) is each run's training time limit (the runner stops, evaluates and records steps_done).
 set -u
 OUT=${OUT:-/tmp/seed_repro}
-LIMIT=${LIMIT:-200}   # seconds per run
+LIMIT=${LIMIT:-400}
+SEEDS=${SEEDS:-0 1 2}
+INDUCTION_ATTN_STEPS=${INDUCTION_ATTN_STEPS:-20000}
 mkdir -p "$OUT"
 run() {  # name, args...   (in the background; results printed by report)
   local name=$1; shift
-  (timeout "$LIMIT" python -m megassm.synthetic.run --device cuda --out "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1;
-   echo $? > "$OUT/$name.rc") &
+  (timeout $((LIMIT + 240)) python -m megassm.synthetic.run --device cuda --time-limit "$LIMIT" --out "$OUT/$name" \
+     "$@" > "$OUT/$name.log" 2>&1; echo $? > "$OUT/$name.rc") &
 }
 report() {
   for rc in "$OUT"/*.rc; do
@@ -19,21 +30,36 @@ report() {
     else echo "{\"run\": \"$name\", \"failed\": $(cat "$rc"), \"log\": \"$(tail -n 2 "$OUT/$name.log" | tr '"\n' "' ")\"}"; fi
   done
 }
-# Mamba paper induction heads: train at 256, test to 16K (Mamba-2 `M` and Mamba-1 `S`)
-run induction-M --config configs/synthetic/induction_mamba2.yaml
-run induction-S --config configs/synthetic/induction_mamba1.yaml
-# Mamba paper selective copying: S6 against its LTI ablation
-run selcopy-S --config configs/synthetic/selective_copying.yaml
-run selcopy-S-lti --config configs/synthetic/selective_copying.yaml model.mamba1.lti=true
-# MQAR (Zoology settings, T = 256, 16 kv pairs, d_model 64): Mamba-2 vs Longhorn vs B'MOJO, state 4 and 16, 3 seeds
-for n in 4 16; do
-  for seed in 0 1 2; do
-    run mqar-M-N$n-s$seed --config configs/synthetic/mqar_small.yaml --steps 1500 --seed $seed model.mamba.d_state=$n
-    run mqar-L-N$n-s$seed --config configs/synthetic/mqar_small.yaml --steps 1500 --seed $seed model.pattern=LL \
-        model.longhorn.d_state=$n
-    run mqar-B-N$n-s$seed --config configs/synthetic/mqar_small.yaml --steps 1500 --seed $seed model.pattern=BB \
-        model.mamba.d_state=$n model.bmojo.window=32 model.bmojo.n_eidetic=8 model.attn.n_heads=2
-  done
+[ $# -gt 0 ] || set -- induction selcopy mqar bmojo-lr
+for group in "$@"; do
+  case $group in
+    induction)
+      run induction-M --config configs/synthetic/induction_mamba2.yaml --steps 204800 --cuda-graph
+      run induction-S --config configs/synthetic/induction_mamba1.yaml --steps 204800 --cuda-graph
+      run induction-attn --config configs/synthetic/induction_mamba2.yaml --steps "$INDUCTION_ATTN_STEPS" \
+          model.pattern='**' model.d_model=128 model.attn.n_heads=8 ;;
+    selcopy)
+      run selcopy-S --config configs/synthetic/selective_copying.yaml --steps 400000 --cuda-graph
+      run selcopy-S-lti --config configs/synthetic/selective_copying.yaml --steps 400000 --cuda-graph \
+          model.mamba1.lti=true ;;
+    mqar)
+      for n in 4 16; do
+        for seed in $SEEDS; do
+          run mqar-M-N$n-s$seed --config configs/synthetic/mqar_small.yaml --steps 8000 --seed "$seed" --cuda-graph \
+              model.mamba.d_state=$n
+          run mqar-L-N$n-s$seed --config configs/synthetic/mqar_small.yaml --steps 8000 --seed "$seed" --cuda-graph \
+              model.pattern=LL model.longhorn.d_state=$n
+          run mqar-B-N$n-s$seed --config configs/synthetic/mqar_small.yaml --steps 6000 --seed "$seed" \
+              model.pattern=BB model.mamba.d_state=$n model.bmojo.window=32 model.bmojo.n_eidetic=8 model.attn.n_heads=2
+        done
+      done ;;
+    bmojo-lr)
+      for lr in 1e-3 3e-4; do
+        run mqar-B-N16-s0-lr$lr --config configs/synthetic/mqar_small.yaml --steps 6000 --seed 0 --lr "$lr" \
+            model.pattern=BB model.mamba.d_state=16 model.bmojo.window=32 model.bmojo.n_eidetic=8 model.attn.n_heads=2
+      done ;;
+    *) echo "seed_repro.sh: unknown group '$group' (induction, selcopy, mqar, bmojo-lr)" >&2; exit 2 ;;
+  esac
 done
 wait
 report

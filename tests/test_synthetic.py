@@ -86,7 +86,7 @@ def test_accuracy_on_hand_made_logits():
 def test_runner_end_to_end(tmp_path):
     out = tmp_path / "run"
     rc = R.main(["--task", "mqar", "--steps", "3", "--batch", "2", "--train-len", "24", "--eval-lens", "24,48",
-                 "--device", "cpu", "--out", str(out), "model.pattern=M*", "model.d_model=32", "task.vocab=64",
+                 "--device", "cpu", "--out", str(out), "model.pattern=*M", "model.d_model=32", "task.vocab=64",
                  "model.mamba.headdim=8", "model.mamba.d_state=8", "model.mamba.chunk_size=8",
                  "model.attn.n_heads=2"])
     assert rc == 0
@@ -94,6 +94,19 @@ def test_runner_end_to_end(tmp_path):
     assert set(res["accuracy"]) == {"24", "48"} and all(0 <= v <= 1 for v in res["accuracy"].values())
     assert res["config"]["task"]["params"] == {"vocab": 64} and res["curve"][-1]["step"] == 3
     assert "| 48 |" in (out / "results.md").read_text()
+    assert res["steps_done"] == 3 and not res["time_limited"]
+
+
+def test_runner_time_limit_stops_training_and_still_evaluates(tmp_path):
+    out = tmp_path / "run"
+    rc = R.main(["--task", "induction_heads", "--steps", "100000", "--batch", "2", "--train-len", "16",
+                 "--time-limit", "0.5", "--device", "cpu", "--out", str(out), "model.pattern=MM",
+                 "model.d_model=32", "model.mamba.headdim=8", "model.mamba.d_state=8", "model.mamba.chunk_size=8"])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["time_limited"] and 1 <= res["steps_done"] < 100000
+    assert res["curve"][-1]["step"] == res["steps_done"] and set(res["accuracy"]) == {"16"}
+    assert "stopped by train.time_limit" in (out / "results.md").read_text()
 
 
 def test_runner_config_file_and_errors(tmp_path, capsys):
@@ -106,3 +119,34 @@ def test_runner_config_file_and_errors(tmp_path, capsys):
     cfg.write_text("task: {name: coffee_induction}\ntrain: {stepz: 2}\n")
     assert R.main(["--config", str(cfg), "--out", str(tmp_path / "x")]) == 2
     assert "unknown key 'stepz'" in capsys.readouterr().err
+
+
+def test_runner_cuda_graph_refusals(tmp_path, capsys):
+    base = ["--task", "induction_heads", "--steps", "2", "--train-len", "16", "--out", str(tmp_path / "o"),
+            "--cuda-graph", "model.d_model=32"]
+    assert R.main(base + ["model.pattern=M*"]) == 2
+    assert "model.pattern='M*' has block(s) '*'" in capsys.readouterr().err
+    assert R.main(base + ["model.pattern=MM", "--device", "cpu"]) == 2
+    assert "train.cuda_graph needs a CUDA device; this run uses cpu" in capsys.readouterr().err
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("task: {name: coffee_induction}\nmodel: {core: coffee, n: 4, d: 8}\ntrain: {cuda_graph: true}\n")
+    assert R.main(["--config", str(cfg), "--out", str(tmp_path / "x")]) == 2
+    assert "the COFFEE core" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pattern", ["MM", "SL"])
+def test_runner_cuda_graph_trains_like_the_eager_loop(tmp_path, pattern):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("train: {log_every: 5}\n")
+    args = ["--config", str(cfg), "--task", "induction_heads", "--steps", "40", "--batch", "4", "--train-len", "48", "--eval-lens", "48,96",
+            "--lr", "3e-3", f"model.pattern={pattern}", "model.d_model=32", "model.mamba.headdim=8",
+            "model.mamba.d_state=8", "model.mamba.chunk_size=16", "model.mamba1.d_state=8", "model.longhorn.d_state=8"]
+    curves = []
+    for name, extra in (("eager", []), ("graph", ["--cuda-graph"])):
+        assert R.main(args + extra + ["--out", str(tmp_path / name)]) == 0
+        res = json.loads((tmp_path / name / "results.json").read_text())
+        curves.append([c["loss"] for c in res["curve"]])
+    assert len(curves[0]) == 8 and curves[0][0] > 0
+    # same kernels in the same order; bf16 autocast, and the autotuner may pick another config per process
+    torch.testing.assert_close(torch.tensor(curves[1]), torch.tensor(curves[0]), rtol=2e-3, atol=1e-4)

@@ -11,7 +11,11 @@ A run config (YAML) has four sections; command-line flags override them, and tra
     task:  {name: induction_heads, params: {vocab: 16}}
     model: {pattern: MM, d_model: 64, ...}         # megassm.config model keys (docs/config.md); or
            {core: coffee, n: 8, d: 16}             # the COFFEE paper's bare one-layer model (CoffeeCore)
-    train: {steps: 2000, batch: 8, lr: 1e-3, weight_decay: 0, train_len: 256, seed: 0, warmup: 0}
+    train: {steps: 2000, batch: 8, lr: 1e-3, weight_decay: 0, train_len: 256, seed: 0, warmup: 0,
+            cuda_graph: false, time_limit: 0}   # cuda_graph (or --cuda-graph): each step's forward +
+                                                # backward replayed as one CUDA graph (GPU, M/S/L/- only);
+                                                # time_limit (--time-limit) s > 0: stop training after the
+                                                # step that passes it, evaluate, record steps_done
     eval:  {lens: [256, 1024, 16384], batches: 4, batch: 8, every: 0}
 
 Batches are fresh every step (the task generators, megassm/synthetic/tasks.py); evaluation uses fixed
@@ -38,7 +42,7 @@ DEFAULTS = {
     "task": {"name": None, "params": {}},
     "model": {},
     "train": {"steps": 1000, "batch": 8, "lr": 1e-3, "weight_decay": 0.0, "train_len": 256, "seed": 0,
-              "warmup": 0, "grad_clip": 1.0, "log_every": 100},
+              "warmup": 0, "grad_clip": 1.0, "log_every": 100, "cuda_graph": False, "time_limit": 0},
     "eval": {"lens": None, "batches": 4, "batch": 8, "every": 0},
 }
 
@@ -84,7 +88,7 @@ def load_run_config(path: str | None, args) -> dict:
         parts = key.split(".")
         for p in parts[:-1]:
             node = node.setdefault(p, {})
-        node[parts[-1]] = yaml.safe_load(value)
+        node[parts[-1]] = _override_value(value)
     if t["name"] not in TASKS:
         raise ValueError(f"task.name must be one of {', '.join(TASKS)}, got {t['name']!r}")
     if not ev["lens"]:
@@ -92,7 +96,41 @@ def load_run_config(path: str | None, args) -> dict:
     for k in ("steps", "batch", "train_len"):
         if int(tr[k]) < 1:
             raise ValueError(f"train.{k} must be >= 1, got {tr[k]}")
+    if getattr(args, "cuda_graph", False):
+        tr["cuda_graph"] = True
+    if getattr(args, "time_limit", None) is not None:
+        tr["time_limit"] = args.time_limit
+    if float(tr["time_limit"]) < 0:
+        raise ValueError(f"train.time_limit must be >= 0 seconds (0: none), got {tr['time_limit']}")
+    if tr["cuda_graph"]:
+        _check_cuda_graph(cfg["model"])
     return cfg
+
+
+def _override_value(text: str):
+    """A KEY=VALUE override's value as YAML (numbers, booleans, lists), else the text itself: a pattern such
+    as `**` or `*M` is not valid YAML (an alias) but is meant as a string."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _check_cuda_graph(model_cfg: dict) -> None:
+    """train.cuda_graph: only models whose forward and backward never read values on the host can be captured
+    (the same set as the trainer's, megassm/training/cuda_graph.py)."""
+    from megassm.config import ModelConfig, blocks_of
+    from megassm.training.cuda_graph import GRAPH_SAFE_LETTERS
+
+    if "core" in model_cfg:
+        raise ValueError("train.cuda_graph: the COFFEE core (model.core) runs its solver with host-side tests; "
+                         "run it without --cuda-graph")
+    pattern = str(model_cfg.get("pattern", ModelConfig().pattern))
+    bad = sorted(set(blocks_of(pattern)) - set(GRAPH_SAFE_LETTERS))
+    if bad:
+        raise ValueError(f"train.cuda_graph: model.pattern='{pattern}' has block(s) {', '.join(map(repr, bad))}, "
+                         "whose forward reads values on the host; graph-safe blocks: "
+                         + ", ".join(f"{k} {v}" for k, v in GRAPH_SAFE_LETTERS.items()))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -199,36 +237,59 @@ def train(cfg: dict, device: torch.device, log=print) -> dict:
     def autocast():
         return torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else torch.autocast("cpu", enabled=False)
 
+    def fwd_bwd(batch: dict) -> torch.Tensor:
+        with autocast():
+            logits = model(batch["tokens"])
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                 batch["labels"].reshape(-1), ignore_index=IGNORE)
+        loss.backward()
+        return loss.detach()
+
+    run = fwd_bwd
+    graphed = None
+    if tr["cuda_graph"]:  # the step's forward + backward as one replay: these models are launch-bound
+        from megassm.training.cuda_graph import GraphedMicroBatch
+
+        graphed = run = GraphedMicroBatch(params, fwd_bwd)
+
     rng = np.random.default_rng([int(tr["seed"]), 0])
     curve, evals = [], []
     t0 = time.perf_counter()
-    run_loss, run_n = 0.0, 0
+    run_loss, run_n = torch.zeros((), device=device), 0  # summed on the device: no host sync per step
+    limit = float(tr["time_limit"])
+    steps_done = 0
     for step in range(1, int(tr["steps"]) + 1):
         tokens, labels = _tensors(make_batch(t["name"], rng, int(tr["batch"]), int(tr["train_len"]), t["params"]),
                                   device)
-        with autocast():
-            logits = model(tokens)
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                                 ignore_index=IGNORE)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        if graphed is not None:
+            graphed.begin_step()
+        run_loss += run({"tokens": tokens, "labels": labels})
+        run_n += 1
         if tr["grad_clip"]:
             torch.nn.utils.clip_grad_norm_(params, float(tr["grad_clip"]))
         opt.step()
         sched.step()
-        run_loss, run_n = run_loss + loss.item(), run_n + 1
-        if step % int(tr["log_every"]) == 0 or step == int(tr["steps"]):
-            curve.append({"step": step, "loss": run_loss / run_n, "seconds": round(time.perf_counter() - t0, 2)})
-            log(f"step {step}: loss {run_loss / run_n:.4f} ({time.perf_counter() - t0:.1f} s)")
-            run_loss, run_n = 0.0, 0
-            if not math.isfinite(curve[-1]["loss"]):
+        opt.zero_grad(set_to_none=True)
+        steps_done = step
+        out_of_time = limit > 0 and time.perf_counter() - t0 > limit
+        if step % int(tr["log_every"]) == 0 or step == int(tr["steps"]) or out_of_time:
+            mean = run_loss.item() / run_n
+            curve.append({"step": step, "loss": mean, "seconds": round(time.perf_counter() - t0, 2)})
+            log(f"step {step}: loss {mean:.4f} ({time.perf_counter() - t0:.1f} s)")
+            run_loss.zero_()
+            run_n = 0
+            if not math.isfinite(mean):
                 raise FloatingPointError(f"non-finite loss at step {step}")
         if cfg["eval"]["every"] and step % int(cfg["eval"]["every"]) == 0 and step < int(tr["steps"]):
             evals.append({"step": step, "accuracy": evaluate(model, cfg, device, autocast)})
+        if out_of_time:
+            log(f"train.time_limit={limit:g} s reached after step {step} of {tr['steps']}")
+            break
     train_s = time.perf_counter() - t0
     acc = evaluate(model, cfg, device, autocast)
     n_params = sum(p.numel() for p in params)
     return {"config": cfg, "device": str(device), "params": n_params, "train_seconds": round(train_s, 2),
+            "steps_done": steps_done, "time_limited": steps_done < int(tr["steps"]),
             "accuracy": {str(k): v for k, v in acc.items()}, "evals": evals, "curve": curve}
 
 
@@ -240,7 +301,9 @@ def write_results(res: dict, out: str) -> None:
     os.replace(tmp, os.path.join(out, "results.json"))
     c = res["config"]
     lines = [f"# {c['task']['name']} ({c['task']['params'] or 'defaults'})", "",
-             f"model {c['model']}, {res['params']} parameters; {c['train']['steps']} steps at length "
+             f"model {c['model']}, {res['params']} parameters; {res['steps_done']} steps"
+             + (f" (of {c['train']['steps']}, stopped by train.time_limit)" if res["time_limited"] else "")
+             + " at length "
              f"{c['train']['train_len']}, batch {c['train']['batch']}, lr {c['train']['lr']}; "
              f"{res['train_seconds']} s on {res['device']}", "",
              "| eval length | accuracy |", "|---|---|"]
@@ -279,6 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int)
     ap.add_argument("--eval-lens", help="comma-separated evaluation lengths")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    ap.add_argument("--time-limit", dest="time_limit", type=float,
+                    help="seconds of training after which the run stops, evaluates and records steps_done")
+    ap.add_argument("--cuda-graph", dest="cuda_graph", action="store_true",
+                    help="replay each step's forward + backward as one CUDA graph (sets train.cuda_graph)")
     ap.add_argument("--out", required=True, help="output directory (results.json, results.md, accuracy.png)")
     ap.add_argument("overrides", nargs="*", help="model.KEY=VALUE (model keys) or task.KEY=VALUE (task parameters)")
     return ap
@@ -293,10 +360,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dev = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                        ("cpu" if args.device == "auto" else args.device))
+    if cfg["train"]["cuda_graph"] and dev.type != "cuda":
+        print(f"megassm-synthetic: train.cuda_graph needs a CUDA device; this run uses {dev}", file=sys.stderr)
+        return 2
     res = train(cfg, dev)
     write_results(res, args.out)
     print(json.dumps({"task": cfg["task"]["name"], "model": cfg["model"], "params": res["params"],
-                      "train_seconds": res["train_seconds"], "accuracy": res["accuracy"]}))
+                      "steps_done": res["steps_done"], "train_seconds": res["train_seconds"],
+                      "accuracy": res["accuracy"]}))
     return 0
 
 
