@@ -269,7 +269,10 @@ def _batch_tasks(inp: InputFile, batch, key: str, row: int, nbytes: int) -> Iter
 
 def _parquet_range_tasks(inp: InputFile, key: str) -> Iterator[Task]:
     """Row-group slices of about TASK_BYTES (by the file's metadata, at most TASK_DOCS rows): the workers
-    read the column themselves."""
+    read the column themselves. A task accounts for the file's bytes in proportion to its share of the text
+    column's compressed size (row groups by their column chunk, rows within a group evenly), so groups of
+    tasks cut by input size (--shard-input-size) hold similar amounts of text even when document sizes
+    vary by orders of magnitude between row groups."""
     import pyarrow.parquet as pq
 
     try:
@@ -278,18 +281,27 @@ def _parquet_range_tasks(inp: InputFile, key: str) -> Iterator[Task]:
         raise DataInputError(f"{inp.path}: not a readable Parquet file: {e}") from None
     _column(pf.schema_arrow, inp, key)
     meta = pf.metadata
-    total = max(meta.num_rows, 1)
-    row, done = 0, 0
+    col = pf.schema_arrow.get_field_index(key)
+    weights = []
     for g in range(meta.num_row_groups):
         rg = meta.row_group(g)
-        n = rg.num_rows
+        w = rg.column(col).total_compressed_size if col < rg.num_columns else 0
+        weights.append(max(int(w), 0))
+    if sum(weights) == 0:  # no size statistics: fall back to row counts
+        weights = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+    total = max(sum(weights), 1)
+    row, before, done = 0, 0, 0
+    for g in range(meta.num_row_groups):
+        rg = meta.row_group(g)
+        n, w = rg.num_rows, weights[g]
         parts = max(1, -(-rg.total_byte_size // TASK_BYTES), -(-n // TASK_DOCS))
         for k in range(parts):
             lo, hi = n * k // parts, n * (k + 1) // parts
-            nb = inp.size * (row + hi) // total - done
-            done += nb
+            end = inp.size * (before * parts + w * (k + 1)) // (total * parts)  # exact integers: deterministic
+            nb, done = end - done, end
             yield Task("strings", inp.path, row + lo, [], nb, offset=lo, length=hi - lo, group=g)
         row += n
+        before += w
     if meta.num_row_groups == 0:
         yield Task("strings", inp.path, 0, [], inp.size)
 

@@ -305,7 +305,7 @@ def test_shard_input_size_same_documents_and_bytes_for_any_worker_count(tmp_path
     assert not os.path.exists(tmp_path / "one.partial")
 
 
-def test_shard_input_size_resume_and_refusals(tmp_path, monkeypatch):
+def test_shard_input_size_resume_and_refusals(tmp_path, monkeypatch, capsys):
     srcs, texts = _group_corpus(tmp_path, monkeypatch)
     ref = preprocess(srcs, str(tmp_path / "ref"), shard_input_size=600, quiet=True)
     with pytest.raises(KeyboardInterrupt):
@@ -316,11 +316,19 @@ def test_shard_input_size_resume_and_refusals(tmp_path, monkeypatch):
     assert len(recorded) >= 2 and all(os.path.exists(tmp_path / "o.partial" / f"group-{int(g):05d}.bin")
                                       for g, r in recorded.items() if not r["empty"])
     open(tmp_path / "o.partial" / "group-00099.bin.tmp-1", "wb").write(b"half-written")  # a killed worker's file
+    # a machine crash before writeback: one recorded shard lost its tail, another kept its size but not its pages
+    lost = sorted(int(g) for g, r in recorded.items() if not r["empty"])[:2]
+    with open(tmp_path / "o.partial" / f"group-{lost[0]:05d}.bin", "r+b") as f:
+        f.truncate(os.path.getsize(f.name) // 2)
+    with open(tmp_path / "o.partial" / f"group-{lost[1]:05d}.idx", "r+b") as f:
+        f.write(b"\0" * 8)  # its first page reads back as zeros
     with pytest.raises(FileExistsError, match="--resume"):
         preprocess(srcs, str(tmp_path / "o"), shard_input_size=600, quiet=True)
     with pytest.raises(ValueError, match="differ"):
         preprocess(srcs, str(tmp_path / "o"), shard_input_size=700, resume=True, quiet=True)
-    m = preprocess(srcs, str(tmp_path / "o"), shard_input_size=600, resume=True, quiet=True)
+    m = preprocess(srcs, str(tmp_path / "o"), shard_input_size=600, resume=True, quiet=False)
+    err = capsys.readouterr().err
+    assert f"2 recorded groups no longer match their sha256 (lost in a crash?) and are redone: {lost[0]}, {lost[1]}" in err
     assert docs_of(str(tmp_path / "o")) == texts
     assert [s["bin"]["sha256"] for s in m["shards"]] == [s["bin"]["sha256"] for s in ref["shards"]]
     with pytest.raises(ValueError, match="exclude each other"):
@@ -330,7 +338,7 @@ def test_shard_input_size_resume_and_refusals(tmp_path, monkeypatch):
     assert docs_of(str(tmp_path / "cli")) == texts
 
 
-def test_progress_recorder_records_a_group_only_after_its_files_are_synced(tmp_path):
+def test_progress_recorder_records_a_group_only_when_its_files_exist(tmp_path):
     from megassm.data_tools import group_shards as gs
 
     done = {}
@@ -339,7 +347,7 @@ def test_progress_recorder_records_a_group_only_after_its_files_are_synced(tmp_p
         open(tmp_path / f"group-00000.{ext}", "wb").write(b"x")
     rec.add({"group": 0, "empty": False})
     rec.add({"group": 1, "empty": True})  # an all-empty group has no files
-    rec.add({"group": 2, "empty": False})  # its files are missing: the fsync fails, it is never recorded
+    rec.add({"group": 2, "empty": False})  # its files are missing: it is never recorded
     with pytest.raises(FileNotFoundError, match="group-00002"):
         rec.close()
     with open(tmp_path / gs.PROGRESS) as f:
