@@ -121,3 +121,16 @@ def test_recipes_are_accepted_layouts_that_fit(recipe, world, monkeypatch):
     cfg.train.device, cfg.train.precision = "auto", "auto"
     check_supported(cfg)
     assert memory.estimate(cfg)["peak_per_gpu_gib"] < 0.92 * 79.1
+
+
+def test_ddp_zero1_shards_only_the_optimizer_states():
+    """hybrid-7b at TP 2 x DP 2: ddp's ZeRO-1 halves the AdamW states (the layout then fits an 80 GB GPU)."""
+    def est(stage):
+        return memory.estimate(_cfg("configs/hybrid-7b.yaml", "train.micro_batch=1", "train.global_batch=16",
+                                    "parallel.world_size=4", "parallel.tp=2", f"parallel.zero_stage={stage}"))
+
+    z0, z1 = est(0), est(1)
+    r0, r1 = z0["ranks"][0], z1["ranks"][0]
+    assert (r1["weights"], r1["grads"]) == (r0["weights"], r0["grads"])
+    assert r1["optimizer"] == pytest.approx(r0["optimizer"] / 2, rel=1e-6)
+    assert z1["peak_per_gpu"] < 70 * 2 ** 30 < z0["peak_per_gpu"]

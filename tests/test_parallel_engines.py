@@ -23,6 +23,7 @@ TINY = [
 ]
 ENGINES = {
     "ddp": ["parallel.engine=ddp"],
+    "ddp_zero1": ["parallel.engine=ddp", "parallel.zero_stage=1"],
     "fsdp2": ["parallel.engine=fsdp2"],
     "zero0": ["parallel.engine=deepspeed", "parallel.zero_stage=0"],
     "zero1": ["parallel.engine=deepspeed", "parallel.zero_stage=1"],
@@ -97,7 +98,7 @@ def test_dp2_equals_dp1_with_doubled_accumulation(name, single, tmp_path):
             assert float((a[k].float() - b[k].float()).abs().max() / scale) < 1e-4, (name, fname, k)
 
 
-@pytest.mark.parametrize("name", ["fsdp2", "zero1", "zero3"])
+@pytest.mark.parametrize("name", ["ddp_zero1", "fsdp2", "zero1", "zero3"])
 def test_resume_single_process_checkpoint_in_engine(name, single, tmp_path):
     """The canonical checkpoint of a single-process run, resumed at step 2 by a sharded engine, continues the
     single-process losses exactly."""
@@ -113,6 +114,32 @@ def test_zero3_checkpoint_resumes_in_single_process(single, tmp_path):
     _run(tmp_path / "z3", nproc=2, extra=ENGINES["zero3"] + ["train.steps=2"])
     got = _run(tmp_path / "back", resume=_ckpt(tmp_path / "z3", 2))
     assert _close(got, {s: ref[s] for s in (3, 4)}), (got, ref)
+
+
+def test_zero1_checkpoint_resumes_in_single_process(single, tmp_path):
+    _, ref = single
+    _run(tmp_path / "z1", nproc=2, extra=ENGINES["ddp_zero1"] + ["train.steps=2"])
+    got = _run(tmp_path / "back", resume=_ckpt(tmp_path / "z1", 2))
+    assert _close(got, {s: ref[s] for s in (3, 4)}), (got, ref)
+
+
+@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.pp=2"], ["parallel.cp=2"]], ids=["tp2", "pp2", "cp2"])
+def test_zero1_composes_with_tp_pp_and_cp(layout, single, tmp_path):
+    """ZeRO-1 over DP 2 beside TP 2, PP 2 or CP 2 (4 processes) equals the single process: losses every step and
+    the canonical checkpoint (weights and AdamW moments); resuming its step-2 checkpoint in one process
+    continues the losses."""
+    ref_dir, ref = single
+    got = _run(tmp_path / "z", nproc=4, extra=ENGINES["ddp_zero1"] + layout + ["train.global_batch=8"])
+    assert _close(got, ref), (layout, got, ref)
+    a, b = (torch.load(os.path.join(_ckpt(d, 4), "optim.pt")) for d in (tmp_path / "z", ref_dir))
+    assert sorted(a["state"]) == sorted(b["state"])
+    for i, st in b["state"].items():
+        assert float(a["state"][i]["step"]) == float(st["step"]) == 4
+        for k in ("exp_avg", "exp_avg_sq"):
+            scale = st[k].abs().max().clamp(min=1e-12)
+            assert float((a["state"][i][k] - st[k]).abs().max() / scale) < 1e-4, (layout, i, k)
+    back = _run(tmp_path / "back", resume=_ckpt(tmp_path / "z", 2))
+    assert _close(back, {s: ref[s] for s in (3, 4)}), (back, ref)
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp2"])
@@ -177,7 +204,7 @@ def test_deepspeed_partial_refusals_name_file_and_key(content, word, tmp_path):
     (["parallel.world_size=4", "parallel.engine=fsdp2", "parallel.tp=2"], "engine=fsdp2 with parallel.tp=2"),
     (["parallel.world_size=4", "parallel.engine=deepspeed", "parallel.pp=2"], "engine=deepspeed with parallel.pp=2"),
     (["parallel.world_size=4", "parallel.engine=fsdp2", "parallel.cp=2", "train.seq_len=64"], "parallel.cp=2"),
-    (["parallel.world_size=2", "parallel.engine=ddp", "parallel.zero_stage=1"], "zero_stage=1 applies to"),
+    (["parallel.world_size=2", "parallel.engine=ddp", "parallel.zero_stage=2"], "ddp shards the AdamW states"),
     (["parallel.world_size=2", "parallel.engine=fsdp2", "parallel.zero_stage=3"], "zero_stage=3 applies to"),
     (["parallel.world_size=2", "parallel.engine=deepspeed", "train.bptt=true"], "BPTT"),
     (["parallel.world_size=2", "parallel.deepspeed_config=x.json"], "needs parallel.engine=deepspeed"),
@@ -193,6 +220,8 @@ def test_engines_accepted_layouts():
     from megassm.parallel.engines import check_engine
 
     check_engine(_cfg("parallel.world_size=4", "parallel.engine=ddp", "parallel.tp=2", "parallel.pp=2"))
+    check_engine(_cfg("parallel.world_size=8", "parallel.engine=ddp", "parallel.zero_stage=1", "parallel.tp=2",
+                      "parallel.pp=2"))
     check_engine(_cfg("parallel.world_size=4", "parallel.engine=fsdp2", "train.bptt=true"))
     check_engine(_cfg("parallel.world_size=1", "parallel.engine=fsdp2"))  # one DP rank: no engine needed
     if _has_deepspeed():

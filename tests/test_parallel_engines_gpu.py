@@ -18,6 +18,7 @@ pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINES = {
     "ddp": ["parallel.engine=ddp"],
+    "ddp_zero1": ["parallel.engine=ddp", "parallel.zero_stage=1"],
     "fsdp2": ["parallel.engine=fsdp2"],
     "zero1": ["parallel.engine=deepspeed", "parallel.zero_stage=1"],
     "zero2": ["parallel.engine=deepspeed", "parallel.zero_stage=2"],

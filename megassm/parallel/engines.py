@@ -14,7 +14,9 @@ optimizer steps, and how the states reach the canonical checkpoint.
              backward; accumulation under no_sync(). Under PP (the schedule runs the stage modules) and BPTT
              with several windows per backward (DDP wants one forward per backward), and under
              train.cuda_graph (DDP's hooks cannot be replayed), the gradients are averaged after the step's
-             backward by one flat all-reduce per dtype instead (logged).
+             backward by one flat all-reduce per dtype instead (logged). parallel.zero_stage=1 shards the
+             AdamW states over the DP group (parallel/zero.py: Megatron's distributed optimizer), composing
+             with TP, CP, PP, BPTT and CUDA graphs.
   fsdp2      torch fully_shard per residual block + the root (embedding, final norm, head): parameters,
              gradients and AdamW states sharded over the DP group (ZeRO-3); fp32 all-gather (the model
              computes under bf16 autocast as with DDP, so the numerics are DDP's); reduce-scatter after
@@ -59,10 +61,14 @@ DERIVED_DEEPSPEED_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", 
 def check_engine(cfg: Config) -> None:
     """Refuse engine layouts that are not built, before any model is built or a GPU is touched."""
     p = cfg.parallel
-    if p.engine != "deepspeed" and p.zero_stage != 0:
-        raise ConfigError(f"parallel.zero_stage={p.zero_stage} applies to parallel.engine=deepspeed; with "
-                          f"parallel.engine={p.engine} leave it 0 (fsdp2 always shards parameters, gradients and "
-                          "optimizer states)")
+    if p.engine == "ddp" and p.zero_stage > 1:
+        raise ConfigError(f"parallel.zero_stage={p.zero_stage} with parallel.engine=ddp: ddp shards the AdamW states "
+                          "(zero_stage=1, parallel/zero.py) but not gradients or weights; use parallel.engine=fsdp2 "
+                          "or deepspeed for ZeRO-2/3")
+    if p.engine == "fsdp2" and p.zero_stage != 0:
+        raise ConfigError(f"parallel.zero_stage={p.zero_stage} applies to parallel.engine=deepspeed or ddp "
+                          "(stage 1); with parallel.engine=fsdp2 leave it 0 (fsdp2 always shards parameters, "
+                          "gradients and optimizer states)")
     if p.engine != "deepspeed" and p.deepspeed_config:
         raise ConfigError(f"parallel.deepspeed_config={p.deepspeed_config} needs parallel.engine=deepspeed")
     if data_parallel_size(cfg) == 1 or p.engine == "ddp":
@@ -222,6 +228,11 @@ class DDPEngine(Engine):
 
     def __init__(self, model, groups, cfg, device):
         super().__init__(model, groups, cfg)
+        self.flat = None
+        if cfg.parallel.zero_stage == 1:  # before DDP: the parameters become views of the flat buffers
+            from .zero import FlatParams
+
+            self.flat = FlatParams(model.parameters(), groups.dp_group)
         self.overlapped = groups.pp == 1 and not cfg.train.bptt and not cfg.train.cuda_graph
         if not self.overlapped:
             why = ("pipeline stages run by the schedule" if groups.pp > 1 else "BPTT windows share one backward"
@@ -236,6 +247,14 @@ class DDPEngine(Engine):
                           device_ids=[device.index] if device.type == "cuda" else None)
         log.info("engine ddp: torch DistributedDataParallel over %d DP ranks, %g MB buckets, all-reduce "
                  "overlapped with the backward", groups.dp, cfg.parallel.bucket_mb)
+
+    def make_optimizer(self, build):
+        self.optimizer = build()
+        if self.flat is not None:  # ZeRO-1: AdamW over this rank's slice only
+            from .zero import ShardedAdamW
+
+            self.optimizer = ShardedAdamW(self.optimizer, self.flat)
+        return self.optimizer
 
     def micro_batch(self, last: bool):
         if self.overlapped and not last:
@@ -538,8 +557,9 @@ def build_engine(cfg: Config, model, groups: ParallelGroups, device: torch.devic
     check_engine(cfg)
     name = cfg.parallel.engine
     if groups.dp == 1:
-        if name != "ddp":
-            log.info("parallel.engine=%s with one data-parallel rank: nothing to shard; plain stepping", name)
+        if name != "ddp" or cfg.parallel.zero_stage:
+            log.info("parallel.engine=%s (zero_stage %d) with one data-parallel rank: nothing to shard; plain "
+                     "stepping", name, cfg.parallel.zero_stage)
         return Engine(model, groups, cfg)
     if name == "ddp":
         return DDPEngine(model, groups, cfg, device)

@@ -127,6 +127,8 @@ def gather_states(model, optimizer, groups: ParallelGroups):
     if ppl.pp_plan_of(model) is not None:  # PP: the stages' states gathered to rank 0
         return ppl.gather_canonical_states(model, optimizer, groups)
     if plan_of(model) is None:
+        if getattr(optimizer, "collective_state_dict", False):  # ZeRO-1: gathered over DP on every rank
+            return None, optimizer.state_dict()
         return None, None
     return canonical_state_dict(model), optimizer_state_to_canonical(optimizer, model)
 

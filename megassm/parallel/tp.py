@@ -575,7 +575,8 @@ def optimizer_state_to_canonical(optimizer: torch.optim.Optimizer, model: nn.Mod
             continue
         for k, v in list(st.items()):
             if torch.is_tensor(v) and v.shape == p.shape and v.dim() > 0:
-                st[k] = gather_canonical(v, plan.specs[name], plan).cpu().clone()
+                # .to: a ZeRO-1 optimizer hands its gathered states over on the CPU (parallel/zero.py)
+                st[k] = gather_canonical(v.to(p.device), plan.specs[name], plan).cpu().clone()
     return sd
 
 
