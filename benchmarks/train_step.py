@@ -32,6 +32,7 @@ def run_one(cfg, micro_batch: int, seq_len: int, steps: int, warmup: int, device
     model = build_model(cfg.model, vocab_size=cfg.model.vocab_size, device="cpu")
     model.init_weights(0)
     model = model.to(device)
+    model.loss_chunk_tokens = cfg.train.loss_chunk_tokens  # head + loss in checkpointed chunks when > 0
     opt = build_optimizer(model.param_groups(cfg.optim.weight_decay), cfg.optim, device.type)
     vocab = cfg.model.vocab_size
     n_params = model.num_parameters()
@@ -87,6 +88,7 @@ def run_one(cfg, micro_batch: int, seq_len: int, steps: int, warmup: int, device
         "micro_batch": micro_batch,
         "seq_len": seq_len,
         "cuda_graph": cuda_graph,
+        "loss_chunk_tokens": cfg.train.loss_chunk_tokens,
         "step_ms": round(dt * 1e3, 2),
         "tokens_per_s": round(tokens_per_s, 1),
         "loss": round(loss, 4),

@@ -163,6 +163,7 @@ class TrainConfig:
     bptt_windows: int = 1
     activation_checkpointing: bool = False  # recompute each block's activations in the backward
     cuda_graph: bool = False  # capture each micro-batch's forward + backward in a CUDA graph (training/cuda_graph.py)
+    loss_chunk_tokens: int = 0  # > 0: LM head + loss in checkpointed chunks of about this many tokens (models/lm.py)
     seed: int = 1234
     precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32
     grad_clip: float = 1.0  # 0 disables clipping
@@ -565,6 +566,10 @@ def validate(cfg: Config) -> None:
     need(t.log_interval > 0, "train.log_interval must be positive")
     need(t.grad_clip >= 0, "train.grad_clip must be >= 0 (0 disables clipping)")
     need(t.bptt_windows >= 1, "train.bptt_windows must be >= 1")
+    need(t.loss_chunk_tokens >= 0, f"train.loss_chunk_tokens must be >= 0 (0: no chunking), got {t.loss_chunk_tokens}")
+    need(t.loss_chunk_tokens == 0 or p.pp == 1,
+         f"train.loss_chunk_tokens={t.loss_chunk_tokens} with parallel.pp={p.pp}: the pipeline's last stage computes "
+         "the loss outside the stage module, where chunking is not built; leave train.loss_chunk_tokens=0 under PP")
 
     # optimizer
     need(o.lr > 0, f"optim.lr must be positive, got {o.lr}")

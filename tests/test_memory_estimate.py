@@ -134,3 +134,15 @@ def test_ddp_zero1_shards_only_the_optimizer_states():
     assert (r1["weights"], r1["grads"]) == (r0["weights"], r0["grads"])
     assert r1["optimizer"] == pytest.approx(r0["optimizer"] / 2, rel=1e-6)
     assert z1["peak_per_gpu"] < 70 * 2 ** 30 < z0["peak_per_gpu"]
+
+
+def test_loss_chunking_prices_one_chunk_of_logits():
+    """mamba2-1.3b at 512K tokens over CP 4: the head term is one 8K-token chunk's instead of 128K tokens'."""
+    def est(chunk):
+        return memory.estimate(_cfg("configs/mamba2-1.3b.yaml", "parallel.world_size=4", "parallel.cp=4",
+                                    "train.seq_len=524288", "train.micro_batch=1", "train.global_batch=1",
+                                    "train.activation_checkpointing=true", f"train.loss_chunk_tokens={chunk}"))
+
+    whole, chunked = est(0)["ranks"][0], est(8192)["ranks"][0]
+    assert chunked["head"] == pytest.approx(whole["head"] * 8192 / 131072, rel=1e-6)
+    assert chunked["peak"] < whole["peak"] - 50 * 2 ** 30

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from megassm.config import PATTERN_SEPARATORS, ModelConfig, blocks_of
 
@@ -171,20 +172,55 @@ class LanguageModel(nn.Module):
             if return_states:
                 new_states.append(st)
         normed, _ = self.norm_f.add_forward(hidden, residual)
-        logits = self._head(normed)
         if labels is None:
-            return LMOutput(loss=None, logits=logits, states=new_states)
-        return LMOutput(loss=self.loss_fn(logits, labels), logits=None, states=new_states)
+            return LMOutput(loss=None, logits=self._head(normed), states=new_states)
+        return LMOutput(loss=self.head_loss(normed, labels), logits=None, states=new_states)
 
-    @staticmethod
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over labels != -100 in fp32 (0 when every label is ignored); no host sync."""
+    # ------------------------------------------------------------------------------------------------
+    # loss: loss_terms (sum, count) -> finish_loss (mean; the CP plan makes it global); head_loss chunks
+    loss_chunk_tokens = 0  # > 0: head + loss over chunks of about this many tokens (train.loss_chunk_tokens)
+
+    def loss_terms(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of the fp32 cross-entropy over labels != -100, their count); no host sync."""
         flat = labels.reshape(-1)
         total = F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).float(), flat, ignore_index=IGNORE_INDEX, reduction="sum"
         )
-        count = (flat != IGNORE_INDEX).sum().clamp(min=1)
-        return total / count
+        return total, (flat != IGNORE_INDEX).sum()
+
+    def finish_loss(self, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """Mean over the labelled tokens (0 when every label is ignored)."""
+        return total / count.clamp(min=1)
+
+    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over labels != -100 in fp32 (0 when every label is ignored); no host sync."""
+        return self.finish_loss(*self.loss_terms(logits, labels))
+
+    def _sp_ways(self) -> int:
+        """Ranks the final hidden's sequence is split over (sequence parallelism), 1 without it."""
+        return 1
+
+    def head_loss(self, normed: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The head and the loss of the final-norm output. With `loss_chunk_tokens` > 0 the tokens go
+        through the head in chunks along the sequence, each under activation checkpointing: only one
+        chunk's logits (and their fp32 copy and gradient) exist at a time, for one extra head matmul in the
+        backward. [B, L, vocab] fp32 logits are 26 GB at 128K tokens x 50K vocab (docs/config.md)."""
+        chunk = self.loss_chunk_tokens
+        B, L = normed.shape[:2]
+        if chunk <= 0 or B * L <= chunk:
+            return self.loss_fn(self._head(normed), labels)
+        step = max(1, chunk // B)
+        sp = self._sp_ways()
+        # under SP the head all-gathers the sequence rank-major: rank r's positions c0:c1 of its piece
+        lab = labels.reshape(B, sp, L)
+        total = normed.new_zeros((), dtype=torch.float32)
+        for c0, h in zip(range(0, L, step), torch.split(normed, step, dim=1)):
+            lc = lab[:, :, c0:c0 + h.shape[1]].reshape(B, -1)
+            total = total + checkpoint(self._chunk_loss_sum, h, lc, use_reentrant=False)
+        return self.finish_loss(total, (labels.reshape(-1) != IGNORE_INDEX).sum())
+
+    def _chunk_loss_sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss_terms(self._head(h), labels)[0]
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, states: list, reset: torch.Tensor | None = None):

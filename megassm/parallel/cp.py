@@ -338,10 +338,9 @@ class _CPLanguageModel:
         sid.cp_context = _build_context(plan, sid)
         return super().forward(tokens, seq_idx=sid, labels=labels, states=states, return_states=return_states)
 
-    def loss_fn(self, logits, labels):
-        local = super().loss_fn(logits, labels)  # mean over this rank's labelled tokens
-        n = (labels.reshape(-1) != IGNORE_INDEX).sum()
-        return global_mean_loss(local * n.clamp(min=1).to(local.dtype), n, self.cp_plan.group)
+    def finish_loss(self, total, count):
+        # this rank's sum over its labelled tokens -> the mean over every CP rank's
+        return global_mean_loss(total, count, self.cp_plan.group)
 
 
 _CLASSES: dict = {}

@@ -180,11 +180,13 @@ class _TPLanguageModel(LanguageModel):
         w = self.embedding.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, w)
 
-    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def loss_terms(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         plan = self.tp_plan
         per_token = vocab_parallel_cross_entropy(logits, labels, plan.vocab_start, plan.group)
-        count = (labels.reshape(-1) != IGNORE_INDEX).sum().clamp(min=1)
-        return per_token.sum() / count
+        return per_token.sum(), (labels.reshape(-1) != IGNORE_INDEX).sum()
+
+    def _sp_ways(self) -> int:
+        return self.tp_plan.tp if self.tp_plan.sp else 1
 
 
 def _plan_mamba(mixer, pre: str, tp: int, rank: int, sp: bool, group, specs: dict) -> None:

@@ -20,6 +20,7 @@ measured peaks of docs/benchmarks.md):
                                 times train.bptt_windows; with activation checkpointing only each block's
                                 inputs plus one block being recomputed
   head                          logits (bf16), their fp32 copy and the saved log-softmax of one micro-batch
+                                (of one chunk with train.loss_chunk_tokens)
   peak                          the largest of: end of forward / start of backward, the backward sweep
                                 (activations freed while gradients appear), the optimizer step
 
@@ -260,7 +261,10 @@ def estimate(cfg: Config, vocab: int | None = None, bf16: bool | None = None, do
         n_params = sum(q.numel() for q in model.parameters())
         n_matmul = _matmul_params(model)
         vocab_local = model.vocab_size_padded // p.tp
-        head = head_bytes(vocab_local, a) * tokens if last else 0.0
+        head_tokens = tokens  # the logits of one micro-batch, or of one chunk (train.loss_chunk_tokens)
+        if t.loss_chunk_tokens:
+            head_tokens = min(tokens, max(1, t.loss_chunk_tokens // t.micro_batch) * t.micro_batch * sp_tp)
+        head = head_bytes(vocab_local, a) * head_tokens if last else 0.0
         inflight = inflight_microbatches(p.pp_schedule, p.pp, p.pp_virtual, r, accum) * windows
 
         weights = eb["weights"] * n_params

@@ -186,6 +186,8 @@ class Trainer:
         n_params = model.num_parameters()  # canonical count, before any sharding or pipeline split
         model = prt.init_model(model, self.groups, cfg)  # canonical weights
         self.model = prt.prepare_model(model.to(self.device), self.groups, cfg)  # TP/SP plan (no-op at tp=1)
+        if cfg.train.loss_chunk_tokens:  # head + loss in checkpointed chunks (models/lm.py head_loss)
+            self.model.loss_chunk_tokens = cfg.train.loss_chunk_tokens
         # the data-parallel engine last (DDP / FSDP2 / DeepSpeed ZeRO); it owns the optimizer step
         self.engine = build_engine(cfg, self.model, self.groups, self.device, bf16=self.amp_dtype is torch.bfloat16)
         self.optimizer = self.engine.make_optimizer(lambda: build_optimizer(
