@@ -6,6 +6,8 @@ run on stdout (rank 0), then a summary object.
     torchrun --nproc_per_node 4 benchmarks/cp_scaling.py                                  # 4 GPUs (H200)
     torchrun --nproc_per_node 4 benchmarks/cp_scaling.py --lengths 262144 524288 --checkpointing on
     torchrun --nproc_per_node 4 benchmarks/cp_scaling.py --comm-share                     # + exposed comm
+    torchrun --nproc_per_node 4 benchmarks/cp_scaling.py train.loss_chunk_tokens=8192 --lengths 524288 \
+        --checkpointing on                                  # 512K: the head + loss in 8K-token chunks
     torchrun --nproc_per_node 2 benchmarks/cp_scaling.py model.d_model=64 model.pattern=MM \\
         model.vocab_size=256 model.mamba.d_state=16 model.mamba.headdim=16 --device cpu --cp 2 \\
         --lengths 256 512 --steps 1 --warmup 0                                            # smoke run (gloo)
@@ -129,11 +131,13 @@ def run(cfg_path, cp, seq_len, micro, steps, warmup, ckpt, comm_share, overrides
     world = dist.get_world_size()
     row = dict(model=os.path.splitext(os.path.basename(cfg_path))[0], cp=cp, world=world, seq_len=seq_len,
                tokens_per_gpu=micro * seq_len // cp, micro_batch=micro, checkpointing=ckpt,
+               loss_chunk_tokens=cfg.train.loss_chunk_tokens,
                device=torch.cuda.get_device_name() if DEV == "cuda" else "cpu",
                bytes_per_layer_fwd=bytes_per_layer(cfg, cp, seq_len, micro))
     model = build_model(cfg.model, device="meta").to_empty(device=DEV)
     _random_init(model)
     apply_context_parallel(model, groups.cp_group)
+    model.loss_chunk_tokens = cfg.train.loss_chunk_tokens  # override train.loss_chunk_tokens=N: chunked head + loss
     if ckpt:
         apply_activation_checkpointing(model)
     opt = build_optimizer(model.param_groups(0.1), cfg.optim, DEV)

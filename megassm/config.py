@@ -567,9 +567,6 @@ def validate(cfg: Config) -> None:
     need(t.grad_clip >= 0, "train.grad_clip must be >= 0 (0 disables clipping)")
     need(t.bptt_windows >= 1, "train.bptt_windows must be >= 1")
     need(t.loss_chunk_tokens >= 0, f"train.loss_chunk_tokens must be >= 0 (0: no chunking), got {t.loss_chunk_tokens}")
-    need(t.loss_chunk_tokens == 0 or p.pp == 1,
-         f"train.loss_chunk_tokens={t.loss_chunk_tokens} with parallel.pp={p.pp}: the pipeline's last stage computes "
-         "the loss outside the stage module, where chunking is not built; leave train.loss_chunk_tokens=0 under PP")
 
     # optimizer
     need(o.lr > 0, f"optim.lr must be positive, got {o.lr}")
@@ -592,8 +589,9 @@ def validate(cfg: Config) -> None:
     # parallel layout and the batch triad
     for k in ("tp", "cp", "pp"):
         need(getattr(p, k) >= 1, f"parallel.{k} must be >= 1")
-    need(not p.sp or t.seq_len % p.tp == 0,
-         f"parallel.sp=true: train.seq_len={t.seq_len} must be divisible by parallel.tp={p.tp} (sequence shards)")
+    need(not p.sp or t.seq_len % (p.tp * p.cp) == 0,
+         f"parallel.sp=true: train.seq_len={t.seq_len} must be divisible by parallel.tp={p.tp}"
+         + (f" x parallel.cp={p.cp}" if p.cp > 1 else "") + " (sequence shards)")
     need(t.seq_len % p.cp == 0,
          f"parallel.cp={p.cp}: train.seq_len={t.seq_len} must be divisible by parallel.cp (each rank holds one "
          "contiguous slice of every sequence)")

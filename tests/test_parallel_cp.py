@@ -54,14 +54,17 @@ def test_cp_matches_single_device(tmp_path, cp):
         _check_counts(rec)
 
 
-def test_tp2_x_cp2_matches_single_device(tmp_path):
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2-cp2", "tp2-sp-cp2"])
+def test_tp2_x_cp2_matches_single_device(tmp_path, sp):
     """TP shards heads first, CP hands over the local heads' states. ngroups=1: B/C replicated over TP and the
-    fused norm path; n_kv_heads=1: K/V replicated over TP."""
+    fused norm path; n_kv_heads=1: K/V replicated over TP. With SP the norms and residuals hold [B, L/cp/tp]
+    and each TP region gathers this CP slice's sequence, inside which the CP exchange runs unchanged."""
     out = tmp_path / "report.json"
     cases = [dict(pattern="MM", ngroups=1), dict(pattern="M*M-", ngroups=2, window=9, n_kv_heads=1)]
-    spawn(cp_equivalence_worker, 4, 2, 2, cases, str(out))
+    spawn(cp_equivalence_worker, 4, 2, 2, cases, str(out), "cpu", 1e-5, 28, sp)
     report = json.loads(out.read_text())
     assert [r["tp"] for r in report] == [2, 2] and [r["cp"] for r in report] == [2, 2]
+    assert [r["sp"] for r in report] == [sp, sp]
     for rec in report:
         assert rec["worst_grad_rel"] <= 1e-5 and rec["max_state_rel"] <= 1e-5 and rec["logits_rel"] <= 1e-5, rec
 
@@ -132,9 +135,20 @@ def test_torchrun_cp2_matches_single_process_and_resumes_at_cp1(single, tmp_path
     assert _close(resumed, {s: single[s] for s in (3, 4)}), (resumed, single)
 
 
-@pytest.mark.parametrize("extra", [["parallel.cp=2"], ["parallel.cp=2", "parallel.tp=2"]], ids=["cp2-dp2", "tp2-cp2"])
+@pytest.mark.parametrize("extra", [["parallel.cp=2", "parallel.zero_stage=1"], ["parallel.cp=2", "parallel.tp=2"]],
+                         ids=["cp2-dp2-zero1", "tp2-cp2"])
 def test_torchrun_cp2_on_4_ranks(single, tmp_path, extra):
     assert _close(_run(tmp_path / "par", nproc=4, extra=extra), single)
+
+
+def test_torchrun_tp2_sp_cp2_bptt_chunked_loss(tmp_path):
+    """TP 2 with sequence parallelism x CP 2 on 4 ranks, carrying BPTT states and with the head + loss in
+    chunks (2 x 6 positions of each 12-position SP shard of a 24-token CP slice): the single-process losses."""
+    extra = ["train.bptt=true"]
+    one = _run(tmp_path / "one", extra=extra)
+    four = _run(tmp_path / "four", nproc=4, extra=[*extra, "parallel.cp=2", "parallel.tp=2", "parallel.sp=true",
+                                                   "train.loss_chunk_tokens=12"])
+    assert _close(four, one), (four, one)
 
 
 def test_torchrun_cp2_bptt_window_checkpointing(tmp_path):
@@ -168,8 +182,9 @@ def test_config_refusals(monkeypatch):
     check_supported(_cfg("parallel.cp=2"))  # CP x DP
     check_supported(_cfg("parallel.cp=2", "parallel.tp=2"))  # TP x CP
     check_supported(_cfg("parallel.cp=4", "train.bptt=true"))  # BPTT over CP ranks alone
-    with pytest.raises(ConfigError, match=r"parallel.sp=true with parallel.cp=2"):
-        check_supported(_cfg("parallel.cp=2", "parallel.tp=2", "parallel.sp=true"))
+    check_supported(_cfg("parallel.cp=2", "parallel.tp=2", "parallel.sp=true", "train.seq_len=64"))  # SP x CP
+    with pytest.raises(ConfigError, match=r"train.seq_len=66 must be divisible by parallel.tp=2 x parallel.cp=2"):
+        _cfg("parallel.cp=2", "parallel.tp=2", "parallel.sp=true", "train.seq_len=66")
     check_supported(_cfg("parallel.cp=2", "train.bptt=true"))  # CP x DP: carried states per DP rank
     check_supported(_cfg("parallel.cp=2", "parallel.tp=2", "train.bptt=true"))  # TP x CP (training/bptt.py)
     with pytest.raises(ConfigError, match=r"parallel.pp=2 with parallel.cp=2: pipeline parallelism combined"):

@@ -1,6 +1,6 @@
 """Context parallelism by passing chunk states between ranks (design.md "Context parallelism").
 
-    apply_tensor_parallel(model, groups.tp_group)          # optional, first (SP + CP is not built)
+    apply_tensor_parallel(model, groups.tp_group, sp)      # optional, first (with or without SP)
     apply_context_parallel(model, groups.cp_group)         # in place; parameters are untouched
     out = model(tokens_r, seq_idx=seq_idx_r, labels=labels_r, states=..., return_states=...)
 
@@ -369,10 +369,6 @@ def apply_context_parallel(model: LanguageModel, cp_group) -> LanguageModel:
         return model
     if cp_plan_of(model) is not None:
         raise RuntimeError("apply_context_parallel: the model is already context-parallel")
-    tp_plan = getattr(model, "tp_plan", None)
-    if tp_plan is not None and tp_plan.sp:
-        raise ValueError("context parallelism with sequence parallelism (parallel.sp=true) is not built; "
-                         "set parallel.sp=false")
     halo = 1
     for i, layer in enumerate(model.layers):
         mixer = layer.mixer

@@ -109,7 +109,7 @@ def _tensors(states: list, grads: bool = False) -> dict:
     return out
 
 
-def cp_equivalence_worker(rank, world, cp, tp, cases, out_path, device="cpu", tol=1e-5, seqlen=28):
+def cp_equivalence_worker(rank, world, cp, tp, cases, out_path, device="cpu", tol=1e-5, seqlen=28, sp=False):
     """For each case (tiny_model_config kwargs, plus `window` for the attention's sliding window): the
     checks in the module docstring. Rank 0 writes a JSON report; any mismatch raises on the rank that
     sees it."""
@@ -147,7 +147,7 @@ def cp_equivalence_worker(rank, world, cp, tp, cases, out_path, device="cpu", to
         par = build_model(mcfg, device="cpu")
         par.init_weights(7)
         par.to(dev)
-        apply_tensor_parallel(par, groups.tp_group)
+        apply_tensor_parallel(par, groups.tp_group, sp=sp)
         apply_context_parallel(par, cpg)
         V = mcfg.vocab_size
 
@@ -208,7 +208,7 @@ def cp_equivalence_worker(rank, world, cp, tp, cases, out_path, device="cpu", to
         for k in ig_p:
             g = comm.all_reduce(ig_p[k].clone(), cpg)  # rank 0 holds the SSM/conv ones, every rank KV parts
             init_rel[k] = _rel(_canonical_state_grad(g, specs.get(k), plan_of(par)), ig_r[k])
-        rec = dict(case=case, window=window, cp=cp, tp=tp, logits_rel=logits_rel, loss_rel=loss_rel,
+        rec = dict(case=case, window=window, cp=cp, tp=tp, sp=sp, logits_rel=logits_rel, loss_rel=loss_rel,
                    worst_grad=worst, worst_grad_rel=grad_rel[worst], state_rel=state_rel,
                    max_state_rel=max(state_rel.values()), init_grad_rel=init_rel,
                    max_init_grad_rel=max(init_rel.values()) if init_rel else 0.0,

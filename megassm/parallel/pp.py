@@ -285,6 +285,8 @@ class StageModule(nn.Module):
                 carrier.stage_end(m, self.block_ids, finals)
             if self.last:
                 normed, _ = self.norm_f.add_forward(hidden, residual)
+                if self.lm.loss_chunk_tokens:  # the loss function runs the head chunk by chunk (_loss_fn)
+                    return normed
                 return self.lm._head(normed)
         return hidden.contiguous(), residual.contiguous()  # sent as they are (SP shards are strided views)
 
@@ -311,8 +313,15 @@ def apply_pipeline_parallel(model: nn.Module, schedule: str = "1f1b") -> nn.Modu
 
 
 def _loss_fn(model: nn.Module, n: int):
+    plan = pp_plan_of(model)
+
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = model.loss_fn(logits, labels)
+        if model.loss_chunk_tokens:  # `logits` is the final norm's output: head + loss in chunks, under the
+            last = next(m for m in plan.modules if m.last)  # stage's autocast as the head would have run
+            with last.autocast():
+                loss = model.head_loss(logits, labels)
+        else:
+            loss = model.loss_fn(logits, labels)
         scaled = loss / n  # as the single-device accumulation: (loss / n).backward() per micro-batch
         scaled.raw = loss.detach()  # the micro-batch's own loss, for the caller
         return scaled

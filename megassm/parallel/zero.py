@@ -167,7 +167,7 @@ class ShardedAdamW:
         self._sync_hyperparameters()
         if self.inner is not None:
             for p, a, b, v in self._views:
-                v.grad = None if p.grad is None else p.grad.view(-1)[a:b]
+                v.grad = None if p.grad is None else p.grad.reshape(-1)[a:b]  # read only: a copy would do
             self.inner.step()
             for _, _, _, v in self._views:
                 v.grad = None

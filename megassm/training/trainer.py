@@ -44,9 +44,6 @@ def check_supported(cfg: Config) -> None:
     if p.pp > 1 and p.cp > 1:
         raise ConfigError(f"parallel.pp={p.pp} with parallel.cp={p.cp}: pipeline parallelism combined with context "
                           "parallelism is not built; set one of them to 1 (PP x TP x DP is)")
-    if p.sp and p.cp > 1:
-        raise ConfigError(f"parallel.sp=true with parallel.cp={p.cp}: sequence parallelism combined with context "
-                          "parallelism is not built; set parallel.sp=false (TP x CP without SP is)")
     if p.sp and p.tp == 1:
         raise ConfigError("parallel.sp=true needs parallel.tp > 1 (sequence parallelism shards over the TP group)")
     if p.sp and cfg.train.seq_len % p.tp:
