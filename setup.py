@@ -43,7 +43,7 @@ setup(
         "megatron": ["megatron-core"],
         "triton": ["triton>=3.6"],
         "tokenizers": ["sentencepiece", "tokenizers"],
-        "dev": ["pytest", "pytest-timeout", "triton==3.6.0", "matplotlib", "sentencepiece", "tokenizers", "megatron-core", "mistral-common",
+        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "triton==3.6.0", "matplotlib", "sentencepiece", "tokenizers", "megatron-core", "mistral-common",
                 "deepspeed"],
     },
     entry_points={
