@@ -313,12 +313,11 @@ def apply_pipeline_parallel(model: nn.Module, schedule: str = "1f1b") -> nn.Modu
 
 
 def _loss_fn(model: nn.Module, n: int):
-    plan = pp_plan_of(model)
+    last = next((m for m in pp_plan_of(model).modules if m.last), None)  # only the last stage computes a loss
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if model.loss_chunk_tokens:  # `logits` is the final norm's output: head + loss in chunks, under the
-            last = next(m for m in plan.modules if m.last)  # stage's autocast as the head would have run
-            with last.autocast():
+            with last.autocast():  # stage's autocast, as the head would have run inside the stage
                 loss = model.head_loss(logits, labels)
         else:
             loss = model.loss_fn(logits, labels)

@@ -51,23 +51,26 @@ class FlatParams:
         by_key: dict = {}
         for p in self.params:
             by_key.setdefault((p.dtype, p.device), []).append(p)
-        self.buffers = []  # (flat buffer, shard size)
+        self.buffers = []  # (flat buffer, shard size, [(param, offset in the buffer)])
         self.pieces: list[tuple[torch.nn.Parameter, int, int]] = []
+        self._piece_at: list[tuple[int, int]] = []  # per piece: (buffer index, its start in this rank's slice)
         for (dtype, device), ps in by_key.items():
             n = sum(p.numel() for p in ps)
             shard = -(-n // self.dp)
             flat = torch.zeros(shard * self.dp, dtype=dtype, device=device)
             lo, hi = self.rank * shard, (self.rank + 1) * shard
-            off = 0
+            off, layout = 0, []
             for p in ps:
                 k = p.numel()
                 flat[off:off + k].copy_(p.detach().reshape(-1))
                 p.data = flat[off:off + k].view_as(p)  # same Parameter object: plans, hooks, names unchanged
+                layout.append((p, off))
                 a, b = max(lo, off), min(hi, off + k)
                 if a < b:
                     self.pieces.append((p, a - off, b - off))
+                    self._piece_at.append((len(self.buffers), a - lo))
                 off += k
-            self.buffers.append((flat, shard))
+            self.buffers.append((flat, shard, layout))
         owned = sum(b - a for _, a, b in self.pieces)
         log.info("ZeRO-1: %d parameters in %d flat buffer(s) over %d DP ranks; this rank owns %.3fM elements "
                  "(%d pieces) and their AdamW states", len(self.params), len(self.buffers), self.dp, owned / 1e6,
@@ -76,7 +79,7 @@ class FlatParams:
     @torch.no_grad()
     def all_gather(self) -> None:
         """Every rank's updated slice into every rank's buffer (so into the parameters)."""
-        for flat, shard in self.buffers:
+        for flat, shard, _ in self.buffers:
             mine = flat[self.rank * shard:(self.rank + 1) * shard]
             # in place (the input is the output's own slice): no copy of the slice (NCCL and gloo take it)
             dist.all_gather_into_tensor(flat, mine, group=self.group)
@@ -89,17 +92,9 @@ class FlatParams:
         tensors on every rank: {param: tensor shaped like the param}. Collective over DP; the device
         never holds more than `gather_chunk` elements per rank of it (a full copy of the AdamW states on the GPU
         is what ZeRO-1 saves)."""
-        where = {(id(p), a): v for (p, a, _), v in zip(self.pieces, values)}
         out = {}
-        for flat, shard in self.buffers:
-            ps = [p for p in self.params if p.dtype == flat.dtype and p.device == flat.device]
-            spans, off, lo = [], 0, self.rank * shard  # (start, end) in this rank's slice, the piece's values
-            for p in ps:
-                k = p.numel()
-                a, b = max(lo, off), min(lo + shard, off + k)
-                if a < b:
-                    spans.append((a - lo, b - lo, where[(id(p), a - off)].reshape(-1)))
-                off += k
+        for bi, (flat, shard, layout) in enumerate(self.buffers):
+            spans = [(s, s + v.numel(), v.reshape(-1)) for (bj, s), v in zip(self._piece_at, values) if bj == bi]
             full = torch.empty(self.dp, shard, dtype=torch.float32)  # CPU
             for c0 in range(0, shard, self.gather_chunk):
                 c1 = min(shard, c0 + self.gather_chunk)
@@ -111,11 +106,8 @@ class FlatParams:
                 dist.all_gather_into_tensor(got, local, group=self.group)
                 full[:, c0:c1].copy_(got.view(self.dp, c1 - c0))
             full = full.view(-1)
-            off = 0
-            for p in ps:
-                k = p.numel()
-                out[p] = full[off:off + k].view(p.shape)
-                off += k
+            for p, off in layout:
+                out[p] = full[off:off + p.numel()].view(p.shape)
         return out
 
 
@@ -248,8 +240,9 @@ class ShardedAdamW:
             st = sd["state"].get(by_saved[id(p)], sd["state"].get(str(by_saved[id(p)])))
             if not st:
                 continue
-            inner_state[inner_index[id(v)]] = {"step": st["step"].clone() if torch.is_tensor(st["step"]) else torch.tensor(float(st["step"])),
-                              **{k: st[k].reshape(-1)[a:b].clone() for k in ("exp_avg", "exp_avg_sq")}}
+            step = st["step"].clone() if torch.is_tensor(st["step"]) else torch.tensor(float(st["step"]))
+            inner_state[inner_index[id(v)]] = {"step": step, **{k: st[k].reshape(-1)[a:b].clone()
+                                                                for k in ("exp_avg", "exp_avg_sq")}}
         self._sync_hyperparameters()
         inner_sd = self.inner.state_dict()
         self.inner.load_state_dict({"state": inner_state, "param_groups": inner_sd["param_groups"]})
