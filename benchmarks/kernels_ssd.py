@@ -84,6 +84,24 @@ def ssd_inputs(B, L, H, P, N, G, seed=0):
     )
 
 
+def kernel_profile(fn, reps=5):
+    """GPU time per call of each kernel fn launches (torch.profiler), largest first: {name: ms}."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = sorted(((e.key[:60], e.device_time_total / 1e3 / reps) for e in prof.key_averages()
+                   if e.device_time_total > 0), key=lambda r: -r[1])
+    return {k: round(v, 4) for k, v in rows}
+
+
+PROFILE = False
+
+
 def bench_ssd(row, B, L, H, P, N, G, chunk, impls):
     from megassm import kernels as K
 
@@ -123,6 +141,9 @@ def bench_ssd(row, B, L, H, P, N, G, chunk, impls):
         gy = torch.randn_like(y)
         row[f"{name}_fwd_ms"] = round(bench(lambda: f()), 4)
         row[f"{name}_fwdbwd_ms"] = round(bench(lambda: torch.autograd.grad(f(), [leaves[k] for k in names], gy)), 4)
+        if PROFILE:
+            row[f"{name}_kernels_fwdbwd"] = kernel_profile(
+                lambda: torch.autograd.grad(f(), [leaves[k] for k in names], gy))
     if "megassm" in outs and "mamba_ssm" in outs:
         row["rel_diff_y_vs_mamba"] = rel(outs["megassm"], outs["mamba_ssm"])
         # gradients side by side (an independent check of our backward at the real shape)
@@ -265,7 +286,10 @@ def main():
     ap.add_argument("--only", default="", help="comma list of: ssd, sdpa, conv, norm, step")
     ap.add_argument("--quick", action="store_true", help="only the 2K row of the anchors shape")
     ap.add_argument("--impls", default="", help="comma list restricting SSD impls (megassm, megassm_bf16, mamba_ssm)")
+    ap.add_argument("--profile", action="store_true", help="SSD rows also list each kernel's GPU ms per fwd+bwd")
     args = ap.parse_args()
+    global PROFILE
+    PROFILE = args.profile
     only = set(filter(None, args.only.split(",")))
     impls = set(filter(None, args.impls.split(",")))
     want = (lambda k: not only or k in only)

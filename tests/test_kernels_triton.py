@@ -308,6 +308,25 @@ def test_ssd_triton_fp32_vs_sequential_oracle(triton_mode, case):
 
 
 @needs_triton
+@pytest.mark.parametrize("tiles", [
+    # blocks smaller than the chunk everywhere; _dbc's blocks larger than _dcb's; two N blocks in _dbc
+    dict(cb_bt=16, states_bs=16, scan_bt=32, scan_bs=16, scan_bk=16, dstates_bt=16, dx_bs=16, dx_bk=16,
+         dcb_bs=16, dbc_bs=32, dbc_bn=16),
+    # source blocks larger than target blocks in _scan; _dbc's blocks smaller than _dcb's
+    dict(scan_bt=16, scan_bs=32, dx_bs=32, dcb_bs=32, dbc_bs=16),
+], ids=["small", "mixed"])
+def test_ssd_triton_tile_variants(triton_mode, monkeypatch, tiles):
+    from megassm.kernels.triton import ssd as tssd
+
+    monkeypatch.setattr(tssd, "TILES", {**tssd.TILES, **tiles})
+    inp = ssd_inputs(2, 45, 2, 16, 1, 32, d_mode="chan")
+    sid = seq_from_starts(reset_starts(45, 32, 2), 45)
+    ours = run_ssd(K.ssd, inp, sid, chunk_size=32)
+    oracle = run_ssd(R.ssd_sequential, cast_inputs(inp, to=F64), sid)
+    check_fp32(ours, oracle, 1e-5)
+
+
+@needs_triton
 def test_ssd_triton_bf16_within_reference_error(triton_mode):
     bsz, seqlen, chunk = 2, 40, 16
     inp = ssd_inputs(bsz, seqlen, 4, 16, 2, 16, d_mode="head")

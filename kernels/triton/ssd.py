@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 import triton.testing
+from triton.runtime.errors import OutOfResources
 
 from ._lang import tcumsum, tsigmoid, tsum  # noqa: F401
 
@@ -57,6 +58,15 @@ class _Tuned:
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self._run(grid, args, kwargs)
 
+    def _time(self, grid, cfg, args, kwargs):
+        """Median ms of one config; inf when it needs more shared memory than the GPU has (large tiles fit
+        only with fewer pipeline stages)."""
+        try:
+            return triton.testing.do_bench(lambda: self._launch(grid, cfg, args, kwargs), warmup=5, rep=20,
+                                           return_mode="median")
+        except OutOfResources:
+            return float("inf")
+
     def _launch(self, grid, cfg, args, kwargs):
         return self.fn[grid](*args, **kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
@@ -68,8 +78,9 @@ class _Tuned:
         if cfg is None:
             cfg = self.configs[0]
             if len(self.configs) > 1:
-                times = [triton.testing.do_bench(lambda c=c: self._launch(grid, c, args, kwargs), warmup=5, rep=20,
-                                                 return_mode="median") for c in self.configs]
+                times = [self._time(grid, c, args, kwargs) for c in self.configs]
+                if min(times) == float("inf"):  # none fits: launch the first again to raise its error
+                    return self._launch(grid, cfg, args, kwargs)
                 cfg = self.configs[min(range(len(times)), key=times.__getitem__)]
             self.best[k] = cfg
         return self._launch(grid, cfg, args, kwargs)
@@ -282,18 +293,18 @@ def _states_kernel(X, Bp, DTP, CS, SEQ, INIT, STATES, FINAL, L, H, G, NC,
 
 
 @_autotune([triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=4, num_stages=2),
-            triton.Config({}, num_warps=4, num_stages=3)], key=["T", "P", "N", "BT", "BS", "BK"])
+            triton.Config({}, num_warps=4, num_stages=3), triton.Config({}, num_warps=8, num_stages=1)],
+           key=["T", "P", "N", "BT", "BS", "BK"])
 @triton.jit
-def _scan_kernel(X, Z, Cp, CB, DTP, CS, SEQ, STATES, Dp, Y, DOUT, DY, DZ, DCST, DDP, L, H, G, NC,
+def _scan_kernel(X, Z, Cp, CB, DTP, CS, SEQ, STATES, Dp, Y, DOUT, DY, DZ, L, H, G, NC,
                  sxb, sxl, sxh, sxp, szb, szl, szh, szp, scb, scl, scg, scn, ssb, ssl,
                  syb, syl, syh, syp, sdob, sdol, sdoh, sdop,
                  P: tl.constexpr, N: tl.constexpr, T: tl.constexpr, BP: tl.constexpr,
                  BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
                  HAS_SEQ: tl.constexpr, HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr,
                  BWD: tl.constexpr, PREC: tl.constexpr):
-    """Forward: Y = (y + D x) * silu(z). BWD: y (the SSM part) stays in registers and the epilogue takes the
-    output gradient: DY = dout * silu(z) (only stored with z; else dout is dy), DZ, DCST = dy . y (the
-    gradient of cs_t, per P-block) and DDP = per-program partial sums of dy * x (for dD)."""
+    """Forward: Y = (y + D x) * silu(z). BWD (with z only): y stays in registers and the epilogue takes the
+    output gradient: DY = dout * silu(z) and DZ."""
     # axis 0 runs over (head, T-block, P-block) of one chunk, so the programs sharing a chunk's CB and C
     # tiles run together (L2 reuse across heads)
     bc = tl.program_id(1)
@@ -351,31 +362,21 @@ def _scan_kernel(X, Z, Cp, CB, DTP, CS, SEQ, STATES, Dp, Y, DOUT, DY, DZ, DCST, 
     if BWD:
         do = tl.load(DOUT + b * sdob + pt[:, None] * sdol + h * sdoh + p[None, :] * sdop, mask=m,
                      other=0.0).to(tl.float32)
+        zv = tl.load(Z + b * szb + pt[:, None] * szl + h * szh + p[None, :] * szp, mask=m,
+                     other=0.0).to(tl.float32)
+        sz = tsigmoid(zv)
+        pre = acc
         if HAS_D:
             xt = tl.load(X + b * sxb + pt[:, None] * sxl + h * sxh + p[None, :] * sxp, mask=m,
                          other=0.0).to(tl.float32)
-        if HAS_Z:
-            zv = tl.load(Z + b * szb + pt[:, None] * szl + h * szh + p[None, :] * szp, mask=m,
-                         other=0.0).to(tl.float32)
-            sz = tsigmoid(zv)
-            pre = acc
-            if HAS_D:
-                if D_PER_CHANNEL:
-                    dv = tl.load(Dp + h * P + p, mask=mp, other=0.0).to(tl.float32)[None, :]
-                else:
-                    dv = tl.load(Dp + h).to(tl.float32)
-                pre = acc + xt * dv
-            dz = do * pre * (sz * (1.0 + zv * (1.0 - sz)))
-            tl.store(DZ + ((b * L + pt[:, None]) * H + h) * P + p[None, :], dz.to(DZ.dtype.element_ty), mask=m)
-            dy = do * (zv * sz)
-            tl.store(DY + ((b * L + pt[:, None]) * H + h) * P + p[None, :], dy, mask=m)
-        else:
-            dy = do
-        npb2: tl.constexpr = (P + BP - 1) // BP
-        tl.store(DCST + (((b * H + h) * NC + c) * T + t) * npb2 + pb, tsum(dy * acc, axis=1))
-        if HAS_D:
-            ntb: tl.constexpr = T // BT
-            tl.store(DDP + ((bc * ntb + tb) * H + h) * P + p, tsum(dy * xt, axis=0), mask=mp)
+            if D_PER_CHANNEL:
+                dv = tl.load(Dp + h * P + p, mask=mp, other=0.0).to(tl.float32)[None, :]
+            else:
+                dv = tl.load(Dp + h).to(tl.float32)
+            pre = acc + xt * dv
+        dz = do * pre * (sz * (1.0 + zv * (1.0 - sz)))
+        tl.store(DZ + ((b * L + pt[:, None]) * H + h) * P + p[None, :], dz.to(DZ.dtype.element_ty), mask=m)
+        tl.store(DY + ((b * L + pt[:, None]) * H + h) * P + p[None, :], do * (zv * sz), mask=m)
     else:
         if HAS_D:
             xt = tl.load(X + b * sxb + pt[:, None] * sxl + h * sxh + p[None, :] * sxp, mask=m,
@@ -398,6 +399,29 @@ def _scan_kernel(X, Z, Cp, CB, DTP, CS, SEQ, STATES, Dp, Y, DOUT, DY, DZ, DCST, 
 
 def _pow2_block(n, cap):
     return max(16, min(cap, triton.next_power_of_2(n)))
+
+
+# Tile sizes (powers of two; each is capped by the chunk length or the state size at the call). The defaults
+# come from benchmarks/ssd_tiles.py on an H100 (docs/benchmarks.md); num_warps / num_stages are tuned per shape
+# by _Tuned. The table is module state so that benchmark can sweep it.
+TILES = {
+    "cb_bt": 64,       # _cb_kernel: C B^T block
+    "states_bs": 128,  # _states_kernel: positions per step of the chunk walk
+    "scan_bt": 64,     # _scan_kernel: target positions per program
+    "scan_bs": 32,     # _scan_kernel: source positions per step
+    "scan_bk": 64,     # _scan_kernel: state columns per step of the read-out
+    "dstates_bt": 64,  # _dstates_kernel: positions per step of the reverse walk
+    "dx_bs": 32,       # _dx_kernel: source positions per program (and target positions per step)
+    "dx_bk": 64,       # _dx_kernel: state columns per step
+    "dcb_bs": 64,      # _dcb_kernel: square block of the chunk's dCB (and of the cs_t partials)
+    "dbc_bs": 128,     # _dbc_kernel: positions per program and per step
+    "dbc_bn": 128,     # _dbc_kernel: state columns per program
+}
+
+
+def _tile(name, limit):
+    """TILES[name] capped by limit (the chunk length or the padded state size), at least 16."""
+    return max(16, min(TILES[name], triton.next_power_of_2(limit)))
 
 
 def supported(x, chunk_size):
@@ -456,7 +480,7 @@ def _prep(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit, seq_idx, chunk_size):
         T=T, BH=BH, HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), HAS_LIMIT=dt_limit is not None,
     )
     cb = torch.empty(bsz, nc, ngroups, T, T, dtype=torch.float32, device=dev)
-    BT = min(64, T)
+    BT = _tile("cb_bt", T)
     BK = _pow2_block(dstate, 64)
     _cb_kernel[(bsz * nc, ngroups, (T // BT) ** 2)](
         C, B, cb, seqlen, ngroups, nc, *C.stride(), *B.stride(), N=dstate, T=T, BT=BT, BK=BK, PREC=_prec(x),
@@ -476,50 +500,44 @@ def _states(x, B, dtp, cs, seq_idx, initial_states, T, nc):
         x, B, dtp, cs, seq, initial_states if initial_states is not None else x, states, final,
         seqlen, nheads, ngroups, nc, *x.stride(), *B.stride(), ssb, ssl,
         *(initial_states.stride() if initial_states is not None else (0, 0, 0, 0)),
-        P=hdim, N=dstate, T=T, BP=BP, BN=BN, BS=min(64, T), HAS_INIT=initial_states is not None, HAS_SEQ=seq_idx is not None,
+        P=hdim, N=dstate, T=T, BP=BP, BN=BN, BS=_tile("states_bs", T), HAS_INIT=initial_states is not None, HAS_SEQ=seq_idx is not None,
         PREC=_prec(x),
     )
     return states, final
 
 
 def _scan(x, z, C, D, cb, dtp, cs, seq_idx, states, T, nc, dout=None):
-    """Forward output y, or with dout (backward): (dy, dz, dcs_t [B,H,NC,T], dD)."""
+    """Forward output y, or with dout and z (backward): (dy = dout * silu(z) in fp32, dz)."""
     bsz, seqlen, nheads, hdim = x.shape
     ngroups, dstate = C.shape[-2:]
     bwd = dout is not None
+    assert not bwd or z is not None, "the backward recomputes the output only for the gate"
     BP = _pow2_block(hdim, 64)
-    BT = min(64, T)
+    BT = _tile("scan_bt", T)
     dev = x.device
     if bwd:
         y = x  # unused
-        dy = torch.empty(bsz, seqlen, nheads, hdim, dtype=torch.float32, device=dev) if z is not None else dout
-        dz = torch.empty(z.shape, dtype=z.dtype, device=dev) if z is not None else None
-        dcst = torch.empty(bsz, nheads, nc, T, triton.cdiv(hdim, BP), dtype=torch.float32, device=dev)
-        ddp = (torch.empty(bsz * nc * (T // BT), nheads, hdim, dtype=torch.float32, device=dev)
-               if D is not None else None)
+        dy = torch.empty(bsz, seqlen, nheads, hdim, dtype=torch.float32, device=dev)
+        dz = torch.empty(z.shape, dtype=z.dtype, device=dev)
     else:
         y = torch.empty(bsz, seqlen, nheads, hdim, dtype=x.dtype, device=dev)
-        dy = dz = dcst = ddp = None
+        dy = dz = None
         dout = y
     seq, ssb, ssl = _seq_args(seq_idx, x)
 
     grid = (nheads * triton.cdiv(T, BT) * triton.cdiv(hdim, BP), bsz * nc)
     _scan_kernel[grid](
         x, z if z is not None else x, C, cb, dtp, cs, seq, states, D if D is not None else x, y,
-        dout, dy if dy is not None else y, dz if dz is not None else y, dcst if dcst is not None else y,
-        ddp if ddp is not None else y,
+        dout, dy if dy is not None else y, dz if dz is not None else y,
         seqlen, nheads, ngroups, nc, *x.stride(), *(z.stride() if z is not None else (0, 0, 0, 0)),
         *C.stride(), ssb, ssl, *y.stride(), *dout.stride(),
-        P=hdim, N=dstate, T=T, BP=BP, BT=BT, BS=BT, BK=_pow2_block(dstate, 64), HAS_SEQ=seq_idx is not None,
+        P=hdim, N=dstate, T=T, BP=BP, BT=BT, BS=_tile("scan_bs", T),
+        BK=_tile("scan_bk", dstate), HAS_SEQ=seq_idx is not None,
         HAS_D=D is not None,
         D_PER_CHANNEL=D is not None and D.dim() == 2, HAS_Z=z is not None, BWD=bwd, PREC=_prec(x),
     )
     if bwd:
-        dD = None
-        if D is not None:
-            dD = ddp.sum(0)
-            dD = dD.sum(-1) if D.dim() == 1 else dD
-        return dy, dz, dcst.sum(-1), dD
+        return dy, dz
     return y
 
 

@@ -28,6 +28,7 @@ from .ssd import (  # noqa: F401
     _seq_at,
     _state_blocks,
     _states,
+    _tile,
 )
 
 @_autotune([triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=4, num_stages=2),
@@ -93,15 +94,17 @@ def _dstates_kernel(DY, Cp, CS, SEQ, STATES, FINAL, DFIN, DSN, DCSL, DINIT, L, H
 
 
 @_autotune([triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=4, num_stages=2),
-            triton.Config({}, num_warps=8, num_stages=3)], key=["T", "P", "N", "BS", "BK"])
+            triton.Config({}, num_warps=8, num_stages=3), triton.Config({}, num_warps=8, num_stages=1)],
+           key=["T", "P", "N", "BS", "BK"])
 @triton.jit
-def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSN, Dp, DX, DDT, L, H, G, NC,
+def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSN, Dp, DX, DDT, DDP, L, H, G, NC,
                sxb, sxl, sxh, sxp, sdyb, sdyl, sdyh, sdyp, sbb, sbl, sbg, sbn, ssb, ssl,
                P: tl.constexpr, N: tl.constexpr, T: tl.constexpr, BPF: tl.constexpr, BS: tl.constexpr,
                BK: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
                DY_F32: tl.constexpr, PREC: tl.constexpr):
     """Per head and block of source positions s: Q_s = sum_t L_ts CB_ts dy_t + exp(cs_last - cs_s) m'_s dS B_s;
-    dx_s = dt_s Q_s + D dy_s; DDT_s = x_s . Q_s (the direct dt gradient)."""
+    dx_s = dt_s Q_s + D dy_s; DDT_s = x_s . Q_s (the direct dt gradient); with D, DDP = this program's
+    partial sum of dy_s * x_s over its positions (for dD)."""
     bc = tl.program_id(1)
     b = (bc // NC).to(tl.int64)
     c = bc % NC
@@ -169,20 +172,25 @@ def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSN, Dp, DX, DDT, L, H, G, NC,
         else:
             dv = tl.load(Dp + h).to(tl.float32)
         dx += dys * dv
+        tl.store(DDP + (bc * nsb + sb) * H * P + h * P + p, tsum(dys * xf, axis=0), mask=mp)
     tl.store(DX + ((b * L + ps[:, None]) * H + h) * P + p[None, :], dx.to(DX.dtype.element_ty), mask=m)
     tl.store(DDT + dbase + s, ddt)
 
 
 @_autotune([triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=4, num_stages=2),
-            triton.Config({}, num_warps=4, num_stages=3)], key=["T", "P", "BS"])
+            triton.Config({}, num_warps=4, num_stages=3), triton.Config({}, num_warps=8, num_stages=1)],
+           key=["T", "P", "BS"])
 @triton.jit
-def _dcb_kernel(X, DY, DTP, CS, SEQ, DCB, L, H, G, NC,
+def _dcb_kernel(X, DY, CB, DTP, CS, SEQ, DCB, DCSI, L, H, G, NC,
                 sxb, sxl, sxh, sxp, sdyb, sdyl, sdyh, sdyp, ssb, ssl,
                 P: tl.constexpr, T: tl.constexpr, BPF: tl.constexpr, BS: tl.constexpr, HAS_SEQ: tl.constexpr,
                 DY_F32: tl.constexpr, PREC: tl.constexpr):
     """dCB[t, s] = sum over the group's heads of exp(cs_t - cs_s) dt_s (dy_t . x_s), t >= s in one document:
     the gradient of the chunk's C_t . B_s, shared by dB and dC so the per-head work is done once. One program
-    per (group, t block, s block <= t block); upper blocks are never read and not written."""
+    per (group, t block, s block <= t block); upper blocks are never read and not written.
+    Per head it also stores DCSI[b, h, c, s block, t] = sum over the block's s of CB_ts dt_s exp(cs_t - cs_s)
+    (dy_t . x_s): the intra-chunk part of dy_t . y_t, the gradient of cs_t (the forward output is never
+    recomputed for it)."""
     bc = tl.program_id(1)
     b = (bc // NC).to(tl.int64)
     c = bc % NC
@@ -201,6 +209,7 @@ def _dcb_kernel(X, DY, DTP, CS, SEQ, DCB, L, H, G, NC,
         if HAS_SEQ:
             ok = ok & (_seq_at(SEQ, b, pt, L, ssb, ssl)[:, None] == _seq_at(SEQ, b, ps, L, ssb, ssl)[None, :])
         acc = tl.full([BS, BS], 0.0, tl.float32)
+        cbv = tl.load(CB + ((b * NC + c) * G + g) * T * T + t[:, None] * T + s[None, :])
         rep = H // G
         for hi in range(rep):
             h = g * rep + hi
@@ -217,22 +226,25 @@ def _dcb_kernel(X, DY, DTP, CS, SEQ, DCB, L, H, G, NC,
             cs_s = tl.load(CS + dbase + s)
             dt_s = tl.load(DTP + dbase + s)
             w = tl.exp(tl.where(ok, cs_t[:, None] - cs_s[None, :], 0.0)) * dt_s[None, :]
-            acc += tl.where(ok, w * prod, 0.0)
+            wp = tl.where(ok, w * prod, 0.0)
+            acc += wp
+            tl.store(DCSI + ((b * H + h) * NC + c) * T * nrb + sb * T + t, tsum(wp * cbv, axis=1))
         tl.store(DCB + ((b * NC + c) * G + g) * T * T + t[:, None] * T + s[None, :], acc)
 
 
 @_autotune([triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=4, num_stages=2),
             triton.Config({}, num_warps=8, num_stages=3)], key=["T", "P", "N", "BS", "BN", "IS_DC"])
 @triton.jit
-def _dbc_kernel(X, DY, OTHER, DCB, DTP, CS, SEQ, SV, OUT, L, H, G, NC,
-                sxb, sxl, sxh, sxp, sdyb, sdyl, sdyh, sdyp, sob, sol, sog, son, ssb, ssl,
+def _dbc_kernel(X, DY, OTHER, CR, DCB, DTP, CS, SEQ, SV, OUT, DCSR, L, H, G, NC,
+                sxb, sxl, sxh, sxp, sdyb, sdyl, sdyh, sdyp, sob, sol, sog, son, scrb, scrl, scrg, scrn, ssb, ssl,
                 P: tl.constexpr, N: tl.constexpr, T: tl.constexpr, BPF: tl.constexpr, BS: tl.constexpr,
                 BN: tl.constexpr, IS_DC: tl.constexpr, HAS_SEQ: tl.constexpr, DY_F32: tl.constexpr,
                 PREC: tl.constexpr):
     """dB (IS_DC False; rows are source positions s, OTHER = C, SV = dS leaving the chunk) or
     dC (IS_DC True; rows are target positions t, OTHER = B, SV = S entering the chunk): the state term summed
     over the heads of the group in this program, then the intra-chunk term dCB @ B (dC) or dCB^T @ C (dB)
-    from _dcb_kernel (no atomics)."""
+    from _dcb_kernel (no atomics). The dC pass also stores DCSR[b, h, c, t, N block] = exp(cs_t) m_t
+    sum over the block's n of (dy_t S^T)_n C_tn: the state read-out part of dy_t . y_t (the cs_t gradient)."""
     bc = tl.program_id(1)
     b = (bc // NC).to(tl.int64)
     c = bc % NC
@@ -253,6 +265,9 @@ def _dbc_kernel(X, DY, OTHER, DCB, DTP, CS, SEQ, SV, OUT, L, H, G, NC,
         sid_in = _seq_at(SEQ, b, c * T - 1, L, ssb, ssl)
         seq_last = _seq_at(SEQ, b, tl.minimum(c * T + T, L) - 1, L, ssb, ssl)
     acc = tl.full([BS, BN], 0.0, tl.float32)
+    if IS_DC:
+        crv = tl.load(CR + b * scrb + pr[:, None] * scrl + g * scrg + n[None, :] * scrn,
+                      mask=mr[:, None] & mn[None, :], other=0.0).to(tl.float32)
     rep = H // G
     for hi in range(rep):
         h = g * rep + hi
@@ -281,7 +296,10 @@ def _dbc_kernel(X, DY, OTHER, DCB, DTP, CS, SEQ, SV, OUT, L, H, G, NC,
             ok_r = mr
             if HAS_SEQ:
                 ok_r = ok_r & (seq_r == seq_last)
-        acc += st * tl.where(ok_r, sc, 0.0)[:, None]
+        scm = tl.where(ok_r, sc, 0.0)
+        acc += st * scm[:, None]
+        if IS_DC:
+            tl.store(DCSR + (dbase + r) * nnb + nb, tsum(st * crv, axis=1) * scm)
     # intra-chunk term, once per group: dC_t = sum_s dCB[t, s] B_s; dB_s = sum_t dCB[t, s] C_t
     dcb_base = ((b * NC + c) * G + g) * T * T
     if IS_DC:
@@ -319,9 +337,10 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     dev = x.device
     T, nc, dtp, cs, cb = _prep(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit, seq_idx, chunk_size)
     states, final = _states(x, B, dtp, cs, seq_idx, initial_states, T, nc)
-    dy, dz, dcs, dD = _scan(x, z, C, D, cb, dtp, cs, seq_idx, states, T, nc, dout=dout)
-    if dD is not None:
-        dD = dD.to(D_in.dtype)
+    if z is not None:  # the gate needs the forward output: recompute it, fused with dy = dout * silu(z) and dz
+        dy, dz = _scan(x, z, C, D, cb, dtp, cs, seq_idx, states, T, nc, dout=dout)
+    else:  # without a gate the output is never recomputed (the cs_t gradient comes from _dcb / _dbc)
+        dy, dz = dout, None
     dy_f32 = dy.dtype == torch.float32
 
     seq, ssb, ssl = _seq_args(seq_idx, x)
@@ -338,40 +357,53 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     _dstates_kernel[(bsz, nheads, nblk)](
         dy, C, cs, seq, states, final, dfinal if dfinal is not None else final, dsn, dcsl,
         dinit if dinit is not None else dsn, seqlen, nheads, ngroups, nc, *dy.stride(), *C.stride(), ssb, ssl,
-        P=hdim, N=dstate, T=T, BP=BP, BN=BN, BT=min(64, T), HAS_DFIN=dfinal is not None,
+        P=hdim, N=dstate, T=T, BP=BP, BN=BN, BT=_tile("dstates_bt", T), HAS_DFIN=dfinal is not None,
         HAS_SEQ=seq_idx is not None, WANT_DINIT=dinit is not None, PREC=prec,
     )
-    # dx and the direct dt gradient
-    BS = min(64, T)
+    # dx, the direct dt gradient, dD
+    BS = _tile("dx_bs", T)
     BPF = _pow2_block(hdim, 256)
     dx = torch.empty(bsz, seqlen, nheads, hdim, dtype=x.dtype, device=dev)
     ddt_direct = torch.empty(bsz, nheads, nc, T, dtype=torch.float32, device=dev)
+    ddp = torch.empty(bsz * nc * (T // BS), nheads, hdim, dtype=torch.float32, device=dev) if D is not None else None
     _dx_kernel[(nheads * (T // BS), bsz * nc)](
-        x, dy, B, cb, dtp, cs, seq, dsn, D if D is not None else x, dx, ddt_direct, seqlen, nheads, ngroups, nc,
-        *x.stride(), *dy.stride(), *B.stride(), ssb, ssl,
-        P=hdim, N=dstate, T=T, BPF=BPF, BS=BS, BK=_pow2_block(dstate, 64), HAS_SEQ=seq_idx is not None,
+        x, dy, B, cb, dtp, cs, seq, dsn, D if D is not None else x, dx, ddt_direct, ddp if ddp is not None else dx,
+        seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(), *B.stride(), ssb, ssl,
+        P=hdim, N=dstate, T=T, BPF=BPF, BS=BS, BK=_tile("dx_bk", dstate), HAS_SEQ=seq_idx is not None,
         HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2, DY_F32=dy_f32, PREC=prec,
     )
-    # dB, dC
+    dD = None
+    if D is not None:
+        dD = ddp.sum(0)
+        dD = (dD.sum(-1) if D.dim() == 1 else dD).to(D_in.dtype)
+    # dB, dC and the cs_t gradient (dy_t . y_t: intra-chunk part from _dcb, state read-out part from the dC pass)
     dB = torch.empty(bsz, seqlen, ngroups, dstate, dtype=B.dtype, device=dev)
     dC = torch.empty(bsz, seqlen, ngroups, dstate, dtype=C.dtype, device=dev)
-    dcb = torch.empty(bsz, nc, ngroups, T, T, dtype=torch.float32, device=dev)
-    _dcb_kernel[(ngroups * (T // BS) ** 2, bsz * nc)](
-        x, dy, dtp, cs, seq, dcb, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(), ssb, ssl,
-        P=hdim, T=T, BPF=BPF, BS=BS, HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=prec,
+    BSC, BSR = _tile("dcb_bs", T), _tile("dbc_bs", T)
+    nsb = T // BSC
+    # _dcb writes the blocks on and below the diagonal; _dbc reads whole blocks of its own size along the
+    # diagonal, so with larger blocks than _dcb's it would read blocks _dcb never wrote: zero them first
+    dcb = (torch.zeros if BSR > BSC else torch.empty)(bsz, nc, ngroups, T, T, dtype=torch.float32, device=dev)
+    dcsi = torch.zeros(bsz, nheads, nc, nsb, T, dtype=torch.float32, device=dev)  # blocks s > t stay 0
+    _dcb_kernel[(ngroups * nsb ** 2, bsz * nc)](
+        x, dy, cb, dtp, cs, seq, dcb, dcsi, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(), ssb, ssl,
+        P=hdim, T=T, BPF=BPF, BS=BSC, HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=prec,
     )
-    BNc = _pow2_block(dstate, 128)
-    grid = (ngroups * (T // BS) * triton.cdiv(dstate, BNc), bsz * nc)
+    BNc = _tile("dbc_bn", dstate)
+    nnb = triton.cdiv(dstate, BNc)
+    dcsr = torch.empty(bsz, nheads, nc, T, nnb, dtype=torch.float32, device=dev)
+    grid = (ngroups * (T // BSR) * nnb, bsz * nc)
     _dbc_kernel[grid](
-        x, dy, C, dcb, dtp, cs, seq, dsn, dB, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(),
-        *C.stride(), ssb, ssl, P=hdim, N=dstate, T=T, BPF=BPF, BS=BS, BN=BNc, IS_DC=False,
+        x, dy, C, C, dcb, dtp, cs, seq, dsn, dB, dcsr, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(),
+        *C.stride(), *C.stride(), ssb, ssl, P=hdim, N=dstate, T=T, BPF=BPF, BS=BSR, BN=BNc, IS_DC=False,
         HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=prec,
     )
     _dbc_kernel[grid](
-        x, dy, B, dcb, dtp, cs, seq, states, dC, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(),
-        *B.stride(), ssb, ssl, P=hdim, N=dstate, T=T, BPF=BPF, BS=BS, BN=BNc, IS_DC=True,
+        x, dy, B, C, dcb, dtp, cs, seq, states, dC, dcsr, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(),
+        *B.stride(), *C.stride(), ssb, ssl, P=hdim, N=dstate, T=T, BPF=BPF, BS=BSR, BN=BNc, IS_DC=True,
         HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=prec,
     )
+    dcs = dcsi.sum(-2) + dcsr.sum(-1)
     # cs gradients -> a = dt * A gradients -> dt, A
     dcs = dcs - dtp * ddt_direct
     dcs[..., T - 1] += dcsl.sum(-1)
