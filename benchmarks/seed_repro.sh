@@ -8,9 +8,10 @@
 #               under CUDA graphs, and the attention control `**` (eager, INDUCTION_ATTN_STEPS)
 #   selcopy     Mamba paper selective copying: S6 against its LTI ablation (CUDA graphs)
 #   mqar        MQAR (Zoology settings, T = 256, 16 pairs, d_model 64): Mamba-2 vs Longhorn at state 4 and 16,
-#               8,000 steps, seeds $SEEDS (CUDA graphs); B'MOJO 6,000 steps (eager: its memory update reads
-#               values on the host)
+#               8,000 steps, seeds $SEEDS (CUDA graphs); B'MOJO 6,000 steps
 #   bmojo-lr    B'MOJO on the same MQAR at learning rates 1e-3 and 3e-4 (state 16, seed 0)
+#   bmojo       B'MOJO on the same MQAR at its best learning rate (1e-3), state 4 and 16, seeds $SEEDS, under
+#               CUDA graphs (its forward is graph-safe without document resets), until LIMIT
 # LIMIT (s) is each run's training time limit (the runner stops, evaluates and records steps_done).
 set -u
 OUT=${OUT:-/tmp/seed_repro}
@@ -49,16 +50,24 @@ for group in "$@"; do
               model.mamba.d_state=$n
           run mqar-L-N$n-s$seed --config configs/synthetic/mqar_small.yaml --steps 8000 --seed "$seed" --cuda-graph \
               model.pattern=LL model.longhorn.d_state=$n
-          run mqar-B-N$n-s$seed --config configs/synthetic/mqar_small.yaml --steps 6000 --seed "$seed" \
+          run mqar-B-N$n-s$seed --config configs/synthetic/mqar_small.yaml --steps 6000 --seed "$seed" --cuda-graph \
               model.pattern=BB model.mamba.d_state=$n model.bmojo.window=32 model.bmojo.n_eidetic=8 model.attn.n_heads=2
         done
       done ;;
     bmojo-lr)
       for lr in 1e-3 3e-4; do
-        run mqar-B-N16-s0-lr$lr --config configs/synthetic/mqar_small.yaml --steps 6000 --seed 0 --lr "$lr" \
+        run mqar-B-N16-s0-lr$lr --config configs/synthetic/mqar_small.yaml --steps 6000 --seed 0 --lr "$lr" --cuda-graph \
             model.pattern=BB model.mamba.d_state=16 model.bmojo.window=32 model.bmojo.n_eidetic=8 model.attn.n_heads=2
       done ;;
-    *) echo "seed_repro.sh: unknown group '$group' (induction, selcopy, mqar, bmojo-lr)" >&2; exit 2 ;;
+    bmojo)
+      for n in 4 16; do
+        for seed in $SEEDS; do
+          run mqar-B-N$n-s$seed-lr1e-3 --config configs/synthetic/mqar_small.yaml --steps 100000 --seed "$seed" \
+              --lr 1e-3 --cuda-graph model.pattern=BB model.mamba.d_state=$n model.bmojo.window=32 \
+              model.bmojo.n_eidetic=8 model.attn.n_heads=2
+        done
+      done ;;
+    *) echo "seed_repro.sh: unknown group '$group' (induction, selcopy, mqar, bmojo-lr, bmojo)" >&2; exit 2 ;;
   esac
 done
 wait

@@ -135,13 +135,14 @@ def test_runner_cuda_graph_refusals(tmp_path, capsys):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pattern", ["MM", "SL"])
+@pytest.mark.parametrize("pattern", ["MM", "SL", "BB"])
 def test_runner_cuda_graph_trains_like_the_eager_loop(tmp_path, pattern):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("train: {log_every: 5}\n")
     args = ["--config", str(cfg), "--task", "induction_heads", "--steps", "40", "--batch", "4", "--train-len", "48", "--eval-lens", "48,96",
             "--lr", "3e-3", f"model.pattern={pattern}", "model.d_model=32", "model.mamba.headdim=8",
-            "model.mamba.d_state=8", "model.mamba.chunk_size=16", "model.mamba1.d_state=8", "model.longhorn.d_state=8"]
+            "model.mamba.d_state=8", "model.mamba.chunk_size=16", "model.mamba1.d_state=8", "model.longhorn.d_state=8",
+            "model.bmojo.window=16", "model.bmojo.n_eidetic=4", "model.attn.n_heads=2"]
     curves = []
     for name, extra in (("eager", []), ("graph", ["--cuda-graph"])):
         assert R.main(args + extra + ["--out", str(tmp_path / name)]) == 0

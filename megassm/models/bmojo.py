@@ -182,7 +182,13 @@ class BMojoMixer(nn.Module):
         new = torch.ones(bsz, L, dtype=torch.bool, device=dev)
         new[:, 1:] = (sid[:, 1:] != sid[:, :-1]) | (chunk[:, 1:] != chunk[:, :-1])
         grp = new.long().cumsum(1) - 1  # [B, L]
-        G = int(grp[:, -1].max()) + 1
+        if seq_idx is None:
+            # no resets: a row spans at most ceil(L / W) + 1 chunks (its first one may continue the carried
+            # state's). A static count (groups past a row's last are empty and masked) keeps the forward free
+            # of host reads, so it can be captured in a CUDA graph.
+            G = -(-L // W) + 1
+        else:
+            G = int(grp[:, -1].max()) + 1  # documents make the count data-dependent: read it on the host
         s_g = torch.full((bsz, G), L, dtype=torch.long, device=dev).scatter_reduce(
             1, grp, t_idx.expand(bsz, L), reduce="amin")  # first token of each group (L: padding group)
         g_ok = s_g < L
@@ -222,12 +228,11 @@ class BMojoMixer(nn.Module):
             mk = torch.cat([t.to(k.dtype) for t in mem_k], dim=3)  # [B, Hkv, G, m, hd]
             mv = torch.cat([t.to(v.dtype) for t in mem_v], dim=3)
             mok = torch.cat(mem_ok, dim=2) & g_ok[..., None]  # [B, G, m]
-            c0 = cont[:, 0]  # the first group may continue the carried chunk
-            if bool(c0.any()):
-                sel = c0.view(bsz, 1, 1, 1)
-                mk = torch.cat([torch.where(sel, state.mem_k.to(mk.dtype), mk[:, :, 0]).unsqueeze(2), mk[:, :, 1:]], 2)
-                mv = torch.cat([torch.where(sel, state.mem_v.to(mv.dtype), mv[:, :, 0]).unsqueeze(2), mv[:, :, 1:]], 2)
-                mok = torch.cat([torch.where(c0[:, None], state.mem_valid, mok[:, 0]).unsqueeze(1), mok[:, 1:]], 1)
+            c0 = cont[:, 0]  # the first group may continue the carried chunk (no host test: graph-safe)
+            sel = c0.view(bsz, 1, 1, 1)
+            mk = torch.cat([torch.where(sel, state.mem_k.to(mk.dtype), mk[:, :, 0]).unsqueeze(2), mk[:, :, 1:]], 2)
+            mv = torch.cat([torch.where(sel, state.mem_v.to(mv.dtype), mv[:, :, 0]).unsqueeze(2), mv[:, :, 1:]], 2)
+            mok = torch.cat([torch.where(c0[:, None], state.mem_valid, mok[:, 0]).unsqueeze(1), mok[:, 1:]], 1)
 
         # banded attention: query block i (rows iQ .. iQ+Q-1) sees raw keys at combined index iQ .. iQ+Q+W-1
         # (combined index r = token r - W; the first W are the carried window) and all memory slots (masked)

@@ -120,17 +120,18 @@ def _check_cuda_graph(model_cfg: dict) -> None:
     """train.cuda_graph: only models whose forward and backward never read values on the host can be captured
     (the same set as the trainer's, megassm/training/cuda_graph.py)."""
     from megassm.config import ModelConfig, blocks_of
-    from megassm.training.cuda_graph import GRAPH_SAFE_LETTERS
+    from megassm.training.cuda_graph import GRAPH_SAFE_LETTERS, GRAPH_SAFE_WITHOUT_RESETS
 
     if "core" in model_cfg:
         raise ValueError("train.cuda_graph: the COFFEE core (model.core) runs its solver with host-side tests; "
                          "run it without --cuda-graph")
     pattern = str(model_cfg.get("pattern", ModelConfig().pattern))
-    bad = sorted(set(blocks_of(pattern)) - set(GRAPH_SAFE_LETTERS))
+    safe = {**GRAPH_SAFE_LETTERS, **GRAPH_SAFE_WITHOUT_RESETS}  # synthetic batches have no document resets
+    bad = sorted(set(blocks_of(pattern)) - set(safe))
     if bad:
         raise ValueError(f"train.cuda_graph: model.pattern='{pattern}' has block(s) {', '.join(map(repr, bad))}, "
                          "whose forward reads values on the host; graph-safe blocks: "
-                         + ", ".join(f"{k} {v}" for k, v in GRAPH_SAFE_LETTERS.items()))
+                         + ", ".join(f"{k} {v}" for k, v in safe.items()))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -22,8 +22,8 @@ The warm-up forward/backward passes before the capture run the kernels' autotuni
 configs) on a side stream, as torch's CUDA-graph notes ask; their gradients are discarded.
 
 What cannot be captured is refused by the config check (trainer.check_supported): host syncs inside the
-forward (attention picks its causal kernel per batch, B'MOJO's memory update and COFFEE's DEER solver test
-values on the host), collectives (TP / CP / PP, and DDP's backward hooks: data parallelism instead averages
+forward (attention picks its causal kernel per batch, COFFEE's DEER solver tests values on the host, and
+B'MOJO counts its memory groups on the host when a batch has document resets), collectives (TP / CP / PP, and DDP's backward hooks: data parallelism instead averages
 the accumulated gradients after the replays with one flat all-reduce), BPTT's carried state and activation
 checkpointing (untested under capture).
 """
@@ -36,10 +36,14 @@ import torch
 
 log = logging.getLogger("megassm.training.cuda_graph")
 
-__all__ = ["GraphedMicroBatch", "GRAPH_SAFE_LETTERS"]
+__all__ = ["GraphedMicroBatch", "GRAPH_SAFE_LETTERS", "GRAPH_SAFE_WITHOUT_RESETS"]
 
 # pattern letters whose forward and backward run no host sync and no collective (at tp = cp = 1)
 GRAPH_SAFE_LETTERS = {"M": "Mamba-2", "-": "gated MLP", "S": "Mamba-1", "L": "Longhorn"}
+# and these only when batches carry no document resets (seq_idx None), as the synthetic runner's do: B'MOJO's
+# number of memory groups is static without resets and read on the host with them (the trainer's packed
+# batches always have them)
+GRAPH_SAFE_WITHOUT_RESETS = {"B": "B'MOJO (without document resets)"}
 
 
 class GraphedMicroBatch:

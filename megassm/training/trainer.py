@@ -90,8 +90,8 @@ def _check_cuda_graph(cfg: Config) -> None:
         bad = sorted(set(blocks_of(cfg.model.pattern)) - set(GRAPH_SAFE_LETTERS))
         if bad:
             why = (f"model.pattern='{cfg.model.pattern}' has block(s) {', '.join(repr(c) for c in bad)}: their forward "
-                   "reads values on the host (attention picks its causal kernel per batch, B'MOJO and COFFEE test "
-                   "values); graph-safe blocks: " + ", ".join(f"{k} {v}" for k, v in GRAPH_SAFE_LETTERS.items()))
+                   "reads values on the host (attention picks its causal kernel per batch, COFFEE tests values, "
+                   "B'MOJO counts memory groups per batch of packed documents); graph-safe blocks: " + ", ".join(f"{k} {v}" for k, v in GRAPH_SAFE_LETTERS.items()))
     if why is not None:
         raise ConfigError(f"train.cuda_graph=true: {why}")
 
