@@ -103,11 +103,16 @@ def kernel_rows(shapes, tiles=None):
 
 
 def tile_sweep(shape):
+    """Forward tiles (BD, T, num_warps) with the default backward, then backward tiles (BD, T, num_warps,
+    channel blocks per program; None = auto) with the default forward: the passes are timed separately."""
     B, L, D, N = shape
-    for fwd in ((16, 16, 4), (8, 16, 4), (16, 8, 4), (32, 8, 4), (8, 32, 4), (16, 16, 8), (32, 16, 8)):
-        for bwd in ((8, 16, 8, None), (8, 16, 4, None), (4, 16, 4, None), (16, 8, 8, None), (8, 8, 4, None),
-                    (16, 16, 8, None)):  # (BD, T, num_warps, channel blocks per program: None = auto)
-            kernel_rows([shape], tiles=(fwd, bwd))
+    for fwd in ((16, 16, 4), (8, 16, 4), (16, 8, 4), (32, 8, 4), (8, 32, 4), (16, 16, 8), (32, 16, 8), (4, 32, 4),
+                (16, 32, 8)):
+        kernel_rows([shape], tiles=(fwd, None))
+    for bwd in ((8, 16, 8, None), (8, 16, 4, None), (4, 16, 4, None), (16, 8, 8, None), (8, 8, 4, None),
+                (16, 16, 8, None), (8, 16, 8, 1), (8, 16, 8, 2), (4, 16, 4, 1), (4, 32, 4, None), (2, 32, 4, None),
+                (16, 8, 4, 1), (4, 8, 4, 1)):
+        kernel_rows([shape], tiles=(None, bwd))
 
 
 def layer_rows(d_model=2048, B=4, L=2048):

@@ -391,6 +391,11 @@ GPU_GRID = [
     (2, 2048, 2048, 16, 1, "longhorn", True, True),
     (1, 4097, 1536, 16, 1, "longhorn", False, True),
     (1, 16384, 512, 16, 1, "longhorn", True, True),
+    # one chunk (the backward's scratch states are stored and read back at once: a missing barrier read stale
+    # memory here), and 8 channel blocks per backward program (partials accumulated across blocks)
+    (2, 2, 1536, 16, 1, "longhorn", True, False),
+    (2, 31, 1536, 16, 1, "exp", True, True),
+    (8, 40, 4096, 16, 1, "exp", True, False),
 ]
 
 

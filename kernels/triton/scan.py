@@ -146,6 +146,8 @@ def _scan_bwd_kernel(X, DT, A, Bp, Cp, Dp, Z, DTB, INIT, SEQ, DY, DFIN, CK,
     ck_base = (b * n_prog + pid) * nchunks
     part_base = (b * n_prog + pid) * L
     for jj in range(n_sub):
+        if ACCUM:
+            tl.debug_barrier()  # the previous channel block's B/C partial stores, before this block adds to them
         dl = (pj * n_sub + jj) * BD + tl.arange(0, BD)
         md = dl < cg
         d = g * cg + dl
@@ -168,6 +170,9 @@ def _scan_bwd_kernel(X, DT, A, Bp, Cp, Dp, Z, DTB, INIT, SEQ, DY, DFIN, CK,
                                                 DECAY, SOFTPLUS, HAS_BIAS, HAS_SEQ)
             hs = _scan_chunk(a, u, h, tt, T)
             h = tsum(tl.where(last, hs, 0.0), 2)
+        # phase 2 reads the scratch states with another thread layout than phase 1 stored them in: without a
+        # barrier a short sequence (one chunk: the load follows the store at once) read stale memory on an H100
+        tl.debug_barrier()
         # phase 2: chunks in reverse
         if HAS_DFIN:
             carry = tl.load(DFIN + st, mask=mdn, other=0.0).to(tl.float32)
@@ -293,12 +298,14 @@ def _scan_step_kernel(STATE, X, DT, A, Bp, Cp, Dp, Z, DTB, Y, NEW, Dm, cg,
 
 
 def _tiles(N: int, bwd: bool):
-    """(BD, T, num_warps): about 4096 (forward) / 2048 (backward: more live tiles) elements per [BD, BN, T]
-    tile. Untuned: benchmarks/seed_scan.py sweeps them on the device."""
+    """(BD, T, num_warps): about 2048 elements per [BD, BN, T] tile, 32 tokens per chunk, 4 warps, for both
+    passes. From `benchmarks/seed_scan.py --only tiles` on an H100 (B 8, L 2048, D 4096, N 16; docs/benchmarks.md):
+    the backward at 8 warps (the earlier choice) took 2.1x as long, its reductions across the channel axis
+    crossing more warps; 4 channels x 32 tokens beat 8 x 16 in both passes."""
     BN = triton.next_power_of_2(max(N, 1))
-    T = 16
-    BD = max(2, min(64, (2048 if bwd else 4096) // (BN * T)))
-    return BD, T, (8 if bwd else 4)
+    T = 32
+    BD = max(2, min(64, 2048 // (BN * T)))
+    return BD, T, 4
 
 
 def _groups_view(t: torch.Tensor) -> torch.Tensor:
