@@ -2,16 +2,13 @@
 gloo train the same tiny hybrid (Mamba-2 + sliding-window attention, whose KV cache is carried) as one
 process, step for step; their checkpoints hold the canonical carried states, so a run resumes in another
 layout. (CP with BPTT: tests/test_parallel_cp.py.)"""
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from megassm.config import ConfigError, load_config
-from megassm.parallel.testing import free_port
+from megassm.parallel.testing import losses, run_train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,21 +22,10 @@ TINY = [
 
 
 def _run(run_dir, nproc=1, extra=(), resume=None, kernels=None) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    if kernels:
-        env["MEGASSM_KERNELS"] = kernels
     args = ["--config", "configs/tiny.yaml", *TINY, f"run.dir={run_dir}", *extra]
     if resume:
         args += ["--resume", str(resume)]
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "megassm.train", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port()), "-m", "megassm.train", *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr[-4000:]
-    lines = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    return {d["step"]: d["loss"] for d in lines if "loss" in d}
+    return losses(run_train(ROOT, args, nproc, env={"MEGASSM_KERNELS": kernels} if kernels else None, timeout=300))
 
 
 def _close(a, b, rel=2e-5):

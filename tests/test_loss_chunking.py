@@ -1,17 +1,14 @@
 """train.loss_chunk_tokens: the LM head + cross-entropy over checkpointed chunks of the sequence equals the
 whole-sequence loss (value and every gradient; fp32 and bf16 autocast; chunks that do not divide the
 length; ignored labels), and trains identically under TP + SP and PP over gloo."""
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from megassm.config import ConfigError, load_config
 from megassm.models import build_model
-from megassm.parallel.testing import free_port, make_batch, tiny_model_config
+from megassm.parallel.testing import losses, make_batch, run_train, tiny_model_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -75,14 +72,7 @@ TINY = [
 
 
 def _run(run_dir, nproc, extra=()):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    args = ["--config", "configs/tiny.yaml", *TINY, f"run.dir={run_dir}", *extra]
-    cmd = [sys.executable, "-m", "megassm.train", *args] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-        str(free_port()), "-m", "megassm.train", *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=400)
-    assert r.returncode == 0, r.stderr[-5000:]
-    return {d["step"]: d["loss"] for d in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "loss" in d}
+    return losses(run_train(ROOT, ["--config", "configs/tiny.yaml", *TINY, f"run.dir={run_dir}", *extra], nproc))
 
 
 @pytest.fixture(scope="module")

@@ -4,14 +4,12 @@ resumes exactly in any engine (and back in a single process), BPTT under DDP and
 is derived from ours, and bad layouts are refused before any model is built."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from megassm.config import ConfigError, load_config
-from megassm.parallel.testing import free_port
+from megassm.parallel.testing import losses, run_train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [
@@ -46,19 +44,10 @@ def _needs(name: str):
 
 
 def _run(run_dir, nproc=1, extra=(), resume=None):
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     args = ["--config", "configs/tiny.yaml", *TINY, f"run.dir={run_dir}", *extra]
     if resume:
         args += ["--resume", str(resume)]
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "megassm.train", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port()), "-m", "megassm.train", *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=400)
-    assert r.returncode == 0, r.stderr[-5000:]
-    lines = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    return {d["step"]: d["loss"] for d in lines if "loss" in d}
+    return losses(run_train(ROOT, args, nproc, env={"DS_ACCELERATOR": "cpu"}))
 
 
 def _ckpt(run_dir, step):

@@ -9,8 +9,6 @@ import itertools
 import json
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,7 +17,7 @@ from megassm.config import ConfigError, load_config
 from megassm.models import build_model
 from megassm.parallel.pp import balance_stages, init_stage_weights, split_model, stage_layout
 from megassm.parallel.pp_testing import pp_equivalence_worker
-from megassm.parallel.testing import free_port, spawn, tiny_model_config
+from megassm.parallel.testing import losses, run_train, spawn, tiny_model_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -196,20 +194,11 @@ TINY = [
 
 
 def _run(run_dir, nproc=1, extra=(), resume=None):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     args = ["--config", "configs/tiny.yaml", *TINY, f"run.dir={run_dir}", *extra]
     if resume:
         args += ["--resume", str(resume)]
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "megassm.train", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port()), "-m", "megassm.train", *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr[-4000:]
-    lines = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    train = {d["step"]: d["loss"] for d in lines if "loss" in d}
-    return train, {d["step"]: d["loss_val"] for d in lines if "loss_val" in d}
+    records = run_train(ROOT, args, nproc, timeout=300)
+    return losses(records), losses(records, "loss_val")
 
 
 @pytest.fixture(scope="module")

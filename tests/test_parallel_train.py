@@ -1,14 +1,11 @@
 """`torchrun -m megassm.train ... parallel.tp=N` on CPU (gloo): losses equal the single-process run, and
 checkpoints are canonical: saved at TP=2, resumed at TP=1 and at TP=4 (+SP) with the same next-step loss."""
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from megassm.parallel.testing import free_port
+from megassm.parallel.testing import losses, run_train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [
@@ -21,19 +18,10 @@ TINY = [
 
 
 def _run(run_dir, nproc=1, extra=(), resume=None):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     args = ["--config", "configs/tiny.yaml", *TINY, f"run.dir={run_dir}", *extra]
     if resume:
         args += ["--resume", str(resume)]
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "megassm.train", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port()), "-m", "megassm.train", *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr[-4000:]
-    lines = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    return {d["step"]: d["loss"] for d in lines if "loss" in d}
+    return losses(run_train(ROOT, args, nproc, timeout=300))
 
 
 @pytest.fixture(scope="module")

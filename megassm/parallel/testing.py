@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import sys
 import traceback
 import warnings
@@ -20,6 +21,29 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_train(cwd: str, args: list[str], nproc: int = 1, env: dict | None = None, timeout: int = 400) -> list[dict]:
+    """Run `megassm.train` with `args` as one process (nproc 1) or under torchrun (nproc ranks on this host),
+    one thread per process, in `cwd`; assert it succeeded (its stderr's tail as the message) and return the
+    run's metrics.jsonl records. `args` must set run.dir."""
+    run_dir = next((a.split("=", 1)[1] for a in args if a.startswith("run.dir=")), None)
+    assert run_dir is not None, "run_train: args must set run.dir"
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "megassm.train", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_port", str(free_port()), "-m", "megassm.train", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=full_env, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-5000:]
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def losses(records: list[dict], key: str = "loss") -> dict[int, float]:
+    """{step: value} of the metrics records that carry `key` (loss, loss_val, ...)."""
+    return {d["step"]: d[key] for d in records if key in d}
 
 
 def _entry(rank, world, port, backend, fn, args):
