@@ -312,8 +312,9 @@ def test_ssd_triton_fp32_vs_sequential_oracle(triton_mode, case):
     # blocks smaller than the chunk everywhere; _dbc's blocks larger than _dcb's; two N blocks in _dbc
     dict(cb_bt=16, states_bs=16, scan_bt=32, scan_bs=16, scan_bk=16, dstates_bt=16, dx_bs=16, dx_bk=16,
          dcb_bs=16, dbc_bs=32, dbc_bn=16),
-    # source blocks larger than target blocks in _scan; _dbc's blocks smaller than _dcb's
-    dict(scan_bt=16, scan_bs=32, dx_bs=32, dcb_bs=32, dbc_bs=16),
+    # source blocks larger than target blocks in _scan; _dbc's blocks smaller than _dcb's; blocks larger than
+    # _cb_kernel's (CB's upper blocks are never written)
+    dict(cb_bt=16, scan_bt=16, scan_bs=32, dx_bs=32, dcb_bs=32, dbc_bs=16),
 ], ids=["small", "mixed"])
 def test_ssd_triton_tile_variants(triton_mode, monkeypatch, tiles):
     from megassm.kernels.triton import ssd as tssd

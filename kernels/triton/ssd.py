@@ -17,12 +17,16 @@ _states_kernel (chunk end states and the passing across chunks fused: one progra
 (b, h, P-block, N-block) in order, so the chunk states never round-trip through memory),
 _scan_kernel (outputs: state read-out + masked intra-chunk quadratic form, D skip and z gate fused).
 
-Backward (recomputes dt/cs, CB, the entering states and the SSM output, then):
+Backward (recomputes dt/cs, CB and the entering states; the SSM output only with the gate z, in _scan_kernel's
+BWD mode, which writes dy = dout * silu(z) and dz; then):
   _dstates_kernel: reverse pass over chunks, dS_{c+1} (gradient of the state leaving chunk c) for every
       chunk, d initial_states, and <dS_{c+1}, S_{c+1}> (the gradient of cs_last through every term scaled by it);
-  _dx_kernel (per head, block of s): dx, the direct dt gradient x_s . Q_s and the cs_s gradient;
-  _dbc_kernel (per group, block of positions, block of N; loops over the group's heads): dB and dC;
-  torch: the cs gradients -> reverse cumsum -> ddt, dA, then softplus/clamp/bias; dD, dz.
+  _dx_kernel (per head, block of s): dx, the direct dt gradient x_s . Q_s (the cs_s gradient) and dD partials;
+  _dcb_kernel (per group): the gradient of C_t . B_s summed over the group's heads, and per head the
+      intra-chunk part of dy_t . y_t (the cs_t gradient);
+  _dbc_kernel (per group, block of positions, block of N; loops over the group's heads): dB and dC, and in
+      the dC pass the state read-out part of dy_t . y_t;
+  torch: the cs gradients -> reverse cumsum -> ddt, dA, then softplus/clamp/bias; sums of the partials.
 No atomics anywhere: every reduction is a loop inside one program or a torch sum over partials, so results
 are deterministic run to run.
 """

@@ -1,10 +1,11 @@
 """Triton SSD backward: the reverse pass of ssd.py (see its docstring for the math and the kernel map).
 
-Recomputes dt/cs, CB, the entering states and the SSM output with the forward's kernels, then:
-_dstates_kernel (reverse pass over chunks: dS per chunk, d initial_states, the cs_last gradient terms),
-_dx_kernel (dx, the direct dt gradient and the cs gradient), _dcb_kernel (the gradient of each chunk's C.B,
-summed over a group's heads once) and _dbc_kernel (dB and dC: state terms + dCB products); the cs gradients
-become ddt/dA in torch. No atomics: deterministic run to run.
+Recomputes dt/cs, CB and the entering states with the forward's kernels (the SSM output only with the gate
+z), then: _dstates_kernel (reverse pass over chunks: dS per chunk, d initial_states, the cs_last gradient
+terms), _dx_kernel (dx, the direct dt gradient = the cs_s gradient, dD partials), _dcb_kernel (the gradient of
+each chunk's C.B, summed over a group's heads once, and the intra-chunk cs_t partials) and _dbc_kernel (dB and
+dC: state terms + dCB products; the read-out cs_t partials); the cs gradients become ddt/dA in torch.
+No atomics: deterministic run to run.
 """
 from __future__ import annotations
 
@@ -228,7 +229,9 @@ def _dcb_kernel(X, DY, CB, DTP, CS, SEQ, DCB, DCSI, L, H, G, NC,
             w = tl.exp(tl.where(ok, cs_t[:, None] - cs_s[None, :], 0.0)) * dt_s[None, :]
             wp = tl.where(ok, w * prod, 0.0)
             acc += wp
-            tl.store(DCSI + ((b * H + h) * NC + c) * T * nrb + sb * T + t, tsum(wp * cbv, axis=1))
+            # where, not a product with the mask: with blocks larger than _cb_kernel's, CB's upper blocks are
+            # unwritten memory (possibly inf / NaN)
+            tl.store(DCSI + ((b * H + h) * NC + c) * T * nrb + sb * T + t, tsum(tl.where(ok, wp * cbv, 0.0), axis=1))
         tl.store(DCB + ((b * NC + c) * G + g) * T * T + t[:, None] * T + s[None, :], acc)
 
 

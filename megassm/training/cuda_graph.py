@@ -23,9 +23,9 @@ configs) on a side stream, as torch's CUDA-graph notes ask; their gradients are 
 
 What cannot be captured is refused by the config check (trainer.check_supported): host syncs inside the
 forward (attention picks its causal kernel per batch, COFFEE's DEER solver tests values on the host, and
-B'MOJO counts its memory groups on the host when a batch has document resets), collectives (TP / CP / PP, and DDP's backward hooks: data parallelism instead averages
-the accumulated gradients after the replays with one flat all-reduce), BPTT's carried state and activation
-checkpointing (untested under capture).
+B'MOJO counts its memory groups on the host when a batch has document resets), collectives (TP / CP / PP,
+and DDP's backward hooks: data parallelism instead averages the accumulated gradients after the replays with
+one flat all-reduce), BPTT's carried state and activation checkpointing (untested under capture).
 """
 from __future__ import annotations
 

@@ -46,8 +46,6 @@ def check_supported(cfg: Config) -> None:
                           "parallelism is not built; set one of them to 1 (PP x TP x DP is)")
     if p.sp and p.tp == 1:
         raise ConfigError("parallel.sp=true needs parallel.tp > 1 (sequence parallelism shards over the TP group)")
-    if p.sp and cfg.train.seq_len % p.tp:
-        raise ConfigError(f"parallel.sp=true: train.seq_len={cfg.train.seq_len} must be divisible by parallel.tp={p.tp}")
     if world_size(cfg) != 1 and int(os.environ.get("WORLD_SIZE", "1")) != world_size(cfg):
         raise ConfigError(
             f"parallel.tp={p.tp} with world size {world_size(cfg)} but WORLD_SIZE={os.environ.get('WORLD_SIZE', '1')}: "
