@@ -8,10 +8,12 @@
 #               under CUDA graphs, and the attention control `**` (eager, INDUCTION_ATTN_STEPS)
 #   selcopy     Mamba paper selective copying: S6 against its LTI ablation (CUDA graphs)
 #   mqar        MQAR (Zoology settings, T = 256, 16 pairs, d_model 64): Mamba-2 vs Longhorn at state 4 and 16,
-#               8,000 steps, seeds $SEEDS (CUDA graphs); B'MOJO 6,000 steps
+#               8,000 steps, seeds $SEEDS (CUDA graphs); B'MOJO in the bmojo groups
 #   bmojo-lr    B'MOJO on the same MQAR at learning rates 1e-3 and 3e-4 (state 16, seed 0)
-#   bmojo       B'MOJO on the same MQAR at its best learning rate (1e-3), state 4 and 16, seeds $SEEDS, under
-#               CUDA graphs (its forward is graph-safe without document resets), until LIMIT
+#   bmojo       B'MOJO on the same MQAR with M's settings (lr 3e-3, 8,000 steps), state 4 and 16, seeds $SEEDS,
+#               under CUDA graphs (its forward is graph-safe without document resets)
+#   bmojo-f     the same without eidetic tokens (B'MOJO-F)
+#   bmojo-alg1  the same with the attention output only (model.bmojo.ssm_residual=false), lr 1e-3, until LIMIT
 # LIMIT (s) is each run's training time limit (the runner stops, evaluates and records steps_done).
 set -u
 OUT=${OUT:-/tmp/seed_repro}
@@ -50,8 +52,6 @@ for group in "$@"; do
               model.mamba.d_state=$n
           run mqar-L-N$n-s$seed --config configs/synthetic/mqar_small.yaml --steps 8000 --seed "$seed" --cuda-graph \
               model.pattern=LL model.longhorn.d_state=$n
-          run mqar-B-N$n-s$seed --config configs/synthetic/mqar_small.yaml --steps 6000 --seed "$seed" --cuda-graph \
-              model.pattern=BB model.mamba.d_state=$n model.bmojo.window=32 model.bmojo.n_eidetic=8 model.attn.n_heads=2
         done
       done ;;
     bmojo-lr)
@@ -59,15 +59,20 @@ for group in "$@"; do
         run mqar-B-N16-s0-lr$lr --config configs/synthetic/mqar_small.yaml --steps 6000 --seed 0 --lr "$lr" --cuda-graph \
             model.pattern=BB model.mamba.d_state=16 model.bmojo.window=32 model.bmojo.n_eidetic=8 model.attn.n_heads=2
       done ;;
-    bmojo)
+    bmojo|bmojo-f|bmojo-alg1)
+      # bmojo: B'MOJO as configured by default (the SSM output joins the layer output), the M/L settings;
+      # bmojo-f: its B'MOJO-F ablation (no eidetic tokens); bmojo-alg1: attention output only, lr 1e-3
+      extra=(); lr=3e-3; steps=8000
+      [ "$group" = bmojo-f ] && extra=(model.bmojo.n_eidetic=0)
+      [ "$group" = bmojo-alg1 ] && { extra=(model.bmojo.ssm_residual=false); lr=1e-3; steps=100000; }
       for n in 4 16; do
         for seed in $SEEDS; do
-          run mqar-B-N$n-s$seed-lr1e-3 --config configs/synthetic/mqar_small.yaml --steps 100000 --seed "$seed" \
-              --lr 1e-3 --cuda-graph model.pattern=BB model.mamba.d_state=$n model.bmojo.window=32 \
-              model.bmojo.n_eidetic=8 model.attn.n_heads=2
+          run mqar-$group-N$n-s$seed --config configs/synthetic/mqar_small.yaml --steps $steps --seed "$seed" \
+              --lr $lr --cuda-graph model.pattern=BB model.mamba.d_state=$n model.bmojo.window=32 \
+              model.bmojo.n_eidetic=8 model.attn.n_heads=2 "${extra[@]}"
         done
       done ;;
-    *) echo "seed_repro.sh: unknown group '$group' (induction, selcopy, mqar, bmojo-lr, bmojo)" >&2; exit 2 ;;
+    *) echo "seed_repro.sh: unknown group '$group' (induction, selcopy, mqar, bmojo-lr, bmojo, bmojo-f, bmojo-alg1)" >&2; exit 2 ;;
   esac
 done
 wait

@@ -101,6 +101,10 @@ class BMojoConfig:
     n_fading: int = 1  # m_f: SSM outputs just before each chunk, as memory tokens
     n_eidetic: int = 16  # m_e: running top-m_e most unpredictable tokens of the document, as memory tokens
     predictor_width: int = 4  # k: innovation = |y_t - mean(y_(t-1..t-k))|^2
+    # the SSM output y joins the layer output (out = y + attention): the Mamba layer and the memory attention
+    # side by side, as in the paper's stack of Mamba and SWA that B'MOJO-F extends; false: attention only
+    # (Alg. 1's out_t), where the SSM reaches the output only through the fading tokens
+    ssm_residual: bool = True
 
 
 @dataclass

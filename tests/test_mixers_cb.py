@@ -256,10 +256,11 @@ def test_ih0_toy_reproduces_figure_2():
 # ---------------------------------------------------------------------------------------------------------
 # B'MOJO
 # ---------------------------------------------------------------------------------------------------------
-def _bmojo_cfg(window=5, n_fading=2, n_eidetic=3, k=3, n_kv_heads=2):
+def _bmojo_cfg(window=5, n_fading=2, n_eidetic=3, k=3, n_kv_heads=2, ssm_residual=True):
     return ModelConfig(pattern="B", d_model=32, mamba=MambaConfig(d_state=8, headdim=8, chunk_size=8),
                        attn=AttentionConfig(n_heads=4, n_kv_heads=n_kv_heads),
-                       bmojo=BMojoConfig(window=window, n_fading=n_fading, n_eidetic=n_eidetic, predictor_width=k))
+                       bmojo=BMojoConfig(window=window, n_fading=n_fading, n_eidetic=n_eidetic, predictor_width=k,
+                                         ssm_residual=ssm_residual))
 
 
 def _bmojo(seed=0, **kw):
@@ -293,7 +294,7 @@ def _step_loop(m, u, sid, st=None):
 def _bmojo_naive(m, u, sid):
     """Per token, from the definition: SSM outputs, innovation scores, the chunk's memory (fading = the m_f
     outputs before the chunk start, eidetic = top-m_e earlier tokens of the document by (score, earlier)),
-    softmax attention over window + memory. No carried state."""
+    softmax attention over window + memory, plus y with ssm_residual. No carried state."""
     bsz, L, _ = u.shape
     W, mf, me, k = m.window, m.n_fading, m.n_eidetic, m.pred_k
     H, Hkv, hd = m.n_heads, m.n_kv_heads, m.head_dim
@@ -329,11 +330,12 @@ def _bmojo_naive(m, u, sid):
                 heads.append(att @ vv[:, g])
             rows.append(torch.cat(heads))
         out.append(torch.stack(rows))
-    return m.o_proj(torch.stack(out))
+    return m.o_proj(torch.stack(out)) + (y if m.ssm_residual else 0)
 
 
-def test_bmojo_forward_matches_naive_reference_and_gradients():
-    m = _bmojo()
+@pytest.mark.parametrize("ssm_residual", [True, False])
+def test_bmojo_forward_matches_naive_reference_and_gradients(ssm_residual):
+    m = _bmojo(ssm_residual=ssm_residual)
     L = 23
     u = torch.randn(2, L, 32, dtype=F64, requires_grad=True)
     sid = _seq_idx(2, L)
@@ -346,10 +348,15 @@ def test_bmojo_forward_matches_naive_reference_and_gradients():
     names = ["u"] + [n for n, _ in m.named_parameters()]
     for n, a, b in zip(names, g1, g2):
         assert _rel(a, b) < 1e-10, n
-    # the memory is used: fading and eidetic tokens reach the output and the SSM gets gradients through them
+    # the memory is used: fading and eidetic tokens reach the output and (without the residual, only through
+    # them) the SSM gets gradients
     assert all(float(g.abs().sum()) > 0 for n, g in zip(names, g1) if n.startswith(("ssm.", "fade_norm")))
-    m0 = _bmojo(n_fading=0, n_eidetic=0)
+    m0 = _bmojo(n_fading=0, n_eidetic=0, ssm_residual=ssm_residual)
     assert _rel(m0(u, seq_idx=sid)[0], out) > 1e-3
+    if ssm_residual:  # y is part of the output
+        y, _ = m.ssm(u, seq_idx=sid)
+        m.ssm_residual = False
+        assert _rel(m(u, seq_idx=sid)[0] + y, out) < 1e-12
 
 
 @pytest.mark.parametrize("window,mf,me,k,L", [(5, 2, 3, 3, 23), (4, 1, 0, 2, 17), (3, 0, 4, 1, 19), (64, 1, 2, 4, 21)])

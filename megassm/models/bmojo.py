@@ -9,6 +9,8 @@ Eidetic and Fading Memory" (Alg. 1 in its chunked, parallel form of §3.3 / App.
       eidetic  the m_e tokens of the document before the chunk with the largest eps (ties: the earlier token),
                i.e. the running top-m_e "insert if eps beats the current minimum" of Alg. 1
     out_t  = o_proj(Attn(q(u_t); K/V = [last w raw tokens u_(t-w+1..t) | fading k/v(norm(y)) | eidetic k/v(u)]))
+             + y_t                              (ssm_residual, the default; without it the SSM reaches the
+                                                 output only through the fading tokens)
 
 The window is w raw tokens (the query included) plus the m = m_f + m_e memory tokens of the query's chunk,
 exactly what a causal sliding window of K = w + m over the interleaved [M_1, C_1, M_2, C_2, ...] sequence
@@ -84,6 +86,7 @@ class BMojoMixer(nn.Module):
         self.n_fading = b.n_fading
         self.n_eidetic = b.n_eidetic
         self.pred_k = b.predictor_width
+        self.ssm_residual = b.ssm_residual
         self.n_hist = max(b.n_fading, b.predictor_width)
         self.ssm = Mamba2Mixer(cfg, n_layer)
         std = cfg.init_std
@@ -96,11 +99,15 @@ class BMojoMixer(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"window={self.window}, n_fading={self.n_fading}, n_eidetic={self.n_eidetic}, "
-                f"predictor_width={self.pred_k}, heads={self.n_heads}/{self.n_kv_heads}x{self.head_dim}")
+                f"predictor_width={self.pred_k}, ssm_residual={self.ssm_residual}, heads={self.n_heads}/{self.n_kv_heads}x{self.head_dim}")
 
     # hooks for the tensor-parallel plan
     def fading_in(self, y: torch.Tensor) -> torch.Tensor:
         """y entering the (column-parallel) fading k/v projections."""
+        return y
+
+    def residual_y(self, y: torch.Tensor) -> torch.Tensor:
+        """The part of y added to this rank's output (all of it here; its sequence shard under SP)."""
         return y
 
     # ------------------------------------------------------------------------------------------------
@@ -279,6 +286,8 @@ class BMojoMixer(nn.Module):
                        mask.reshape(bsz * nblk, 1, Q, S))
         o = o.view(bsz, nblk, self.n_heads, Q, self.head_dim).permute(0, 1, 3, 2, 4).reshape(bsz, nblk * Q, -1)
         out = self.o_proj(o[:, :L])
+        if self.ssm_residual:
+            out = out + self.residual_y(y)
 
         if not return_state:
             return out, None
@@ -345,6 +354,8 @@ class BMojoMixer(nn.Module):
         keys, vals, ok = torch.cat([rk, mem_k], 2), torch.cat([rv, mem_v], 2), torch.cat([r_ok, mem_ok], 1)
         o = self._sdpa(q, keys, vals, ok[:, None, None, :])
         out = self.o_proj(o.reshape(bsz, self.n_heads * self.head_dim))
+        if self.ssm_residual:
+            out = out + y
 
         if me:  # this token joins the candidates (running top-m_e)
             p_score = torch.cat([state.cand_score, eps[:, None]], dim=1)

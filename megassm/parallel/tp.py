@@ -48,6 +48,7 @@ from megassm.models.mamba2 import Mamba2Mixer
 from . import comm
 from .layers import (RowParallelLinear, VocabParallelEmbedding, copy_to_tp, reduce_from_tp, region_in,
                      region_out, vocab_parallel_cross_entropy)
+from .sp import split_to_sp
 
 __all__ = ["Piece", "ShardSpec", "TPPlan", "apply_tensor_parallel", "sync_tp_grads", "clip_grad_norm_tp",
            "grad_norm_tp", "grad_sq_tp", "canonical_state_dict", "load_canonical_state_dict", "gather_canonical",
@@ -282,9 +283,15 @@ class _TPBMojoMixer(BMojoMixer):
     projections: identity forward, all-reduce of its gradient backward."""
 
     tp_group = None
+    sp = False
 
     def fading_in(self, y: torch.Tensor) -> torch.Tensor:
         return copy_to_tp(y, self.tp_group)
+
+    def residual_y(self, y: torch.Tensor) -> torch.Tensor:
+        """y is replicated; under SP the output (after o_proj's reduce-scatter) is this rank's sequence shard:
+        add that shard of y (backward: all-gather, so every rank's y gets the full gradient)."""
+        return split_to_sp(y, self.tp_group) if self.sp and y.dim() == 3 else y
 
 
 def _plan_bmojo(mixer, pre: str, tp: int, rank: int, sp: bool, group, specs: dict) -> None:
@@ -296,7 +303,7 @@ def _plan_bmojo(mixer, pre: str, tp: int, rank: int, sp: bool, group, specs: dic
     _plan_attention(mixer, pre, tp, sp, group, specs)
     specs[pre + "fade_norm.weight"] = ShardSpec(0, (_replica(mixer.d_model, 1, tp, partial=True),))
     mixer.__class__ = _TPBMojoMixer
-    mixer.tp_group = group
+    mixer.tp_group, mixer.sp = group, sp
 
 
 class _ReplicatedRowLinear(nn.Linear):
