@@ -328,6 +328,19 @@ def test_ssd_triton_tile_variants(triton_mode, monkeypatch, tiles):
 
 
 @needs_triton
+def test_ssd_tiles_env_override():
+    from megassm.kernels.triton.ssd import _tiles_from_env
+
+    table = {"dx_bs": 32, "dbc_bs": 128}
+    _tiles_from_env(table, " dx_bs=64 , dbc_bs=16,")
+    assert table == {"dx_bs": 64, "dbc_bs": 16}
+    for bad, msg in (("dx_bz=64", "NAME one of"), ("dx_bs", "NAME one of"), ("dx_bs=48", "dx_bs='48'"),
+                     ("dbc_bs=8", "power of two >= 16"), ("dx_bs=x", "dx_bs='x'")):
+        with pytest.raises(ValueError, match=msg):
+            _tiles_from_env(dict(table), bad)
+
+
+@needs_triton
 def test_ssd_triton_bf16_within_reference_error(triton_mode):
     bsz, seqlen, chunk = 2, 40, 16
     inp = ssd_inputs(bsz, seqlen, 4, 16, 2, 16, d_mode="head")

@@ -88,10 +88,11 @@ def test_runner_end_to_end(tmp_path):
     rc = R.main(["--task", "mqar", "--steps", "3", "--batch", "2", "--train-len", "24", "--eval-lens", "24,48",
                  "--device", "cpu", "--out", str(out), "model.pattern=*M", "model.d_model=32", "task.vocab=64",
                  "model.mamba.headdim=8", "model.mamba.d_state=8", "model.mamba.chunk_size=8",
-                 "model.attn.n_heads=2"])
+                 "model.attn.n_heads=2", "--eval-fp32"])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
     assert set(res["accuracy"]) == {"24", "48"} and all(0 <= v <= 1 for v in res["accuracy"].values())
+    assert res["accuracy_fp32"] == res["accuracy"]  # on the CPU both evaluations run in fp32
     assert res["config"]["task"]["params"] == {"vocab": 64} and res["curve"][-1]["step"] == 3
     assert "| 48 |" in (out / "results.md").read_text()
     assert res["steps_done"] == 3 and not res["time_limited"]
@@ -119,6 +120,9 @@ def test_runner_config_file_and_errors(tmp_path, capsys):
     cfg.write_text("task: {name: coffee_induction}\ntrain: {stepz: 2}\n")
     assert R.main(["--config", str(cfg), "--out", str(tmp_path / "x")]) == 2
     assert "unknown key 'stepz'" in capsys.readouterr().err
+    cfg.write_text("task: {name: coffee_induction}\ntrain: {precision: fp16}\n")
+    assert R.main(["--config", str(cfg), "--out", str(tmp_path / "x")]) == 2
+    assert "train.precision must be bf16 or fp32, got 'fp16'" in capsys.readouterr().err
 
 
 def test_runner_cuda_graph_refusals(tmp_path, capsys):

@@ -407,7 +407,7 @@ def _pow2_block(n, cap):
 
 # Tile sizes (powers of two; each is capped by the chunk length or the state size at the call). The defaults
 # come from benchmarks/ssd_tiles.py on an H100 (docs/benchmarks.md); num_warps / num_stages are tuned per shape
-# by _Tuned. The table is module state so that benchmark can sweep it.
+# by _Tuned. The table is module state so that benchmark can sweep it; MEGASSM_SSD_TILES overrides entries.
 TILES = {
     "cb_bt": 64,       # _cb_kernel: C B^T block
     "states_bs": 128,  # _states_kernel: positions per step of the chunk walk
@@ -421,6 +421,22 @@ TILES = {
     "dbc_bs": 128,     # _dbc_kernel: positions per program and per step
     "dbc_bn": 128,     # _dbc_kernel: state columns per program
 }
+
+
+def _tiles_from_env(table, text):
+    """MEGASSM_SSD_TILES="dx_bs=64,dbc_bs=64": override TILES entries (tuning on another GPU). Unknown names and
+    values that are not powers of two >= 16 fail at import, naming the entry."""
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name, sep, val = (x.strip() for x in item.partition("="))
+        if not sep or name not in table:
+            raise ValueError(f"MEGASSM_SSD_TILES: {item!r} is not NAME=VALUE with NAME one of {sorted(table)}")
+        v = int(val) if val.isdigit() else 0
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"MEGASSM_SSD_TILES: {name}={val!r} must be a power of two >= 16")
+        table[name] = v
+
+
+_tiles_from_env(TILES, os.environ.get("MEGASSM_SSD_TILES", ""))
 
 
 def _tile(name, limit):

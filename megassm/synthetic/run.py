@@ -12,11 +12,15 @@ A run config (YAML) has four sections; command-line flags override them, and tra
     model: {pattern: MM, d_model: 64, ...}         # megassm.config model keys (docs/config.md); or
            {core: coffee, n: 8, d: 16}             # the COFFEE paper's bare one-layer model (CoffeeCore)
     train: {steps: 2000, batch: 8, lr: 1e-3, weight_decay: 0, train_len: 256, seed: 0, warmup: 0,
-            cuda_graph: false, time_limit: 0}   # cuda_graph (or --cuda-graph): each step's forward +
-                                                # backward replayed as one CUDA graph (GPU, M/S/L/- only);
+            cuda_graph: false, time_limit: 0,   # cuda_graph (or --cuda-graph): each step's forward +
+            precision: bf16}                    # backward replayed as one CUDA graph (GPU, M/S/L/B/- only);
                                                 # time_limit (--time-limit) s > 0: stop training after the
-                                                # step that passes it, evaluate, record steps_done
-    eval:  {lens: [256, 1024, 16384], batches: 4, batch: 8, every: 0}
+                                                # step that passes it, evaluate, record steps_done;
+                                                # precision (--precision) bf16 | fp32: autocast on the GPU
+                                                # for training and evaluation, or none (the CPU: always fp32)
+    eval:  {lens: [256, 1024, 16384], batches: 4, batch: 8, every: 0,
+            also_fp32: false}                   # also_fp32 (--eval-fp32): the final evaluation once more
+                                                # without autocast (accuracy_fp32 in results.json)
 
 Batches are fresh every step (the task generators, megassm/synthetic/tasks.py); evaluation uses fixed
 seeded batches per length, disjoint from training (another seed stream). Writes OUT/results.json (config,
@@ -42,8 +46,9 @@ DEFAULTS = {
     "task": {"name": None, "params": {}},
     "model": {},
     "train": {"steps": 1000, "batch": 8, "lr": 1e-3, "weight_decay": 0.0, "train_len": 256, "seed": 0,
-              "warmup": 0, "grad_clip": 1.0, "log_every": 100, "cuda_graph": False, "time_limit": 0},
-    "eval": {"lens": None, "batches": 4, "batch": 8, "every": 0},
+              "warmup": 0, "grad_clip": 1.0, "log_every": 100, "cuda_graph": False, "time_limit": 0,
+              "precision": "bf16"},
+    "eval": {"lens": None, "batches": 4, "batch": 8, "every": 0, "also_fp32": False},
 }
 
 
@@ -100,6 +105,12 @@ def load_run_config(path: str | None, args) -> dict:
         tr["cuda_graph"] = True
     if getattr(args, "time_limit", None) is not None:
         tr["time_limit"] = args.time_limit
+    if getattr(args, "precision", None) is not None:
+        tr["precision"] = args.precision
+    if getattr(args, "eval_fp32", False):
+        ev["also_fp32"] = True
+    if tr["precision"] not in ("bf16", "fp32"):
+        raise ValueError(f"train.precision must be bf16 or fp32, got {tr['precision']!r}")
     if float(tr["time_limit"]) < 0:
         raise ValueError(f"train.time_limit must be >= 0 seconds (0: none), got {tr['time_limit']}")
     if tr["cuda_graph"]:
@@ -233,10 +244,13 @@ def train(cfg: dict, device: torch.device, log=print) -> dict:
     opt = torch.optim.AdamW(params, lr=float(tr["lr"]), weight_decay=float(tr["weight_decay"]))
     warm = int(tr["warmup"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
-    use_bf16 = device.type == "cuda" and cfg["model"].get("core") != "coffee"
+    use_bf16 = device.type == "cuda" and cfg["model"].get("core") != "coffee" and tr["precision"] == "bf16"
 
     def autocast():
         return torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else torch.autocast("cpu", enabled=False)
+
+    def no_autocast():
+        return torch.autocast("cpu", enabled=False)
 
     def fwd_bwd(batch: dict) -> torch.Tensor:
         with autocast():
@@ -289,9 +303,12 @@ def train(cfg: dict, device: torch.device, log=print) -> dict:
     train_s = time.perf_counter() - t0
     acc = evaluate(model, cfg, device, autocast)
     n_params = sum(p.numel() for p in params)
-    return {"config": cfg, "device": str(device), "params": n_params, "train_seconds": round(train_s, 2),
-            "steps_done": steps_done, "time_limited": steps_done < int(tr["steps"]),
-            "accuracy": {str(k): v for k, v in acc.items()}, "evals": evals, "curve": curve}
+    res = {"config": cfg, "device": str(device), "params": n_params, "train_seconds": round(train_s, 2),
+           "steps_done": steps_done, "time_limited": steps_done < int(tr["steps"]),
+           "accuracy": {str(k): v for k, v in acc.items()}, "evals": evals, "curve": curve}
+    if cfg["eval"]["also_fp32"]:  # the same weights evaluated without bf16 autocast
+        res["accuracy_fp32"] = {str(k): v for k, v in evaluate(model, cfg, device, no_autocast).items()}
+    return res
 
 
 def write_results(res: dict, out: str) -> None:
@@ -308,7 +325,11 @@ def write_results(res: dict, out: str) -> None:
              f"{c['train']['train_len']}, batch {c['train']['batch']}, lr {c['train']['lr']}; "
              f"{res['train_seconds']} s on {res['device']}", "",
              "| eval length | accuracy |", "|---|---|"]
-    lines += [f"| {k} | {v:.4f} |" for k, v in res["accuracy"].items()]
+    if "accuracy_fp32" in res:
+        lines[-2:] = ["| eval length | accuracy | accuracy, fp32 evaluation |", "|---|---|---|"]
+        lines += [f"| {k} | {v:.4f} | {res['accuracy_fp32'][k]:.4f} |" for k, v in res["accuracy"].items()]
+    else:
+        lines += [f"| {k} | {v:.4f} |" for k, v in res["accuracy"].items()]
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     try:
@@ -347,6 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds of training after which the run stops, evaluates and records steps_done")
     ap.add_argument("--cuda-graph", dest="cuda_graph", action="store_true",
                     help="replay each step's forward + backward as one CUDA graph (sets train.cuda_graph)")
+    ap.add_argument("--precision", choices=["bf16", "fp32"],
+                    help="GPU training and evaluation under bf16 autocast (default) or in fp32 (train.precision)")
+    ap.add_argument("--eval-fp32", dest="eval_fp32", action="store_true",
+                    help="also evaluate the final model without autocast (eval.also_fp32; accuracy_fp32)")
     ap.add_argument("--out", required=True, help="output directory (results.json, results.md, accuracy.png)")
     ap.add_argument("overrides", nargs="*", help="model.KEY=VALUE (model keys) or task.KEY=VALUE (task parameters)")
     return ap
