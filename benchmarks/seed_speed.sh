@@ -7,7 +7,8 @@ set -u
 for c in ${@:-M S L B C}; do
   pat=$(printf "$c%.0s" $(seq ${BLOCKS:-48}))
   extra=()
-  [ "$c" = C ] && extra=(model.coffee.solver=sequential)   # DEER hits its cap at L=2048 (benchmarks.md)
+  # COFFEE: the token loop (one Triton kernel; DEER hits its cap at L=2048) and 3x channels (357M parameters)
+  [ "$c" = C ] && extra=(model.coffee.solver=sequential model.coffee.expand=3)
   lim=120; [ "$c" = C ] && lim=${C_LIMIT:-150}
   row=$(timeout $lim python benchmarks/train_step.py --config configs/mamba2-370m.yaml --seq-len ${SEQ:-2048} \
         --micro-batch ${MB:-4} --steps ${STEPS:-4} --warmup ${WARMUP:-2} model.pattern=$pat "${extra[@]}" ${EXTRA:-} \

@@ -32,6 +32,7 @@ __all__ = [
     "selective_scan",
     "selective_scan_sequential",
     "selective_scan_step",
+    "coffee_scan",
 ]
 
 # name of the backend announced last ("reference" / "triton"), False before the first call
@@ -168,3 +169,20 @@ def selective_scan_step(state, x, delta, A, B, C, D=None, z=None, delta_bias=Non
 # the oracle is never dispatched: it is the definition every backend is checked against
 ssd_sequential = reference.ssd_sequential
 selective_scan_sequential = reference.selective_scan_sequential
+
+
+def coffee_scan(v, lam, w, C, w_out=None, x0=None, seq_idx=None):
+    """COFFEE's state-feedback recurrence (seed mixer `C`) run token by token, with its read-out fused:
+    v [B, L, D], lam / w / C / w_out [D, n], x0 [B, D, n] or None, seq_idx [B, L] or None. Returns
+    (y [B, L, D], final state [B, D, n]) in fp32 (fp64 for fp64 inputs); see megassm.kernels.reference.coffee
+    for the math. Triton on the GPU (the [B, L, D, n] states never touch memory), the reference loop otherwise."""
+    if v.dim() != 3 or lam.dim() != 2 or lam.shape[0] != v.shape[-1]:
+        raise ValueError(f"coffee_scan: v [B, L, D] and lam [D, n] expected, got {tuple(v.shape)} and "
+                         f"{tuple(lam.shape)}")
+    for name, t in (("w", w), ("C", C), ("w_out", w_out)):
+        if t is not None and t.shape != lam.shape:
+            raise ValueError(f"coffee_scan: {name} {tuple(t.shape)} must have lam's shape {tuple(lam.shape)}")
+    if _eager_reference(v):
+        return reference.coffee_scan(v, lam, w, C, w_out, x0, seq_idx)
+    y, fin, _ = ops.coffee_scan_call(v, lam, w, C, w_out, x0, seq_idx)
+    return y, fin

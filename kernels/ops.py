@@ -426,6 +426,56 @@ def _scan_bwd(ctx, gy, gfinal):
 selective_scan_op.register_autograd(_scan_bwd, setup_context=_scan_setup)
 
 
+# --------------------------------------------------------------------------------------------------------
+# COFFEE recurrence + read-out (seed mixer C, solver=sequential)
+
+
+@torch.library.custom_op("megassm::coffee_scan", mutates_args=())
+def coffee_scan_op(v: Tensor, lam: Tensor, w: Tensor, C: Tensor, w_out: Optional[Tensor], x0: Optional[Tensor],
+                   seq_idx: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """(y, final state, checkpoints): the Triton kernel's segment checkpoints are an output so that the
+    backward (which recomputes from them) can save them; the reference returns an empty one."""
+    if _pick(v):
+        return triton_kernels().coffee_scan_fwd(v, lam, w, C, w_out, x0, seq_idx)
+    y, fin = reference.coffee_scan(v, lam, w, C, w_out, x0, seq_idx)
+    return _fresh(y), _fresh(fin), _empty_f32(v)
+
+
+@coffee_scan_op.register_fake
+def _(v, lam, w, C, w_out, x0, seq_idx):
+    b, L, d = v.shape
+    n = lam.shape[-1]
+    cdt = _cdt(v)
+    nseg = -(-L // triton_kernels().coffee.SEGMENT) if use_triton(v) else 0
+    ck = v.new_empty((b, nseg, d, n), dtype=cdt) if nseg else _empty_f32(v)
+    return v.new_empty((b, L, d), dtype=cdt), v.new_empty((b, d, n), dtype=cdt), ck
+
+
+def _coffee_setup(ctx, inputs, output):
+    _save(ctx, inputs, (output[2],), keep_output=True)  # the checkpoints only (y is not needed)
+
+
+def _coffee_ref_full(v, lam, w, C, w_out, x0, seq_idx):
+    y, fin = reference.coffee_scan(v, lam, w, C, w_out, x0, seq_idx)
+    return y, fin, _empty_f32(v)
+
+
+def _coffee_bwd(ctx, gy, gfin, gck):
+    args, outs = _restore(ctx)
+    v = args[0]
+    if use_triton(v):
+        (v, lam, w, C, w_out, x0, seq_idx) = args
+        dv, dlam, dw, dC, dwo, dx0 = triton_kernels().coffee_scan_bwd(gy, gfin, v, lam, w, C, w_out, seq_idx, outs[0])
+        need = ctx.needs_input_grad
+        grads = (dv, dlam.to(lam.dtype), dw.to(w.dtype), dC.to(C.dtype),
+                 dwo.to(w_out.dtype) if dwo is not None else None, dx0.to(x0.dtype) if x0 is not None else None)
+        return (*[g if need[i] else None for i, g in enumerate(grads)], None)
+    return _reference_backward(_coffee_ref_full, ctx, args, (gy, gfin, gck))
+
+
+coffee_scan_op.register_autograd(_coffee_bwd, setup_context=_coffee_setup)
+
+
 def _scan_step_ref(state, x, delta, A, B, C, D, z, delta_bias, delta_softplus, decay):
     return reference.selective_scan_step(state, x, delta, A, B, C, D=D, z=z, delta_bias=delta_bias,
                                          delta_softplus=delta_softplus, decay=decay)
@@ -606,3 +656,4 @@ gated_rmsnorm_call = _eager_caller(gated_rmsnorm_op, _norm_setup, _gated_bwd)
 rmsnorm_call = _eager_caller(rmsnorm_op, _norm_setup, _rmsnorm_bwd)
 add_rmsnorm_call = _eager_caller(add_rmsnorm_op, _add_setup, _add_bwd)
 selective_scan_call = _eager_caller(selective_scan_op, _scan_setup, _scan_bwd)
+coffee_scan_call = _eager_caller(coffee_scan_op, _coffee_setup, _coffee_bwd)

@@ -279,6 +279,11 @@ def test_opcheck_and_compile(torch_mode):
                                                        torch.randn(4), torch.randn(2, 4), None, True, "exp"),
                           test_utils=tests)
 
+    g = torch.Generator().manual_seed(0)
+    cof = (torch.randn(2, 6, 4, generator=g), -torch.rand(4, 3, generator=g), torch.randn(4, 3, generator=g),
+           torch.randn(4, 3, generator=g), torch.randn(4, 3, generator=g), torch.randn(2, 4, 3, generator=g), sid.expand(2, 6))
+    torch.library.opcheck(ops.coffee_scan_op, cof, test_utils=tests)
+
     def f(x, delta, A, B, C):
         return K.selective_scan(x, delta, A, B, C, delta_softplus=True)
 
@@ -440,3 +445,61 @@ def test_gpu_scan_deterministic_16k(triton_mode):
     for k in a:
         assert torch.isfinite(a[k]).all(), k
         assert torch.equal(a[k], b[k]), k  # no atomics: bitwise identical run to run
+
+
+# --------------------------------------------------------------------------------------------------------
+# COFFEE (`C`, solver=sequential): the fused recurrence + read-out kernel against the reference loop
+
+
+def _coffee_case(bsz, seqlen, dim, n, *, of, x0, resets, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s, scale=1.0: (torch.randn(*s, generator=g) * scale).to(DEV)  # noqa: E731
+    args = dict(v=r(bsz, seqlen, dim).to(dtype), lam=-torch.rand(dim, n, generator=g).to(DEV) * 1.9,
+                w=r(dim, n), C=r(dim, n), w_out=r(dim, n) if of else None, x0=r(bsz, dim, n) if x0 else None)
+    sid = None
+    if resets:  # a one-token document, and a reset on a segment edge (K = 8 under the interpreter test)
+        sid = torch.zeros(bsz, seqlen, dtype=torch.int32)
+        sid[0, seqlen // 2:] = 1
+        sid[0, seqlen // 2 + 1:] = 2
+        sid[-1, 16:] = 1
+        sid = sid.to(DEV)
+    return args, sid
+
+
+def _coffee_check(args, sid, tol, gtol):
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in args.items() if v is not None}
+    y, fin = K.coffee_scan(leaves["v"], leaves["lam"], leaves["w"], leaves["C"], leaves.get("w_out"),
+                           leaves.get("x0"), sid)
+    assert y.dtype == torch.float32 and fin.dtype == torch.float32
+    f64 = {k: v.detach().double().requires_grad_(True) for k, v in args.items() if v is not None}
+    yr, finr = R.coffee_scan(f64["v"], f64["lam"], f64["w"], f64["C"], f64.get("w_out"), f64.get("x0"), sid)
+    assert rel(y, yr) < tol and rel(fin, finr) < tol
+    gy, gf = torch.randn_like(y), torch.randn_like(fin)
+    ours = torch.autograd.grad((y * gy).sum() + (fin * gf).sum(), list(leaves.values()))
+    ref = torch.autograd.grad((yr * gy.double()).sum() + (finr * gf.double()).sum(), list(f64.values()))
+    for name, a, b in zip(leaves, ours, ref):
+        assert a.dtype == leaves[name].dtype, name
+        tol_n = 1e-2 if a.dtype == torch.bfloat16 else gtol  # dv is returned in v's dtype: one bf16 rounding
+        assert rel(a, b) < tol_n, (name, rel(a, b))
+
+
+@needs_triton
+@pytest.mark.parametrize("of,x0,resets,n", [(True, True, True, 3), (False, False, False, 4)])
+def test_triton_coffee_scan_matches_reference(triton_mode, monkeypatch, of, x0, resets, n):
+    """Several checkpoint segments (K = 8) and a partial last one; resets at a segment edge and a one-token
+    document; the output filter; a state size that is not a power of two (padded lanes)."""
+    monkeypatch.setattr(triton_mode.coffee, "SEGMENT", 8)
+    args, sid = _coffee_case(2, 37, 5, n, of=of, x0=x0, resets=resets)
+    _coffee_check(args, sid, 1e-5, 1e-5)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_coffee_scan(triton_mode, dtype):
+    """Real shapes (L 2048, 512 channels, n 16, both filters' variants) on the GPU; bf16 inputs (the in_proj
+    output under autocast) give fp32 states, so the same bound holds against the fp64 loop on those inputs."""
+    for of, resets in ((True, True), (False, False)):
+        args, sid = _coffee_case(2, 2048, 512, 16, of=of, x0=True, resets=resets, dtype=dtype)
+        args["w"] = args["w"] * 0.3
+        _coffee_check(args, sid, 1e-4, 1e-4)

@@ -1,4 +1,5 @@
 """Pure-PyTorch reference ops: the CPU implementation and the test oracle for the Triton kernels."""
+from .coffee import coffee_scan
 from .conv import causal_conv1d, causal_conv1d_step
 from .norm import add_rmsnorm, gated_rmsnorm, rmsnorm
 from .scan import selective_scan, selective_scan_sequential, selective_scan_step
@@ -17,4 +18,5 @@ __all__ = [
     "selective_scan",
     "selective_scan_sequential",
     "selective_scan_step",
+    "coffee_scan",
 ]

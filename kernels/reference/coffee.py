@@ -39,7 +39,8 @@ import math
 
 import torch
 
-__all__ = ["coffee_step", "coffee_sequential", "coffee_deer", "linear_scan", "doc_starts", "DeerInfo"]
+__all__ = ["coffee_step", "coffee_sequential", "coffee_scan", "coffee_readout", "coffee_deer", "linear_scan",
+           "doc_starts", "DeerInfo"]
 
 log = logging.getLogger("megassm.coffee")
 _WARNED: set = set()
@@ -81,6 +82,21 @@ def coffee_sequential(u, lam, w, x0=None, seq_idx=None) -> torch.Tensor:
         x = coffee_step(x, u[:, k], lam, w)
         xs.append(x)
     return torch.stack(xs, dim=1)
+
+
+def coffee_readout(X: torch.Tensor, C: torch.Tensor, w_out: torch.Tensor | None = None) -> torch.Tensor:
+    """y [..., D] from the states X [..., D, n]: C . x per channel, times sigmoid(w_out . x) with the filter."""
+    y = (C.to(X.dtype) * X).sum(-1)
+    if w_out is not None:
+        y = y * torch.sigmoid((w_out.to(X.dtype) * X).sum(-1))
+    return y
+
+
+def coffee_scan(u, lam, w, C, w_out=None, x0=None, seq_idx=None):
+    """The sequential recurrence and its read-out: (y [B, L, D], final state [B, D, n]), compute dtype. The
+    reference of the fused Triton kernel (kernels/triton/coffee.py)."""
+    X = coffee_sequential(u, lam, w, x0, seq_idx)
+    return coffee_readout(X, C, w_out), X[:, -1]
 
 
 def linear_scan(a: torch.Tensor, b: torch.Tensor, reverse: bool = False) -> torch.Tensor:

@@ -12,7 +12,8 @@ lam = -2 sigmoid(raw) in (-2, 0) (lam_param=bounded: |1 + lam g| <= 1, the stabi
 does not say how it enforces) or lam = raw (lam_param=free, the paper's A = 0 init). The recurrence is not
 linear in x, so it has no chunked form; training solves it in parallel with DEER Newton iterations (a linear
 scan per iteration, exact at convergence, gradients by the adjoint recurrence: kernels/reference/coffee.py), or
-with the sequential loop (solver=sequential). Decoding is the one-token step. The number of Newton solves of
+token by token (solver=sequential: `kernels.coffee_scan`, one Triton kernel with the read-out fused on the GPU,
+the plain loop on CPU). Decoding is the one-token step. The number of Newton solves of
 the last forward is `mixer.last_info["iters"]` (`deer_stats(model)` collects them for logging).
 
 Tensor parallelism (parallel/tp.py `_plan_coffee`): channels are independent, so in_proj is column-parallel,
@@ -30,7 +31,8 @@ import torch
 from torch import nn
 
 from megassm.config import ModelConfig
-from megassm.kernels.reference.coffee import coffee_deer, coffee_sequential, coffee_step
+from megassm import kernels as K
+from megassm.kernels.reference.coffee import coffee_deer, coffee_readout, coffee_sequential, coffee_step
 
 from .init import InitRule, make_linear
 from .state import CoffeeState
@@ -87,10 +89,7 @@ class CoffeeMixer(nn.Module):
 
     def readout(self, X: torch.Tensor) -> torch.Tensor:
         """y [..., D] from the states X [..., D, n]."""
-        y = (self.C.to(X.dtype) * X).sum(-1)
-        if self.w_out is not None:
-            y = y * torch.sigmoid((self.w_out.to(X.dtype) * X).sum(-1))
-        return y
+        return coffee_readout(X, self.C, self.w_out)
 
     def forward(
         self,
@@ -106,12 +105,12 @@ class CoffeeMixer(nn.Module):
         if self.solver == "deer":
             X, info = coffee_deer(v, self.lam_value(), self.w, x0, seq_idx, **self.deer)
             self.last_info = dict(info)
-        else:
-            X = coffee_sequential(v, self.lam_value(), self.w, x0, seq_idx)
+            y, fin = self.readout(X), X[:, -1]
+        else:  # the token loop with its read-out fused (one Triton kernel on the GPU; the reference loop on CPU)
+            y, fin = K.coffee_scan(v, self.lam_value(), self.w, self.C, self.w_out, x0, seq_idx)
             self.last_info = {"iters": 0, "sequential": True}
-        y = self.readout(X)
         out = self.out_proj(y) if self.out_proj is not None else y.to(u.dtype)
-        new_state = CoffeeState(x=X[:, -1].float() if X.dtype != torch.float64 else X[:, -1]) if return_state else None
+        new_state = CoffeeState(x=fin.float() if fin.dtype != torch.float64 else fin) if return_state else None
         return out, new_state
 
     def step(self, u: torch.Tensor, state: CoffeeState) -> tuple[torch.Tensor, CoffeeState]:
