@@ -85,7 +85,9 @@ class CoffeeConfig:
     lam_init: list[float] = field(default_factory=lambda: [-1.0, -0.01])  # lam uniform in [lo, hi] at init
     c_init_std: float = 1.0  # C ~ N(0, std) (paper: 1)
     w_init_std: float = 1.0  # w (and w_out) ~ N(0, std) (paper: 1)
-    solver: str = "deer"  # deer (parallel Newton) | sequential (loop over time)
+    # auto: sequential on CUDA tensors (the fused Triton token loop: exact and the fastest there), deer elsewhere
+    # | deer (parallel Newton iterations, PyTorch) | sequential (the token loop; the plain PyTorch loop on CPU)
+    solver: str = "auto"
     deer_tol: float = 1e-6  # converged when every |x_k - f(x_(k-1))| <= tol * (1 + |x_k|)
     deer_max_iters: int = 100  # cap on Newton solves (L solves are always exact)
     deer_jac_clip: float = 0.0  # clamp the Newton slopes to |J| <= clip (0 = full Newton, safeguarded); same fixed point
@@ -517,7 +519,8 @@ def validate(cfg: Config) -> None:
              f"model.coffee.lam_init={c.lam_init}: with lam_param=bounded (lam = -2 sigmoid(raw)) it must lie inside "
              "(-2, 0); use lam_param=free for the paper's lam = 0 init")
         need(c.c_init_std >= 0 and c.w_init_std >= 0, "model.coffee.c_init_std and model.coffee.w_init_std must be >= 0")
-        need(c.solver in ("deer", "sequential"), f"model.coffee.solver must be deer or sequential, got '{c.solver}'")
+        need(c.solver in ("auto", "deer", "sequential"),
+             f"model.coffee.solver must be auto, deer or sequential, got '{c.solver}'")
         need(c.deer_tol > 0, f"model.coffee.deer_tol must be positive, got {c.deer_tol}")
         need(c.deer_max_iters >= 1, f"model.coffee.deer_max_iters must be >= 1, got {c.deer_max_iters}")
         need(c.deer_jac_clip >= 0, f"model.coffee.deer_jac_clip must be >= 0 (0 = no clipping), got {c.deer_jac_clip}")

@@ -101,7 +101,7 @@ def test_deer_iteration_counts():
     X, info = K.coffee_deer(u[:, :24].double(), lam0.double(), w.double(), tol=1e-12, max_iters=24, fallback=False)
     assert info["converged"] and info["iters"] <= 24
     assert _rel(X, K.coffee_sequential(u[:, :24].double(), lam0.double(), w.double())) < 1e-10
-    # the mixer reports the count of its last forward, deer_stats collects it
+    # the mixer (solver=auto: DEER on CPU tensors) reports the count of its last forward, deer_stats collects it
     cfg = ModelConfig(pattern="C", d_model=16, coffee=CoffeeConfig(d_state=4, expand=2))
     m = CoffeeMixer(cfg, 1)
     _init(m)
@@ -109,6 +109,9 @@ def test_deer_iteration_counts():
     assert m.last_info["iters"] >= 1 and m.last_info["converged"]
     stats = deer_stats(torch.nn.ModuleList([m]))
     assert stats["coffee/deer_iters_max"] == m.last_info["iters"] and stats["coffee/deer_fallbacks"] == 0
+    m.solver = "sequential"  # no Newton solves to report
+    m(torch.randn(2, 40, 16))
+    assert m.last_info["sequential"] and deer_stats(torch.nn.ModuleList([m])) == {}
 
 
 def test_deer_cap_warns_once_naming_the_residual(caplog):
@@ -176,7 +179,7 @@ def _coffee_cfg(**kw):
 @pytest.mark.parametrize("lam_param", ["bounded", "free"])
 def test_coffee_mixer_deer_equals_sequential_every_gradient(lam_param):
     kw = dict(lam_param=lam_param) if lam_param == "bounded" else dict(lam_param="free", lam_init=[-0.5, 0.0])
-    md = _init(CoffeeMixer(_coffee_cfg(deer_tol=1e-11, **kw), 2)).double()
+    md = _init(CoffeeMixer(_coffee_cfg(solver="deer", deer_tol=1e-11, **kw), 2)).double()
     ms = _init(CoffeeMixer(_coffee_cfg(solver="sequential", **kw), 2)).double()
     u = torch.randn(2, 23, 12, dtype=F64)
     sid = _seq_idx(2, 23)
@@ -571,7 +574,7 @@ def test_gpu_real_shapes():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
-    cfg = ModelConfig(pattern="C", d_model=1024, coffee=CoffeeConfig(d_state=8))
+    cfg = ModelConfig(pattern="C", d_model=1024, coffee=CoffeeConfig(d_state=8, solver="deer"))
     md = _init(CoffeeMixer(cfg, 2)).to(dev)
     ms = _init(CoffeeMixer(ModelConfig(pattern="C", d_model=1024, coffee=CoffeeConfig(d_state=8, solver="sequential")),
                            2)).to(dev)
@@ -589,6 +592,9 @@ def test_gpu_real_shapes():
         out.pow(2).mean().backward()
         res.append((out.detach(), ui.grad, {n: p.grad for n, p in m.named_parameters()}))
     assert md.last_info["converged"] or md.last_info["fallback"]
+    auto = CoffeeMixer(ModelConfig(pattern="C", d_model=1024, coffee=CoffeeConfig(d_state=8)), 2).to(dev)
+    auto(u[:, :64])
+    assert auto.last_info.get("sequential"), "solver=auto runs the Triton token loop on CUDA tensors"
     assert _rel(res[0][0], res[1][0]) < 1e-4 and _rel(res[0][1], res[1][1]) < 1e-4
     for n in res[0][2]:
         assert _rel(res[0][2][n], res[1][2][n]) < 1e-4, n

@@ -102,7 +102,8 @@ class CoffeeMixer(nn.Module):
         carried into the first document of each row. Returns (out [B, L, d_model], final state or None)."""
         v = self.in_proj(u) if self.in_proj is not None else u
         x0 = None if state is None else state.x
-        if self.solver == "deer":
+        solver = self.solver if self.solver != "auto" else ("sequential" if v.is_cuda else "deer")
+        if solver == "deer":
             X, info = coffee_deer(v, self.lam_value(), self.w, x0, seq_idx, **self.deer)
             self.last_info = dict(info)
             y, fin = self.readout(X), X[:, -1]
@@ -124,8 +125,9 @@ class CoffeeMixer(nn.Module):
 
 def deer_stats(model: nn.Module) -> dict:
     """DEER solver statistics of the last forward, for logging: {"coffee/deer_iters_max": ..,
-    "coffee/deer_iters_mean": .., "coffee/deer_fallbacks": ..} (empty when the model has no COFFEE layer)."""
-    infos = [m.last_info for m in model.modules() if isinstance(m, CoffeeMixer) and m.last_info]
+    "coffee/deer_iters_mean": .., "coffee/deer_fallbacks": ..} (empty when no COFFEE layer ran DEER)."""
+    infos = [m.last_info for m in model.modules()
+             if isinstance(m, CoffeeMixer) and m.last_info and not m.last_info.get("sequential")]
     if not infos:
         return {}
     iters = [i.get("iters", 0) for i in infos]

@@ -109,10 +109,14 @@ def block_bytes(block, a: int, cfg: Config, *, sp_tp: int = 1, cp: int = 1, seq_
         # S: dt_proj's output (the kernel adds the bias). L: eps = beta / (1 + beta |k|^2) is built in fp32
         # (models/longhorn.py), which saves sigmoid's output and the denominator, and the kernel saves eps
         local += a * di if kind == "S" else 12 * di
-    elif kind == "C":  # rough (not measured): projections plus the fp32 states of the solver
+    elif kind == "C":  # rough: the projections' tensors, then what the solver keeps
         ch = getattr(m, "channels", d)
         n = cfg.model.coffee.d_state
-        local = a * 3 * ch + 4 * ch * n
+        local = a * 3 * ch
+        if cfg.model.coffee.solver == "deer":  # every fp32 state [B, L, D, n] (auto is the token loop on a GPU)
+            local += 4 * ch * n
+        else:  # the fused token loop (kernels.coffee_scan): y in fp32 and a state checkpoint every 64 tokens
+            local += 4 * ch + 4 * ch * n // 64
     else:
         raise ValueError(f"memory estimate: no activation model for block letter {kind!r}")
     return {"stream": stream, "local": local + extra}
