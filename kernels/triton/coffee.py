@@ -44,6 +44,18 @@ def _load_token(V, SEQ, b, t, d, md, L, svb, svl, svd, ssb, ssl, HAS_SEQ: tl.con
 
 
 @triton.jit
+def _load_params(LAM, W, Cp, WO, dj, m2, HAS_OF: tl.constexpr):
+    """lam, w, C and w_out (C again without the filter) of the program's [BD, NP] block, 0 in padded lanes."""
+    lam = tl.load(LAM + dj, mask=m2, other=0.0)
+    w = tl.load(W + dj, mask=m2, other=0.0)
+    Cv = tl.load(Cp + dj, mask=m2, other=0.0)
+    Wo = Cv
+    if HAS_OF:
+        Wo = tl.load(WO + dj, mask=m2, other=0.0)
+    return lam, w, Cv, Wo
+
+
+@triton.jit
 def _readout(x, Cv, Wo, HAS_OF: tl.constexpr):
     cx = tsum(Cv * x, axis=1)
     if HAS_OF:
@@ -62,12 +74,7 @@ def _coffee_fwd_kernel(V, LAM, W, Cp, WO, SEQ, X0, Y, CK, FIN, L, D, NSEG,
     md = d < D
     m2 = md[:, None] & (j < N)[None, :]
     dj = d[:, None] * N + j[None, :]
-    lam = tl.load(LAM + dj, mask=m2, other=0.0)
-    w = tl.load(W + dj, mask=m2, other=0.0)
-    Cv = tl.load(Cp + dj, mask=m2, other=0.0)
-    Wo = Cv
-    if HAS_OF:
-        Wo = tl.load(WO + dj, mask=m2, other=0.0)
+    lam, w, Cv, Wo = _load_params(LAM, W, Cp, WO, dj, m2, HAS_OF)
     if HAS_X0:
         x = tl.load(X0 + b * D * N + dj, mask=m2, other=0.0)
     else:
@@ -97,12 +104,7 @@ def _coffee_bwd_kernel(V, LAM, W, Cp, WO, SEQ, CK, DY, DFIN, SX, DV, DX0, DLAM, 
     md = d < D
     m2 = md[:, None] & (j < N)[None, :]
     dj = d[:, None] * N + j[None, :]
-    lam = tl.load(LAM + dj, mask=m2, other=0.0)
-    w = tl.load(W + dj, mask=m2, other=0.0)
-    Cv = tl.load(Cp + dj, mask=m2, other=0.0)
-    Wo = Cv
-    if HAS_OF:
-        Wo = tl.load(WO + dj, mask=m2, other=0.0)
+    lam, w, Cv, Wo = _load_params(LAM, W, Cp, WO, dj, m2, HAS_OF)
     # program-private scratch: slot 0 = the state entering the segment, slot i + 1 = the state after token i
     sx = SX + (b * tl.num_programs(1) + db) * (K + 1) * BD * NP + tl.arange(0, BD)[:, None] * NP + j[None, :]
     if HAS_DFIN:
