@@ -56,6 +56,14 @@ def _load_params(LAM, W, Cp, WO, dj, m2, HAS_OF: tl.constexpr):
 
 
 @triton.jit
+def _step(x, v, start, lam, w, m2):
+    """One token of the recurrence: x_k from x_(k-1) (0 where a document starts); padded lanes stay 0."""
+    x = tl.where(start, 0.0, x)
+    g = tsigmoid(w * x)
+    return tl.where(m2, x + g * (lam * x + v[:, None]), 0.0)
+
+
+@triton.jit
 def _readout(x, Cv, Wo, HAS_OF: tl.constexpr):
     cx = tsum(Cv * x, axis=1)
     if HAS_OF:
@@ -84,9 +92,7 @@ def _coffee_fwd_kernel(V, LAM, W, Cp, WO, SEQ, X0, Y, CK, FIN, L, D, NSEG,
         tl.store(CK + ((b * NSEG + seg) * D) * N + dj, x, mask=m2)
         for t in range(seg * K, tl.minimum(seg * K + K, L)):
             v_next, start_next = _load_token(V, SEQ, b, t + 1, d, md, L, svb, svl, svd, ssb, ssl, HAS_SEQ)
-            x = tl.where(start, 0.0, x)
-            g = tsigmoid(w * x)
-            x = tl.where(m2, x + g * (lam * x + v[:, None]), 0.0)  # padded states stay 0
+            x = _step(x, v, start, lam, w, m2)
             tl.store(Y + (b * L + t) * D + d, _readout(x, Cv, Wo, HAS_OF), mask=md)
             v, start = v_next, start_next
     tl.store(FIN + b * D * N + dj, x, mask=m2)
@@ -123,9 +129,7 @@ def _coffee_bwd_kernel(V, LAM, W, Cp, WO, SEQ, CK, DY, DFIN, SX, DV, DX0, DLAM, 
         tl.store(sx, x)
         for i in range(nt):  # the segment's forward again, every state kept
             v, start = _load_token(V, SEQ, b, t0 + i, d, md, L, svb, svl, svd, ssb, ssl, HAS_SEQ)
-            x = tl.where(start, 0.0, x)
-            g = tsigmoid(w * x)
-            x = tl.where(m2, x + g * (lam * x + v[:, None]), 0.0)
+            x = _step(x, v, start, lam, w, m2)
             tl.store(sx + (i + 1) * BD * NP, x)
         tl.debug_barrier()  # the reverse walk reads the scratch in the same layout, but order it anyway
         for ri in range(nt):
@@ -151,8 +155,8 @@ def _coffee_bwd_kernel(V, LAM, W, Cp, WO, SEQ, CK, DY, DFIN, SX, DV, DX0, DLAM, 
             tl.store(DV + (b * L + t) * D + d, tsum(gg, axis=1), mask=md)
             dlam += gg * xp
             dw += gg * (1.0 - g) * xp * s
+            # padded lanes keep G = 0: their C, w_out, dy and d final state are all 0
             G = tl.where(start, 0.0, (1.0 + lam * g + w * g * (1.0 - g) * s) * G)
-            G = tl.where(m2, G, 0.0)
         tl.debug_barrier()  # the next segment's forward overwrites the scratch
     tl.store(DX0 + b * D * N + dj, G, mask=m2)
     tl.store(DLAM + b * D * N + dj, dlam, mask=m2)

@@ -182,11 +182,7 @@ class CoffeeCore(nn.Module):
         return coffee_sequential(u, self.lam, self.w)
 
     def outputs(self, tokens: torch.Tensor) -> torch.Tensor:
-        X = self.states(tokens)
-        y = (self.C * X).sum(-1)
-        if self.w_out is not None:
-            y = y * torch.sigmoid((self.w_out * X).sum(-1))
-        return y
+        return coffee_readout(self.states(tokens), self.C, self.w_out)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, L] in [0, n_symbols) -> distance logits [B, L, n_symbols]."""
