@@ -29,6 +29,11 @@ BWD mode, which writes dy = dout * silu(z) and dz; then):
   torch: the cs gradients -> reverse cumsum -> ddt, dA, then softplus/clamp/bias; sums of the partials.
 No atomics anywhere: every reduction is a loop inside one program or a torch sum over partials, so results
 are deterministic run to run.
+
+The per-chunk states S and dS are stored as the dot operands their readers need (_st_store: fp32, or bf16
+hi + lo arrays, or bf16 alone in MEGASSM_SSD_PRECISION=bf16 mode). Intra-chunk tiles wholly below the diagonal
+factor the decay exp(cs_t - cs_s) = exp(cs_t - cs_r) exp(cs_r - cs_s) around a position r between them (both
+factors <= 1 since A <= 0): two vectors per tile instead of an exp and a causal mask per element.
 """
 from __future__ import annotations
 
@@ -145,18 +150,6 @@ def _mm_af(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
-def _mm_bf(a, b, PREC: tl.constexpr):
-    """a raw input, b fp32 (derived)."""
-    if PREC == "bf16fast":
-        return _dot_lp(a, b.to(tl.bfloat16))
-    elif PREC == "bf16":
-        hi, lo = _split(b)
-        return _dot_lp(a, hi) + _dot_lp(a, lo)
-    else:
-        return tl.dot(a.to(tl.float32), b, input_precision="ieee")
-
-
-@triton.jit
 def _mm_ff(a, b, PREC: tl.constexpr):
     """Both fp32 (derived)."""
     if PREC == "bf16fast":
@@ -167,6 +160,51 @@ def _mm_ff(a, b, PREC: tl.constexpr):
         return _dot_lp(ahi, bhi) + (_dot_lp(ahi, blo) + _dot_lp(alo, bhi))
     else:
         return tl.dot(a, b, input_precision="ieee")
+
+
+# Chunk states (entering states S and their gradients dS) are stored as they are used: as dot operands. PREC
+# "ieee": one fp32 array. "bf16": a bf16 hi array and a bf16 lo array (hi + lo = the fp32 value to ~16 bits; the
+# same bytes as fp32, and consumers load ready tensor-core operands instead of splitting in every program).
+# "bf16fast": the hi array only (the products round the state to bf16 once anyway, as mamba_ssm stores them).
+@triton.jit
+def _st_store(HI, LO, off, v, mask, PREC: tl.constexpr):
+    if PREC == "ieee":
+        tl.store(HI + off, v, mask=mask)
+    else:
+        hi = v.to(tl.bfloat16)
+        tl.store(HI + off, hi, mask=mask)
+        if PREC == "bf16":
+            tl.store(LO + off, (v - hi.to(tl.float32)).to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _st_load(HI, LO, off, mask, PREC: tl.constexpr):
+    """A stored state tile as fp32 (for elementwise use)."""
+    v = tl.load(HI + off, mask=mask, other=0.0).to(tl.float32)
+    if PREC == "bf16":
+        v += tl.load(LO + off, mask=mask, other=0.0).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _mm_a_st(a, HI, LO, off, mask, A_F32: tl.constexpr, PREC: tl.constexpr):
+    """a @ (stored state tile at HI/LO + off). a: a raw input, or with A_F32 a derived fp32 operand."""
+    if PREC == "ieee":
+        return tl.dot(a.to(tl.float32), tl.load(HI + off, mask=mask, other=0.0), input_precision="ieee")
+    else:
+        hi = tl.load(HI + off, mask=mask, other=0.0)
+        if A_F32:
+            if PREC == "bf16":
+                ahi, alo = _split(a)
+                lo = tl.load(LO + off, mask=mask, other=0.0)
+                return _dot_lp(ahi, hi) + (_dot_lp(ahi, lo) + _dot_lp(alo, hi))
+            else:
+                return _dot_lp(a.to(tl.bfloat16), hi)
+        else:
+            r = _dot_lp(a, hi)
+            if PREC == "bf16":
+                r += _dot_lp(a, tl.load(LO + off, mask=mask, other=0.0))
+            return r
 
 
 @triton.jit
@@ -242,7 +280,7 @@ def _cb_kernel(Cp, Bp, CB, L, G, NC, scb, scl, scg, scn, sbb, sbl, sbg, sbn,
 @_autotune([triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=4, num_stages=2),
             triton.Config({}, num_warps=4, num_stages=3)], key=["T", "BP", "BN", "BS"])
 @triton.jit
-def _states_kernel(X, Bp, DTP, CS, SEQ, INIT, STATES, FINAL, L, H, G, NC,
+def _states_kernel(X, Bp, DTP, CS, SEQ, INIT, STH, STL, FINAL, L, H, G, NC,
                    sxb, sxl, sxh, sxp, sbb, sbl, sbg, sbn, ssb, ssl, sib, sih, sip, sin,
                    P: tl.constexpr, N: tl.constexpr, T: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                    BS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, PREC: tl.constexpr):
@@ -264,7 +302,7 @@ def _states_kernel(X, Bp, DTP, CS, SEQ, INIT, STATES, FINAL, L, H, G, NC,
     st_base = (b * NC * H + h) * P * N
     for c in range(NC):
         off = st_base + c * H * P * N + p[:, None] * N + n[None, :]
-        tl.store(STATES + off, S, mask=mp[:, None] & mn[None, :])
+        _st_store(STH, STL, off, S, mp[:, None] & mn[None, :], PREC)
         dbase = ((b * H + h) * NC + c) * T
         cs_last = tl.load(CS + dbase + T - 1)
         last = tl.minimum(c * T + T, L) - 1
@@ -300,7 +338,7 @@ def _states_kernel(X, Bp, DTP, CS, SEQ, INIT, STATES, FINAL, L, H, G, NC,
             triton.Config({}, num_warps=4, num_stages=3), triton.Config({}, num_warps=8, num_stages=1)],
            key=["T", "P", "N", "BT", "BS", "BK"])
 @triton.jit
-def _scan_kernel(X, Z, Cp, CB, DTP, CS, SEQ, STATES, Dp, Y, DOUT, DY, DZ, L, H, G, NC,
+def _scan_kernel(X, Z, Cp, CB, DTP, CS, SEQ, STH, STL, Dp, Y, DOUT, DY, DZ, L, H, G, NC,
                  sxb, sxl, sxh, sxp, szb, szl, szh, szp, scb, scl, scg, scn, ssb, ssl,
                  syb, syl, syh, syp, sdob, sdol, sdoh, sdop,
                  P: tl.constexpr, N: tl.constexpr, T: tl.constexpr, BP: tl.constexpr,
@@ -338,16 +376,32 @@ def _scan_kernel(X, Z, Cp, CB, DTP, CS, SEQ, STATES, Dp, Y, DOUT, DY, DZ, L, H, 
         mk = k < N
         cv = tl.load(Cp + b * scb + pt[:, None] * scl + g * scg + k[None, :] * scn,
                      mask=mt[:, None] & mk[None, :], other=0.0)
-        sv = tl.load(STATES + st_off + p[None, :] * N + k[:, None], mask=mk[:, None] & mp[None, :], other=0.0)
-        acc += _mm_bf(cv, sv, PREC)
+        acc += _mm_a_st(cv, STH, STL, st_off + p[None, :] * N + k[:, None], mk[:, None] & mp[None, :], False, PREC)
     row = tl.exp(cs_t)
     if HAS_SEQ:
         sid_in = _seq_at(SEQ, b, c * T - 1, L, ssb, ssl)
         row = tl.where(seq_t == sid_in, row, 0.0)
     acc = acc * row[:, None]
-    # intra-chunk: sum_s L_ts CB_ts dt_s x_s
+    # intra-chunk: sum_s L_ts CB_ts dt_s x_s. Source blocks wholly before this target block (s < r <= t, r its
+    # first position) factor the decay as exp(cs_t - cs_r) exp(cs_r - cs_s), both <= 1 (A <= 0): two vectors
+    # instead of an exp and the causal mask per element; pad sources carry dt = 0 and CB = 0.
     cb_base = ((b * NC + c) * G + g) * T * T
-    for s0 in range(0, tb * BT + BT, BS):
+    r = tb * BT
+    cs_r = tl.load(CS + dbase + r)
+    e_t = tl.exp(cs_t - cs_r)
+    s_mid = (r // BS) * BS
+    for s0 in range(0, s_mid, BS):
+        s = s0 + tl.arange(0, BS)
+        ps = c * T + s
+        cb = tl.load(CB + cb_base + t[:, None] * T + s[None, :])
+        f_s = tl.exp(cs_r - tl.load(CS + dbase + s)) * tl.load(DTP + dbase + s)
+        w = cb * e_t[:, None] * f_s[None, :]
+        if HAS_SEQ:
+            w = tl.where(_seq_at(SEQ, b, ps, L, ssb, ssl)[None, :] == seq_t[:, None], w, 0.0)
+        xv = tl.load(X + b * sxb + ps[:, None] * sxl + h * sxh + p[None, :] * sxp,
+                     mask=(ps < L)[:, None] & mp[None, :], other=0.0)
+        acc += _mm_af(w, xv, PREC)
+    for s0 in range(s_mid, r + BT, BS):
         s = s0 + tl.arange(0, BS)
         ps = c * T + s
         ms = ps < L
@@ -410,12 +464,14 @@ def _pow2_block(n, cap):
 # by _Tuned. The table is module state so that benchmark can sweep it; MEGASSM_SSD_TILES overrides entries.
 TILES = {
     "cb_bt": 64,       # _cb_kernel: C B^T block
-    "states_bs": 128,  # _states_kernel: positions per step of the chunk walk
+    "states_bs": 64,   # _states_kernel: positions per step of the chunk walk
+    "states_bn": 128,  # _states_kernel: state columns per program (all N: x is read once)
     "scan_bt": 64,     # _scan_kernel: target positions per program
     "scan_bs": 32,     # _scan_kernel: source positions per step
     "scan_bk": 64,     # _scan_kernel: state columns per step of the read-out
     "dstates_bt": 64,  # _dstates_kernel: positions per step of the reverse walk
-    "dx_bs": 32,       # _dx_kernel: source positions per program (and target positions per step)
+    "dstates_bn": 128, # _dstates_kernel: state columns per program (all N: dy is read once)
+    "dx_bs": 64,       # _dx_kernel: source positions per program (and target positions per step)
     "dx_bk": 64,       # _dx_kernel: state columns per step
     "dcb_bs": 64,      # _dcb_kernel: square block of the chunk's dCB (and of the cs_t partials)
     "dbc_bs": 128,     # _dbc_kernel: positions per program and per step
@@ -467,15 +523,30 @@ def _prec(x):
     return "bf16fast" if mode == "bf16" else "bf16"
 
 
-def _state_blocks(x, bsz, nheads, hdim, dstate):
-    """P/N blocks of the sequential (chunk-walking) kernels: 64 unless that leaves the GPU under-filled
-    (few rows x heads, e.g. one 32K-token row), then 32."""
-    BP, BN = _pow2_block(hdim, 64), _pow2_block(dstate, 64)
+def _state_blocks(x, bsz, nheads, hdim, dstate, bn_tile):
+    """P/N blocks of the sequential (chunk-walking) kernels: P 64 and N TILES[bn_tile], halving N down to 64
+    while that leaves fewer than two programs per multiprocessor (e.g. micro-batch 4 x 64 heads); still too few
+    (one 32K-token row): 32 and 32."""
+    BP, BN = _pow2_block(hdim, 64), _tile(bn_tile, dstate)
     if x.is_cuda:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        if bsz * nheads * triton.cdiv(hdim, BP) * triton.cdiv(dstate, BN) < 2 * sms:
+
+        def programs(bp, bn):
+            return bsz * nheads * triton.cdiv(hdim, bp) * triton.cdiv(dstate, bn)
+
+        while BN > 64 and programs(BP, BN) < 2 * sms:
+            BN //= 2
+        if programs(BP, BN) < 2 * sms:
             BP, BN = _pow2_block(hdim, 32), _pow2_block(dstate, 32)
     return BP, BN
+
+
+def _states_step(BN, T):
+    """Positions per step of _states_kernel: TILES["states_bs"] at the full TILES["states_bn"] columns; when
+    _state_blocks narrows the N block, longer steps (at most 128), keeping the tile work per step (the H100
+    sweep: 64 x 128 and 128 x 64 are the best pairs, 64 x 64 is ~25% slower)."""
+    bs = TILES["states_bs"] * max(1, TILES["states_bn"] // BN)
+    return max(16, min(max(TILES["states_bs"], min(bs, 128)), triton.next_power_of_2(T)))
 
 
 def _seq_args(seq_idx, x):
@@ -508,19 +579,32 @@ def _prep(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit, seq_idx, chunk_size):
     return T, nc, dtp, cs, cb
 
 
+def _state_buffer(x, shape):
+    """(hi, lo) arrays for chunk states or their gradients, stored as _st_store writes them: fp32 (both names
+    one array) for fp32 inputs, bf16 hi + lo arrays by default for bf16 inputs, a bf16 hi array alone with
+    MEGASSM_SSD_PRECISION=bf16."""
+    prec = _prec(x)
+    if prec == "ieee":
+        t = torch.empty(shape, dtype=torch.float32, device=x.device)
+        return t, t
+    t = torch.empty((2 if prec == "bf16" else 1,) + tuple(shape), dtype=torch.bfloat16, device=x.device)
+    return t[0], t[-1]
+
+
 def _states(x, B, dtp, cs, seq_idx, initial_states, T, nc):
+    """Entering state of every chunk ((hi, lo) arrays, _state_buffer) and the final states (fp32)."""
     bsz, seqlen, nheads, hdim = x.shape
     ngroups, dstate = B.shape[-2:]
-    states = torch.empty(bsz, nc, nheads, hdim, dstate, dtype=torch.float32, device=x.device)
+    states = _state_buffer(x, (bsz, nc, nheads, hdim, dstate))
     final = torch.empty(bsz, nheads, hdim, dstate, dtype=torch.float32, device=x.device)
-    BP, BN = _state_blocks(x, bsz, nheads, hdim, dstate)
+    BP, BN = _state_blocks(x, bsz, nheads, hdim, dstate, "states_bn")
     seq, ssb, ssl = _seq_args(seq_idx, x)
     grid = (bsz, nheads, triton.cdiv(hdim, BP) * triton.cdiv(dstate, BN))
     _states_kernel[grid](
-        x, B, dtp, cs, seq, initial_states if initial_states is not None else x, states, final,
+        x, B, dtp, cs, seq, initial_states if initial_states is not None else x, *states, final,
         seqlen, nheads, ngroups, nc, *x.stride(), *B.stride(), ssb, ssl,
         *(initial_states.stride() if initial_states is not None else (0, 0, 0, 0)),
-        P=hdim, N=dstate, T=T, BP=BP, BN=BN, BS=_tile("states_bs", T), HAS_INIT=initial_states is not None, HAS_SEQ=seq_idx is not None,
+        P=hdim, N=dstate, T=T, BP=BP, BN=BN, BS=_states_step(BN, T), HAS_INIT=initial_states is not None, HAS_SEQ=seq_idx is not None,
         PREC=_prec(x),
     )
     return states, final
@@ -547,7 +631,7 @@ def _scan(x, z, C, D, cb, dtp, cs, seq_idx, states, T, nc, dout=None):
 
     grid = (nheads * triton.cdiv(T, BT) * triton.cdiv(hdim, BP), bsz * nc)
     _scan_kernel[grid](
-        x, z if z is not None else x, C, cb, dtp, cs, seq, states, D if D is not None else x, y,
+        x, z if z is not None else x, C, cb, dtp, cs, seq, *states, D if D is not None else x, y,
         dout, dy if dy is not None else y, dz if dz is not None else y,
         seqlen, nheads, ngroups, nc, *x.stride(), *(z.stride() if z is not None else (0, 0, 0, 0)),
         *C.stride(), ssb, ssl, *y.stride(), *dout.stride(),

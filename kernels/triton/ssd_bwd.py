@@ -18,8 +18,8 @@ from .ssd import (  # noqa: F401
     _autotune,
     _contig_last,
     _mm_af,
-    _mm_bf,
     _mm_ff,
+    _mm_a_st,
     _mm_raw,
     _pow2_block,
     _prec,
@@ -27,7 +27,10 @@ from .ssd import (  # noqa: F401
     _scan,
     _seq_args,
     _seq_at,
+    _st_load,
+    _st_store,
     _state_blocks,
+    _state_buffer,
     _states,
     _tile,
 )
@@ -35,7 +38,7 @@ from .ssd import (  # noqa: F401
 @_autotune([triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=4, num_stages=2),
             triton.Config({}, num_warps=4, num_stages=3)], key=["T", "BP", "BN", "BT"])
 @triton.jit
-def _dstates_kernel(DY, Cp, CS, SEQ, STATES, FINAL, DFIN, DSN, DCSL, DINIT, L, H, G, NC,
+def _dstates_kernel(DY, Cp, CS, SEQ, STH, STL, FINAL, DFIN, DSH, DSL, DCSL, DINIT, L, H, G, NC,
                     sdyb, sdyl, sdyh, sdyp, scb, scl, scg, scn, ssb, ssl,
                     P: tl.constexpr, N: tl.constexpr, T: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                     BT: tl.constexpr, HAS_DFIN: tl.constexpr, HAS_SEQ: tl.constexpr, WANT_DINIT: tl.constexpr,
@@ -63,7 +66,7 @@ def _dstates_kernel(DY, Cp, CS, SEQ, STATES, FINAL, DFIN, DSN, DCSL, DINIT, L, H
     for ci in range(NC):
         c = NC - 1 - ci
         st_off = ((b * NC + c) * H + h) * P * N
-        tl.store(DSN + st_off + pn, dS, mask=mpn)
+        _st_store(DSH, DSL, st_off + pn, dS, mpn, PREC)
         tl.store(DCSL + ((b * H + h) * NC + c) * nblk + blk, tsum(tsum(dS * S_next, axis=1), axis=0))
         dbase = ((b * H + h) * NC + c) * T
         if HAS_SEQ:
@@ -89,7 +92,7 @@ def _dstates_kernel(DY, Cp, CS, SEQ, STATES, FINAL, DFIN, DSN, DCSL, DINIT, L, H
             last = tl.minimum(c * T + T, L) - 1
             decay = tl.where(sid_in == _seq_at(SEQ, b, last, L, ssb, ssl), decay, 0.0)
         dS = R + decay * dS
-        S_next = tl.load(STATES + st_off + pn, mask=mpn, other=0.0)
+        S_next = _st_load(STH, STL, st_off + pn, mpn, PREC)
     if WANT_DINIT:
         tl.store(DINIT + (b * H + h) * P * N + pn, dS, mask=mpn)
 
@@ -98,7 +101,7 @@ def _dstates_kernel(DY, Cp, CS, SEQ, STATES, FINAL, DFIN, DSN, DCSL, DINIT, L, H
             triton.Config({}, num_warps=8, num_stages=3), triton.Config({}, num_warps=8, num_stages=1)],
            key=["T", "P", "N", "BS", "BK"])
 @triton.jit
-def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSN, Dp, DX, DDT, DDP, L, H, G, NC,
+def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSH, DSL, Dp, DX, DDT, DDP, L, H, G, NC,
                sxb, sxl, sxh, sxp, sdyb, sdyl, sdyh, sdyp, sbb, sbl, sbg, sbn, ssb, ssl,
                P: tl.constexpr, N: tl.constexpr, T: tl.constexpr, BPF: tl.constexpr, BS: tl.constexpr,
                BK: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
@@ -134,8 +137,7 @@ def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSN, Dp, DX, DDT, DDP, L, H, G, NC,
         mk = k < N
         bv = tl.load(Bp + b * sbb + ps[:, None] * sbl + g * sbg + k[None, :] * sbn, mask=ms[:, None] & mk[None, :],
                      other=0.0)
-        dsv = tl.load(DSN + st_off + p[None, :] * N + k[:, None], mask=mk[:, None] & mp[None, :], other=0.0)
-        Q += _mm_bf(bv, dsv, PREC)
+        Q += _mm_a_st(bv, DSH, DSL, st_off + p[None, :] * N + k[:, None], mk[:, None] & mp[None, :], False, PREC)
     rs = tl.exp(tl.minimum(cs_last - cs_s, 0.0))
     ok_s = ms
     if HAS_SEQ:
@@ -143,9 +145,27 @@ def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSN, Dp, DX, DDT, DDP, L, H, G, NC,
         ok_s = ok_s & (seq_s == _seq_at(SEQ, b, last, L, ssb, ssl))
     rs = tl.where(ok_s, rs, 0.0)
     Q = Q * rs[:, None]
-    # intra-chunk: sum over t >= s of L_ts CB_ts dy_t
+    # intra-chunk: sum over t >= s of L_ts CB_ts dy_t. The diagonal block with the causal mask; the blocks after it
+    # (s <= r < t, r the block's last source) factor the decay as exp(cs_t - cs_r) exp(cs_r - cs_s), both <= 1
     cb_base = ((b * NC + c) * G + g) * T * T
-    for t0 in range(sb * BS, T, BS):
+    r = sb * BS + BS - 1
+    cs_r = tl.load(CS + dbase + r)
+    f_s = tl.exp(cs_r - cs_s)
+    for t0 in range(sb * BS + BS, T, BS):
+        t = t0 + tl.arange(0, BS)
+        pt = c * T + t
+        mt = pt < L
+        cbT = tl.load(CB + cb_base + t[None, :] * T + s[:, None])  # [s, t]; 0 at pad s and pad t
+        wT = cbT * f_s[:, None] * tl.exp(tl.load(CS + dbase + t) - cs_r)[None, :]
+        if HAS_SEQ:
+            wT = tl.where(seq_s[:, None] == _seq_at(SEQ, b, pt, L, ssb, ssl)[None, :], wT, 0.0)
+        dyv = tl.load(DY + b * sdyb + pt[:, None] * sdyl + h * sdyh + p[None, :] * sdyp,
+                      mask=mt[:, None] & mp[None, :], other=0.0)
+        if DY_F32:
+            Q += _mm_ff(wT, dyv, PREC)
+        else:
+            Q += _mm_af(wT, dyv, PREC)
+    for t0 in range(sb * BS, sb * BS + BS, BS):
         t = t0 + tl.arange(0, BS)
         pt = c * T + t
         mt = pt < L
@@ -226,7 +246,11 @@ def _dcb_kernel(X, DY, CB, DTP, CS, SEQ, DCB, DCSI, L, H, G, NC,
             cs_t = tl.load(CS + dbase + t)
             cs_s = tl.load(CS + dbase + s)
             dt_s = tl.load(DTP + dbase + s)
-            w = tl.exp(tl.where(ok, cs_t[:, None] - cs_s[None, :], 0.0)) * dt_s[None, :]
+            if sb < tb:  # s < r <= t (r = this t block's first position): two vectors, both factors <= 1
+                cs_r = tl.load(CS + dbase + tb * BS)
+                w = tl.exp(cs_t - cs_r)[:, None] * (tl.exp(cs_r - cs_s) * dt_s)[None, :]
+            else:
+                w = tl.exp(tl.where(ok, cs_t[:, None] - cs_s[None, :], 0.0)) * dt_s[None, :]
             wp = tl.where(ok, w * prod, 0.0)
             acc += wp
             # where, not a product with the mask: with blocks larger than _cb_kernel's, CB's upper blocks are
@@ -238,7 +262,7 @@ def _dcb_kernel(X, DY, CB, DTP, CS, SEQ, DCB, DCSI, L, H, G, NC,
 @_autotune([triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=4, num_stages=2),
             triton.Config({}, num_warps=8, num_stages=3)], key=["T", "P", "N", "BS", "BN", "IS_DC"])
 @triton.jit
-def _dbc_kernel(X, DY, OTHER, CR, DCB, DTP, CS, SEQ, SV, OUT, DCSR, L, H, G, NC,
+def _dbc_kernel(X, DY, OTHER, CR, DCB, DTP, CS, SEQ, SVH, SVL, OUT, DCSR, L, H, G, NC,
                 sxb, sxl, sxh, sxp, sdyb, sdyl, sdyh, sdyp, sob, sol, sog, son, scrb, scrl, scrg, scrn, ssb, ssl,
                 P: tl.constexpr, N: tl.constexpr, T: tl.constexpr, BPF: tl.constexpr, BS: tl.constexpr,
                 BN: tl.constexpr, IS_DC: tl.constexpr, HAS_SEQ: tl.constexpr, DY_F32: tl.constexpr,
@@ -284,11 +308,8 @@ def _dbc_kernel(X, DY, OTHER, CR, DCB, DTP, CS, SEQ, SV, OUT, DCSR, L, H, G, NC,
                            mask=mr[:, None] & mp[None, :], other=0.0)
             dt_r = tl.load(DTP + dbase + r)
         st_off = ((b * NC + c) * H + h) * P * N
-        sv = tl.load(SV + st_off + p[:, None] * N + n[None, :], mask=mp[:, None] & mn[None, :], other=0.0)
-        if DY_F32 and IS_DC:
-            st = _mm_ff(rowv, sv, PREC)
-        else:
-            st = _mm_bf(rowv, sv, PREC)
+        st = _mm_a_st(rowv, SVH, SVL, st_off + p[:, None] * N + n[None, :], mp[:, None] & mn[None, :],
+                      DY_F32 and IS_DC, PREC)
         if IS_DC:
             sc = tl.exp(cs_r)
             ok_r = mr
@@ -349,17 +370,17 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     seq, ssb, ssl = _seq_args(seq_idx, x)
     prec = _prec(x)
     # reverse pass over chunks
-    BP, BN = _state_blocks(x, bsz, nheads, hdim, dstate)
+    BP, BN = _state_blocks(x, bsz, nheads, hdim, dstate, "dstates_bn")
     nblk = triton.cdiv(hdim, BP) * triton.cdiv(dstate, BN)
-    dsn = torch.empty(bsz, nc, nheads, hdim, dstate, dtype=torch.float32, device=dev)
+    dsn = _state_buffer(x, (bsz, nc, nheads, hdim, dstate))
     dcsl = torch.empty(bsz, nheads, nc, nblk, dtype=torch.float32, device=dev)
     dinit = torch.empty(bsz, nheads, hdim, dstate, dtype=torch.float32, device=dev) if initial_states is not None \
         else None
     if dfinal is not None:
         dfinal = dfinal.contiguous()
     _dstates_kernel[(bsz, nheads, nblk)](
-        dy, C, cs, seq, states, final, dfinal if dfinal is not None else final, dsn, dcsl,
-        dinit if dinit is not None else dsn, seqlen, nheads, ngroups, nc, *dy.stride(), *C.stride(), ssb, ssl,
+        dy, C, cs, seq, *states, final, dfinal if dfinal is not None else final, *dsn, dcsl,
+        dinit if dinit is not None else final, seqlen, nheads, ngroups, nc, *dy.stride(), *C.stride(), ssb, ssl,
         P=hdim, N=dstate, T=T, BP=BP, BN=BN, BT=_tile("dstates_bt", T), HAS_DFIN=dfinal is not None,
         HAS_SEQ=seq_idx is not None, WANT_DINIT=dinit is not None, PREC=prec,
     )
@@ -370,7 +391,7 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     ddt_direct = torch.empty(bsz, nheads, nc, T, dtype=torch.float32, device=dev)
     ddp = torch.empty(bsz * nc * (T // BS), nheads, hdim, dtype=torch.float32, device=dev) if D is not None else None
     _dx_kernel[(nheads * (T // BS), bsz * nc)](
-        x, dy, B, cb, dtp, cs, seq, dsn, D if D is not None else x, dx, ddt_direct, ddp if ddp is not None else dx,
+        x, dy, B, cb, dtp, cs, seq, *dsn, D if D is not None else x, dx, ddt_direct, ddp if ddp is not None else dx,
         seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(), *B.stride(), ssb, ssl,
         P=hdim, N=dstate, T=T, BPF=BPF, BS=BS, BK=_tile("dx_bk", dstate), HAS_SEQ=seq_idx is not None,
         HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2, DY_F32=dy_f32, PREC=prec,
@@ -397,12 +418,12 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     dcsr = torch.empty(bsz, nheads, nc, T, nnb, dtype=torch.float32, device=dev)
     grid = (ngroups * (T // BSR) * nnb, bsz * nc)
     _dbc_kernel[grid](
-        x, dy, C, C, dcb, dtp, cs, seq, dsn, dB, dcsr, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(),
+        x, dy, C, C, dcb, dtp, cs, seq, *dsn, dB, dcsr, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(),
         *C.stride(), *C.stride(), ssb, ssl, P=hdim, N=dstate, T=T, BPF=BPF, BS=BSR, BN=BNc, IS_DC=False,
         HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=prec,
     )
     _dbc_kernel[grid](
-        x, dy, B, C, dcb, dtp, cs, seq, states, dC, dcsr, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(),
+        x, dy, B, C, dcb, dtp, cs, seq, *states, dC, dcsr, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(),
         *B.stride(), *C.stride(), ssb, ssl, P=hdim, N=dstate, T=T, BPF=BPF, BS=BSR, BN=BNc, IS_DC=True,
         HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=prec,
     )
