@@ -97,6 +97,16 @@ def _dstates_kernel(DY, Cp, CS, SEQ, STH, STL, FINAL, DFIN, DSH, DSL, DCSL, DINI
         tl.store(DINIT + (b * H + h) * P * N + pn, dS, mask=mpn)
 
 
+@triton.jit
+def _mm_w_dy(w, DYP, mask, DY_F32: tl.constexpr, PREC: tl.constexpr):
+    """w (a derived fp32 decay-weighted tile) @ the dy tile at DYP (a raw input, or fp32 after the gate)."""
+    dyv = tl.load(DYP, mask=mask, other=0.0)
+    if DY_F32:
+        return _mm_ff(w, dyv, PREC)
+    else:
+        return _mm_af(w, dyv, PREC)
+
+
 @_autotune([triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=4, num_stages=2),
             triton.Config({}, num_warps=8, num_stages=3), triton.Config({}, num_warps=8, num_stages=1)],
            key=["T", "P", "N", "BS", "BK"])
@@ -159,13 +169,9 @@ def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSH, DSL, Dp, DX, DDT, DDP, L, H, G,
         wT = cbT * f_s[:, None] * tl.exp(tl.load(CS + dbase + t) - cs_r)[None, :]
         if HAS_SEQ:
             wT = tl.where(seq_s[:, None] == _seq_at(SEQ, b, pt, L, ssb, ssl)[None, :], wT, 0.0)
-        dyv = tl.load(DY + b * sdyb + pt[:, None] * sdyl + h * sdyh + p[None, :] * sdyp,
-                      mask=mt[:, None] & mp[None, :], other=0.0)
-        if DY_F32:
-            Q += _mm_ff(wT, dyv, PREC)
-        else:
-            Q += _mm_af(wT, dyv, PREC)
-    for t0 in range(sb * BS, sb * BS + BS, BS):
+        Q += _mm_w_dy(wT, DY + b * sdyb + pt[:, None] * sdyl + h * sdyh + p[None, :] * sdyp,
+                      mt[:, None] & mp[None, :], DY_F32, PREC)
+    for t0 in range(sb * BS, sb * BS + BS, BS):  # one iteration: the diagonal block
         t = t0 + tl.arange(0, BS)
         pt = c * T + t
         mt = pt < L
@@ -175,12 +181,8 @@ def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSH, DSL, Dp, DX, DDT, DDP, L, H, G,
         if HAS_SEQ:
             ok = ok & (seq_s[:, None] == _seq_at(SEQ, b, pt, L, ssb, ssl)[None, :])
         wT = tl.where(ok, cbT * tl.exp(tl.where(ok, cs_t[None, :] - cs_s[:, None], 0.0)), 0.0)
-        dyv = tl.load(DY + b * sdyb + pt[:, None] * sdyl + h * sdyh + p[None, :] * sdyp,
-                      mask=mt[:, None] & mp[None, :], other=0.0)
-        if DY_F32:
-            Q += _mm_ff(wT, dyv, PREC)
-        else:
-            Q += _mm_af(wT, dyv, PREC)
+        Q += _mm_w_dy(wT, DY + b * sdyb + pt[:, None] * sdyl + h * sdyh + p[None, :] * sdyp,
+                      mt[:, None] & mp[None, :], DY_F32, PREC)
     xf = xv.to(tl.float32)
     ddt = tsum(xf * Q, axis=1)
     dx = Q * dt_s[:, None]
