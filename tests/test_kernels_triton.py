@@ -319,13 +319,15 @@ def test_ssd_triton_fp32_vs_sequential_oracle(triton_mode, case):
     # chunk 64: several target blocks in _scan, each with whole source blocks before it (the factored decay),
     # source blocks smaller than target blocks; the same for _dx and _dcb
     dict(chunk=64, cb_bt=16, scan_bt=32, scan_bs=16, dx_bs=16, dcb_bs=16, dbc_bs=32),
-], ids=["small", "mixed", "chunk64"])
-@pytest.mark.parametrize("resets", [True, False], ids=["resets", "no-resets"])
-def test_ssd_triton_tile_variants(triton_mode, monkeypatch, tiles, resets):
+    # the same without resets (the factored tiles' unmasked path)
+    dict(chunk=64, resets=False, cb_bt=16, scan_bt=32, scan_bs=16, dx_bs=16, dcb_bs=16, dbc_bs=32),
+], ids=["small", "mixed", "chunk64", "chunk64-no-resets"])
+def test_ssd_triton_tile_variants(triton_mode, monkeypatch, tiles):
     from megassm.kernels.triton import ssd as tssd
 
     tiles = dict(tiles)
     chunk = tiles.pop("chunk", 32)
+    resets = tiles.pop("resets", True)
     monkeypatch.setattr(tssd, "TILES", {**tssd.TILES, **tiles})
     inp = ssd_inputs(2, 45 if chunk == 32 else 150, 2, 16, 1, 32, d_mode="chan")
     L = inp["x"].shape[1]
