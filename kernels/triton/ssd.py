@@ -545,8 +545,10 @@ def _states_step(BN, T):
     """Positions per step of _states_kernel: TILES["states_bs"] at the full TILES["states_bn"] columns; when
     _state_blocks narrows the N block, longer steps (at most 128), keeping the tile work per step (the H100
     sweep: 64 x 128 and 128 x 64 are the best pairs, 64 x 64 is ~25% slower)."""
-    bs = TILES["states_bs"] * max(1, TILES["states_bn"] // BN)
-    return max(16, min(max(TILES["states_bs"], min(bs, 128)), triton.next_power_of_2(T)))
+    bs = TILES["states_bs"]
+    if BN < TILES["states_bn"]:
+        bs = max(bs, min(bs * (TILES["states_bn"] // BN), 128))
+    return max(16, min(bs, triton.next_power_of_2(T)))
 
 
 def _seq_args(seq_idx, x):
