@@ -1,0 +1,103 @@
+"""SSD precision at real shapes: each implementation's bf16 error against an fp64 oracle, beside the error of
+megassm's PyTorch reference run on the same bf16 inputs (fp32 math, outputs rounded: the yardstick of issue 4's
+"within 2x of the reference's own bf16 error"). Prints one JSON line per implementation.
+
+    PYTHONPATH=.peers python benchmarks/ssd_precision.py [--batch 2 --seqlen 2048 --heads 64 --dstate 128]
+
+Implementations: megassm at its default precision (bf16 hi + lo products for derived operands), megassm with
+MEGASSM_SSD_PRECISION=bf16 (one bf16 rounding, as mamba_ssm), and mamba_ssm's mamba_chunk_scan_combined when it
+imports (peer code from PYTHONPATH, measured, never copied). Errors are ||ours - oracle|| / ||oracle|| per output
+and per input gradient; `ratio` divides by the reference's error.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+os.environ.setdefault("MEGASSM_KERNELS", "triton")
+
+import torch  # noqa: E402
+
+GRAD_KEYS = ("x", "dt", "A", "B", "C", "D", "dt_bias")
+
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make_inputs(bsz, seqlen, nheads, hdim, dstate, ngroups, seed):
+    """bf16 activations and fp32 parameters, scaled as in benchmarks/kernels_ssd.py (dt ~ 0.02 .. 0.1)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rn(*s, scale=1.0):
+        return (torch.randn(*s, device="cuda", generator=g) * scale).to(torch.bfloat16)
+
+    return dict(x=rn(bsz, seqlen, nheads, hdim), dt=rn(bsz, seqlen, nheads, scale=0.5),
+                A=-(torch.rand(nheads, device="cuda", generator=g) * 4 + 1),
+                B=rn(bsz, seqlen, ngroups, dstate), C=rn(bsz, seqlen, ngroups, dstate),
+                D=torch.randn(nheads, device="cuda", generator=g),
+                dt_bias=torch.rand(nheads, device="cuda", generator=g) - 4.0)
+
+
+def run(fn, inp, gy, cast=None):
+    """y and the gradients of <y, gy> with respect to every input, through fn(**leaves)."""
+    leaves = {k: (v.to(cast) if cast is not None else v).detach().clone().requires_grad_(True) for k, v in inp.items()}
+    y = fn(**leaves)
+    grads = torch.autograd.grad(y, [leaves[k] for k in GRAD_KEYS], gy.to(y.dtype))
+    return {"y": y.detach(), **{"d" + k: gr for k, gr in zip(GRAD_KEYS, grads)}}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seqlen", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=64)
+    ap.add_argument("--headdim", type=int, default=64)
+    ap.add_argument("--dstate", type=int, default=128)
+    ap.add_argument("--ngroups", type=int, default=1)
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
+    from megassm import kernels as K
+    from megassm.kernels import reference as R
+
+    inp = make_inputs(args.batch, args.seqlen, args.heads, args.headdim, args.dstate, args.ngroups, args.seed)
+    gy = torch.randn(args.batch, args.seqlen, args.heads, args.headdim, device="cuda",
+                     generator=torch.Generator(device="cuda").manual_seed(args.seed + 1)).to(torch.bfloat16)
+    kw = dict(dt_softplus=True, chunk_size=args.chunk)
+    shape = {k: getattr(args, k) for k in ("batch", "seqlen", "heads", "headdim", "dstate", "ngroups", "chunk")}
+
+    def ours(mode):
+        def f(**t):
+            os.environ["MEGASSM_SSD_PRECISION"] = mode
+            return K.ssd(t["x"], t["dt"], t["A"], t["B"], t["C"], D=t["D"], dt_bias=t["dt_bias"], **kw)
+        return f
+
+    def reference(**t):
+        return R.ssd(t["x"], t["dt"], t["A"], t["B"], t["C"], D=t["D"], dt_bias=t["dt_bias"], **kw)
+
+    oracle = run(reference, inp, gy, cast=torch.float64)
+    impls = {"reference_bf16": reference, "megassm_split": ours("split"), "megassm_bf16": ours("bf16")}
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as mcs
+
+        impls["mamba_ssm"] = lambda **t: mcs(t["x"], t["dt"], t["A"], t["B"], t["C"], chunk_size=args.chunk,
+                                             D=t["D"], dt_bias=t["dt_bias"], dt_softplus=True)
+    except Exception as e:  # the peer is optional: say so
+        print(json.dumps({"impl": "mamba_ssm", "absent": f"{type(e).__name__}: {e}"}), flush=True)
+    ref_err = None
+    for name, fn in impls.items():
+        res = run(fn, inp, gy)
+        err = {k: rel(res[k], oracle[k]) for k in oracle}
+        ref_err = ref_err or err
+        row = {"impl": name, **shape, "rel_err": {k: float(f"{v:.3g}") for k, v in err.items()},
+               "ratio_to_reference": {k: round(err[k] / max(ref_err[k], 1e-12), 2) for k in err},
+               "worst_ratio": round(max(err[k] / max(ref_err[k], 1e-12) for k in err), 2)}
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
