@@ -100,6 +100,7 @@ def kernel_profile(fn, reps=5):
 
 
 PROFILE = False
+SEGMENTS = "auto"  # MEGASSM_SSD_STATE_SEGMENTS of the megassm_seg rows (--segments)
 
 
 def bench_ssd(row, B, L, H, P, N, G, chunk, impls):
@@ -113,15 +114,18 @@ def bench_ssd(row, B, L, H, P, N, G, chunk, impls):
         return K.ssd(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], D=leaves["D"],
                      dt_bias=leaves["dt_bias"], dt_softplus=True, chunk_size=chunk)
 
-    def with_precision(mode):
-        def f():  # MEGASSM_SSD_PRECISION is read per call (forward and backward), so set it per call
+    def with_precision(mode, segments="1"):
+        def f():  # the env switches are read per call (forward and backward), so set them per call
             os.environ["MEGASSM_SSD_PRECISION"] = mode
+            os.environ["MEGASSM_SSD_STATE_SEGMENTS"] = segments
             return ours()
 
         return f
 
     # megassm: default (bf16 hi+lo products for derived operands); megassm_bf16: one bf16 rounding, as mamba_ssm
     fns = {"megassm": with_precision("split"), "megassm_bf16": with_precision("bf16")}
+    if L >= 8192 or "megassm_seg" in impls:  # the chunk walks split into segments (long rows, few of them)
+        fns["megassm_seg"] = with_precision("split", SEGMENTS)
     mcs, why = _mamba()
     if mcs is not None:
         def peer():
@@ -151,7 +155,7 @@ def bench_ssd(row, B, L, H, P, N, G, chunk, impls):
         g_ours = torch.autograd.grad(fns["megassm"](), [leaves[k] for k in names], gy)
         g_peer = torch.autograd.grad(fns["mamba_ssm"](), [leaves[k] for k in names], gy)
         row["rel_diff_grads_vs_mamba"] = {k: round(rel(a, b), 6) for k, a, b in zip(names, g_ours, g_peer)}
-        for ours_name in ("megassm", "megassm_bf16"):
+        for ours_name in ("megassm", "megassm_bf16", "megassm_seg"):
             if row.get("mamba_ssm_fwdbwd_ms") and row.get(f"{ours_name}_fwdbwd_ms"):
                 row[f"speedup_fwdbwd_{ours_name}"] = round(row["mamba_ssm_fwdbwd_ms"] / row[f"{ours_name}_fwdbwd_ms"], 3)
                 row[f"speedup_fwd_{ours_name}"] = round(row["mamba_ssm_fwd_ms"] / row[f"{ours_name}_fwd_ms"], 3)
@@ -285,11 +289,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="", help="comma list of: ssd, sdpa, conv, norm, step")
     ap.add_argument("--quick", action="store_true", help="only the 2K row of the anchors shape")
-    ap.add_argument("--impls", default="", help="comma list restricting SSD impls (megassm, megassm_bf16, mamba_ssm)")
+    ap.add_argument("--impls", default="",
+                    help="comma list restricting SSD impls (megassm, megassm_bf16, megassm_seg, mamba_ssm)")
     ap.add_argument("--profile", action="store_true", help="SSD rows also list each kernel's GPU ms per fwd+bwd")
+    ap.add_argument("--segments", default="auto",
+                    help="MEGASSM_SSD_STATE_SEGMENTS for the megassm_seg rows (L >= 8192 or --impls megassm_seg)")
     args = ap.parse_args()
-    global PROFILE
+    global PROFILE, SEGMENTS
     PROFILE = args.profile
+    SEGMENTS = args.segments
     only = set(filter(None, args.only.split(",")))
     impls = set(filter(None, args.impls.split(",")))
     want = (lambda k: not only or k in only)

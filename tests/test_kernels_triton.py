@@ -338,6 +338,47 @@ def test_ssd_triton_tile_variants(triton_mode, monkeypatch, tiles):
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype,segments", [("fp32", "3"), ("bf16", "2")])
+def test_ssd_triton_state_segments(triton_mode, monkeypatch, dtype, segments):
+    """The chunk walks split into segments (MEGASSM_SSD_STATE_SEGMENTS) and completed by the fix-up passes
+    give what one walk gives: against the token-by-token oracle (fp32) or within the bf16 budget, with an
+    initial state and a final-state gradient."""
+    monkeypatch.setenv("MEGASSM_SSD_STATE_SEGMENTS", segments)
+    chunk, L = 16, 100  # 7 chunks: segments of 3 + 3 + 1 chunks, or 4 + 3
+    inp = ssd_inputs(2, L, 2, 16, 1, 32, d_mode="chan", a_scale=0.01)  # slow decay: states live for chunks
+    # row 0: resets inside a segment, on a chunk edge, on the segment edge 48; row 1: one reset in the last
+    # chunk, so states and their gradients cross every segment edge
+    sid = seq_from_starts([[16, 48, 53, 99], [97]], L)
+    if dtype == "fp32":
+        ours = run_ssd(K.ssd, inp, sid, chunk_size=chunk)
+        oracle = run_ssd(R.ssd_sequential, cast_inputs(inp, to=F64), sid)
+        check_fp32(ours, oracle, 5e-5)
+    else:
+        low = cast_inputs(inp, lowp=torch.bfloat16)
+        ours = run_ssd(K.ssd, low, sid, chunk_size=chunk)
+        ref = run_ssd(R.ssd, low, sid, chunk_size=chunk)
+        oracle = run_ssd(R.ssd, cast_inputs(low, to=F64), sid, chunk_size=chunk)
+        check_lowp(ours, ref, oracle, 3.0 if INTERP else 2.0)
+
+
+@needs_triton
+def test_ssd_state_segments_setting(monkeypatch):
+    from megassm.kernels.triton.ssd import _state_segments
+
+    x = torch.zeros(1, device=DEV)
+    for text, nc, want in (("1", 10, (1, 10)), ("4", 10, (4, 3)), ("3", 7, (3, 3)), ("16", 3, (3, 1))):
+        monkeypatch.setenv("MEGASSM_SSD_STATE_SEGMENTS", text)
+        assert _state_segments(x, 1, 8, 64, 128, nc) == want, text
+    monkeypatch.setenv("MEGASSM_SSD_STATE_SEGMENTS", "auto")
+    nseg, cps = _state_segments(x, 64, 64, 64, 128, 8)  # 64 rows fill any GPU: one walk
+    assert (nseg, cps) == (1, 8)
+    for bad in ("0", "-2", "two"):
+        monkeypatch.setenv("MEGASSM_SSD_STATE_SEGMENTS", bad)
+        with pytest.raises(ValueError, match=f"MEGASSM_SSD_STATE_SEGMENTS={bad!r}"):
+            _state_segments(x, 1, 8, 64, 128, 10)
+
+
+@needs_triton
 def test_ssd_tiles_env_override():
     from megassm.kernels.triton.ssd import _tiles_from_env
 

@@ -70,11 +70,11 @@ def test_tp2_x_cp2_matches_single_device(tmp_path, sp):
 @pytest.mark.slow
 def test_cp2_with_triton_kernels_interpreted(tmp_path, monkeypatch):
     """The Triton SSD / conv kernels (Triton's CPU interpreter) under CP: the local SSD without an initial
-    state, its final state and that state's gradient, seq_idx with global ids. ~30 s."""
+    state, its final state and that state's gradient, seq_idx with global ids. One Mamba layer: ~45 s."""
     monkeypatch.setenv("MEGASSM_KERNELS", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     out = tmp_path / "report.json"
-    spawn(cp_equivalence_worker, 2, 2, 1, [dict(pattern="MM", ngroups=2)], str(out))
+    spawn(cp_equivalence_worker, 2, 2, 1, [dict(pattern="M", ngroups=2)], str(out))
     assert json.loads(out.read_text())[0]["worst_grad_rel"] <= 1e-5
 
 

@@ -16,6 +16,9 @@ Forward kernels:  _dt_kernel (dt processing + in-chunk cumsum), _cb_kernel (C B^
 _states_kernel (chunk end states and the passing across chunks fused: one program walks the chunks of its
 (b, h, P-block, N-block) in order, so the chunk states never round-trip through memory),
 _scan_kernel (outputs: state read-out + masked intra-chunk quadratic form, D skip and z gate fused).
+With MEGASSM_SSD_STATE_SEGMENTS=k the chunk walks run as k parallel segments (the later ones from zero), and
+_states_fix_kernel adds each previous segment's true end state, decayed, to the later segments' chunks
+(_dstates_kernel / _dstates_fix_kernel likewise in reverse): parallelism for a few long rows.
 
 Backward (recomputes dt/cs, CB and the entering states; the SSM output only with the gate z, in _scan_kernel's
 BWD mode, which writes dy = dout * silu(z) and dz; then):
@@ -280,11 +283,16 @@ def _cb_kernel(Cp, Bp, CB, L, G, NC, scb, scl, scg, scn, sbb, sbl, sbg, sbn,
 @_autotune([triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=4, num_stages=2),
             triton.Config({}, num_warps=4, num_stages=3)], key=["T", "BP", "BN", "BS"])
 @triton.jit
-def _states_kernel(X, Bp, DTP, CS, SEQ, INIT, STH, STL, FINAL, L, H, G, NC,
+def _states_kernel(X, Bp, DTP, CS, SEQ, INIT, STH, STL, FINAL, L, H, G, NC, NSEG, CPS,
                    sxb, sxl, sxh, sxp, sbb, sbl, sbg, sbn, ssb, ssl, sib, sih, sip, sin,
                    P: tl.constexpr, N: tl.constexpr, T: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                    BS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, PREC: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
+    """Walks the chunks [seg * CPS, seg * CPS + CPS) of one (row, segment, head, P-block, N-block) in order:
+    stores each chunk's entering state, then the segment's end state into FINAL[b, seg]. Segments after the
+    first start from zero (their entering states are completed by _states_fix_kernel); with NSEG = 1 this is
+    the whole sequence and FINAL the final state."""
+    b = (tl.program_id(0) // NSEG).to(tl.int64)
+    seg = tl.program_id(0) % NSEG
     h = tl.program_id(1)
     npb: tl.constexpr = (P + BP - 1) // BP
     pb = tl.program_id(2) % npb
@@ -294,13 +302,13 @@ def _states_kernel(X, Bp, DTP, CS, SEQ, INIT, STH, STL, FINAL, L, H, G, NC,
     n = nb * BN + tl.arange(0, BN)
     mp = p < P
     mn = n < N
-    if HAS_INIT:
+    if HAS_INIT:  # the initial state enters the first segment only
         S = tl.load(INIT + b * sib + h * sih + p[:, None] * sip + n[None, :] * sin,
-                    mask=mp[:, None] & mn[None, :], other=0.0).to(tl.float32)
+                    mask=mp[:, None] & mn[None, :] & (seg == 0), other=0.0).to(tl.float32)
     else:
         S = tl.full([BP, BN], 0.0, tl.float32)
     st_base = (b * NC * H + h) * P * N
-    for c in range(NC):
+    for c in range(seg * CPS, tl.minimum(seg * CPS + CPS, NC)):
         off = st_base + c * H * P * N + p[:, None] * N + n[None, :]
         _st_store(STH, STL, off, S, mp[:, None] & mn[None, :], PREC)
         dbase = ((b * H + h) * NC + c) * T
@@ -331,7 +339,27 @@ def _states_kernel(X, Bp, DTP, CS, SEQ, INIT, STH, STL, FINAL, L, H, G, NC,
             sid_in = _seq_at(SEQ, b, c * T - 1, L, ssb, ssl)  # clamps to position 0 for c = 0
             decay = tl.where(sid_in == seq_last, decay, 0.0)
         S = S * decay + acc
-    tl.store(FINAL + (b * H + h) * P * N + p[:, None] * N + n[None, :], S, mask=mp[:, None] & mn[None, :])
+    tl.store(FINAL + ((b * NSEG + seg) * H + h) * P * N + p[:, None] * N + n[None, :], S,
+             mask=mp[:, None] & mn[None, :])
+
+
+@triton.jit
+def _states_fix_kernel(STH, STL, ENDS, DPRE, NC, H, CPS, PN: tl.constexpr, BLK: tl.constexpr,
+                       PREC: tl.constexpr):
+    """Completes the entering states of the chunks of segments after the first: S_c += DPRE[b, h, c] *
+    ENDS[b, seg - 1, h] (the true end state of the previous segment, decayed to chunk c)."""
+    j = tl.program_id(0) * BLK + tl.arange(0, BLK)
+    h = tl.program_id(1)
+    nfix = NC - CPS
+    b = (tl.program_id(2) // nfix).to(tl.int64)
+    c = CPS + tl.program_id(2) % nfix
+    seg = c // CPS
+    nseg = (NC + CPS - 1) // CPS
+    m = j < PN
+    w = tl.load(DPRE + (b * H + h) * NC + c)
+    prev = tl.load(ENDS + ((b * nseg + seg - 1) * H + h) * PN + j, mask=m, other=0.0)
+    off = ((b * NC + c) * H + h) * PN + j
+    _st_store(STH, STL, off, _st_load(STH, STL, off, m, PREC) + w * prev, m, PREC)
 
 
 @_autotune([triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=4, num_stages=2),
@@ -593,23 +621,87 @@ def _state_buffer(x, shape):
     return t[0], t[-1]
 
 
+def _state_segments(x, bsz, nheads, hdim, dstate, nc):
+    """(segments, chunks per segment) of the chunk walks in _states_kernel / _dstates_kernel.
+    MEGASSM_SSD_STATE_SEGMENTS: "1" (default: one walk over the whole sequence), an integer k (k walks of
+    ceil(nc / k) chunks in parallel, then a fix-up pass), or "auto" (double k, up to 16 and nc / 2, while the
+    walks give fewer than two programs per multiprocessor at 64 x 64 blocks). Read per call."""
+    text = os.environ.get("MEGASSM_SSD_STATE_SEGMENTS", "1").strip().lower()
+    if text == "auto":
+        k = 1
+        if x.is_cuda:
+            sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+            blocks = triton.cdiv(hdim, 64) * triton.cdiv(dstate, 64)
+            while k < 16 and 2 * k <= nc // 2 and bsz * k * nheads * blocks < 2 * sms:
+                k *= 2
+    else:
+        try:
+            k = int(text)
+        except ValueError:
+            k = 0
+        if k < 1:
+            raise ValueError(f"MEGASSM_SSD_STATE_SEGMENTS={text!r}: expected a positive integer or auto")
+    cps = triton.cdiv(nc, min(k, nc))
+    return triton.cdiv(nc, cps), cps
+
+
+def _chunk_decays(cs, seq_idx, T, seqlen):
+    """exp(cs_last) per (row, head, chunk): the factor by which a chunk carries its entering state to its end;
+    0 where the entering state's document is not the chunk's last (as _states_kernel's `decay`)."""
+    dec = torch.exp(cs[..., T - 1])
+    if seq_idx is not None:
+        nc = cs.shape[2]
+        starts = torch.arange(nc, device=cs.device) * T
+        first = (starts - 1).clamp(0, seqlen - 1)
+        last = (starts + T).clamp(max=seqlen) - 1
+        keep = seq_idx[:, first] == seq_idx[:, last]
+        dec = dec * keep[:, None, :]
+    return dec
+
+
+def _segment_decays(dec, nseg, cps):
+    """For chunk decays [B, H, nc] grouped into segments of cps chunks: (before, after, whole), the products of
+    the decays of the segment's chunks before chunk c, after chunk c, and of the whole segment [B, H, nseg]."""
+    bsz, nheads, nc = dec.shape
+    d = torch.nn.functional.pad(dec, (0, nseg * cps - nc), value=1.0).view(bsz, nheads, nseg, cps)
+    one = torch.ones_like(d[..., :1])
+    inc = d.cumprod(-1)
+    before = torch.cat([one, inc[..., :-1]], -1)
+    after = torch.cat([d.flip(-1).cumprod(-1).flip(-1)[..., 1:], one], -1)
+    return (before.reshape(bsz, nheads, -1)[..., :nc].contiguous(),
+            after.reshape(bsz, nheads, -1)[..., :nc].contiguous(), inc[..., -1])
+
+
 def _states(x, B, dtp, cs, seq_idx, initial_states, T, nc):
-    """Entering state of every chunk ((hi, lo) arrays, _state_buffer) and the final states (fp32)."""
+    """Entering state of every chunk ((hi, lo) arrays, _state_buffer) and the final states (fp32). With
+    segments (_state_segments), each segment's walk starts from zero; the true segment ends follow in order
+    (end_k += decay of segment k * end_{k-1}) and _states_fix_kernel adds the decayed previous end to the
+    entering states of every later segment's chunks."""
     bsz, seqlen, nheads, hdim = x.shape
     ngroups, dstate = B.shape[-2:]
     states = _state_buffer(x, (bsz, nc, nheads, hdim, dstate))
-    final = torch.empty(bsz, nheads, hdim, dstate, dtype=torch.float32, device=x.device)
-    BP, BN = _state_blocks(x, bsz, nheads, hdim, dstate, "states_bn")
+    nseg, cps = _state_segments(x, bsz, nheads, hdim, dstate, nc)
+    ends = torch.empty(bsz, nseg, nheads, hdim, dstate, dtype=torch.float32, device=x.device)
+    BP, BN = _state_blocks(x, bsz * nseg, nheads, hdim, dstate, "states_bn")
     seq, ssb, ssl = _seq_args(seq_idx, x)
-    grid = (bsz, nheads, triton.cdiv(hdim, BP) * triton.cdiv(dstate, BN))
+    grid = (bsz * nseg, nheads, triton.cdiv(hdim, BP) * triton.cdiv(dstate, BN))
     _states_kernel[grid](
-        x, B, dtp, cs, seq, initial_states if initial_states is not None else x, *states, final,
-        seqlen, nheads, ngroups, nc, *x.stride(), *B.stride(), ssb, ssl,
+        x, B, dtp, cs, seq, initial_states if initial_states is not None else x, *states, ends,
+        seqlen, nheads, ngroups, nc, nseg, cps, *x.stride(), *B.stride(), ssb, ssl,
         *(initial_states.stride() if initial_states is not None else (0, 0, 0, 0)),
-        P=hdim, N=dstate, T=T, BP=BP, BN=BN, BS=_states_step(BN, T), HAS_INIT=initial_states is not None, HAS_SEQ=seq_idx is not None,
-        PREC=_prec(x),
+        P=hdim, N=dstate, T=T, BP=BP, BN=BN, BS=_states_step(BN, T), HAS_INIT=initial_states is not None,
+        HAS_SEQ=seq_idx is not None, PREC=_prec(x),
     )
-    return states, final
+    if nseg == 1:
+        return states, ends[:, 0]
+    before, _, whole = _segment_decays(_chunk_decays(cs, seq_idx, T, seqlen), nseg, cps)
+    for k in range(1, nseg):
+        ends[:, k] += whole[:, :, k, None, None] * ends[:, k - 1]
+    BLK = _pow2_block(hdim * dstate, 1024)
+    _states_fix_kernel[(triton.cdiv(hdim * dstate, BLK), nheads, bsz * (nc - cps))](
+        *states, ends, before, nc, nheads, cps, PN=hdim * dstate, BLK=BLK, PREC=_prec(x),
+    )
+    return states, ends[:, -1].contiguous()
 
 
 def _scan(x, z, C, D, cb, dtp, cs, seq_idx, states, T, nc, dout=None):
