@@ -625,14 +625,15 @@ def _state_segments(x, bsz, nheads, hdim, dstate, nc):
     """(segments, chunks per segment) of the chunk walks in _states_kernel / _dstates_kernel.
     MEGASSM_SSD_STATE_SEGMENTS: "1" (default: one walk over the whole sequence), an integer k (k walks of
     ceil(nc / k) chunks in parallel, then a fix-up pass), or "auto" (double k, up to 16 and nc / 2, while the
-    walks give fewer than two programs per multiprocessor at 64 x 64 blocks). Read per call."""
+    walks give fewer than two programs per multiprocessor at 64 x 64 blocks or a walk is longer than 16 chunks:
+    a starting rule, not yet tuned on a GPU). Read per call."""
     text = os.environ.get("MEGASSM_SSD_STATE_SEGMENTS", "1").strip().lower()
     if text == "auto":
         k = 1
         if x.is_cuda:
             sms = torch.cuda.get_device_properties(x.device).multi_processor_count
             blocks = triton.cdiv(hdim, 64) * triton.cdiv(dstate, 64)
-            while k < 16 and 2 * k <= nc // 2 and bsz * k * nheads * blocks < 2 * sms:
+            while k < 16 and 2 * k <= nc // 2 and (bsz * k * nheads * blocks < 2 * sms or triton.cdiv(nc, k) > 16):
                 k *= 2
     else:
         try:
