@@ -289,6 +289,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="", help="comma list of: ssd, sdpa, conv, norm, step")
     ap.add_argument("--quick", action="store_true", help="only the 2K row of the anchors shape")
+    ap.add_argument("--lens", default="", help="comma list of sequence lengths: only those anchors-shape rows "
+                    "(32K tokens each), no other shapes; e.g. 8192,32768 for the --segments sweep")
     ap.add_argument("--impls", default="",
                     help="comma list restricting SSD impls (megassm, megassm_bf16, megassm_seg, mamba_ssm)")
     ap.add_argument("--profile", action="store_true", help="SSD rows also list each kernel's GPU ms per fwd+bwd")
@@ -301,12 +303,18 @@ def main():
     only = set(filter(None, args.only.split(",")))
     impls = set(filter(None, args.impls.split(",")))
     want = (lambda k: not only or k in only)
+    tokens = 32768
+    try:
+        lens = [int(v) for v in args.lens.split(",") if v.strip()]
+    except ValueError:
+        lens = [0]
+    if any(v <= 0 or tokens % v for v in lens):
+        ap.error(f"--lens {args.lens!r}: each length must be a positive divisor of {tokens}")
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     emit({"bench": "env", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
           "triton": __import__("triton").__version__, "MEGASSM_KERNELS": os.environ.get("MEGASSM_KERNELS"),
           "mamba_ssm": "present" if _mamba()[0] is not None else f"absent ({_mamba()[1]})"})
-    tokens = 32768
-    Ls = [2048] if args.quick else [512, 2048, 8192, 32768]
+    Ls = lens or ([2048] if args.quick else [512, 2048, 8192, 32768])
     if want("ssd") or want("sdpa"):
         for L in Ls:
             B = tokens // L
@@ -315,7 +323,7 @@ def main():
                         shape="anchors H64 P64 N128 G1", L=L, B=B, chunk=256)
             if want("sdpa"):
                 guarded("sdpa", lambda r, B=B, L=L: bench_sdpa(r, B, L), shape="16 heads x 128", L=L, B=B)
-        if want("ssd") and not args.quick:
+        if want("ssd") and not args.quick and not lens:
             for (H, P, N, G, label) in [(64, 64, 64, 1, "N64"), (64, 64, 256, 1, "N256"), (128, 64, 128, 1, "H128"),
                                         (64, 64, 128, 8, "G8")]:
                 guarded("ssd", lambda r, H=H, P=P, N=N, G=G: bench_ssd(r, 16, 2048, H, P, N, G, 256, impls),

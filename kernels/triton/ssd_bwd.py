@@ -16,6 +16,7 @@ import triton.language as tl
 from ._lang import tcumsum, tsigmoid, tsum  # noqa: F401
 from .ssd import (  # noqa: F401
     _autotune,
+    _chunk_decays,
     _contig_last,
     _mm_af,
     _mm_ff,
@@ -25,15 +26,14 @@ from .ssd import (  # noqa: F401
     _prec,
     _prep,
     _scan,
-    _chunk_decays,
     _segment_decays,
     _seq_args,
     _seq_at,
-    _state_segments,
     _st_load,
     _st_store,
     _state_blocks,
     _state_buffer,
+    _state_segments,
     _states,
     _tile,
 )
