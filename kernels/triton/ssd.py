@@ -348,11 +348,11 @@ def _states_fix_kernel(STH, STL, ENDS, DPRE, NC, H, CPS, PN: tl.constexpr, BLK: 
                        PREC: tl.constexpr):
     """Completes the entering states of the chunks of segments after the first: S_c += DPRE[b, h, c] *
     ENDS[b, seg - 1, h] (the true end state of the previous segment, decayed to chunk c)."""
-    j = tl.program_id(0) * BLK + tl.arange(0, BLK)
+    j = tl.program_id(2) * BLK + tl.arange(0, BLK)
     h = tl.program_id(1)
     nfix = NC - CPS
-    b = (tl.program_id(2) // nfix).to(tl.int64)
-    c = CPS + tl.program_id(2) % nfix
+    b = (tl.program_id(0) // nfix).to(tl.int64)
+    c = CPS + tl.program_id(0) % nfix
     seg = c // CPS
     nseg = (NC + CPS - 1) // CPS
     m = j < PN
@@ -700,7 +700,8 @@ def _states(x, B, dtp, cs, seq_idx, initial_states, T, nc):
     for k in range(1, nseg):
         ends[:, k] += whole[:, :, k, None, None] * ends[:, k - 1]
     BLK = _pow2_block(hdim * dstate, 1024)
-    _states_fix_kernel[(triton.cdiv(hdim * dstate, BLK), nheads, bsz * (nc - cps))](
+    # rows x chunks on grid axis 0: CUDA caps axes 1 and 2 at 65535 programs
+    _states_fix_kernel[(bsz * (nc - cps), nheads, triton.cdiv(hdim * dstate, BLK))](
         *states, ends, before, nc, nheads, cps, PN=hdim * dstate, BLK=BLK, PREC=_prec(x),
     )
     return states, ends[:, -1].contiguous()

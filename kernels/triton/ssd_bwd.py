@@ -114,11 +114,11 @@ def _dstates_fix_kernel(DSH, DSL, STH, STL, GST, DPOST, DCSF, NC, H, CPS, NFIX, 
     """Completes dS_{c+1} for the chunks of every segment but the last: += DPOST[b, h, c] * GST[b, seg + 1, h]
     (the true gradient of the next segment's entering state, carried back to chunk c's end), and writes this
     term's share of <dS_{c+1}, S_{c+1}> (the cs_last gradient) as partials DCSF[b, h, c, block]."""
-    blk = tl.program_id(0)
+    blk = tl.program_id(2)
     j = blk * BLK + tl.arange(0, BLK)
     h = tl.program_id(1)
-    b = (tl.program_id(2) // NFIX).to(tl.int64)
-    c = tl.program_id(2) % NFIX
+    b = (tl.program_id(0) // NFIX).to(tl.int64)
+    c = tl.program_id(0) % NFIX
     seg = c // CPS
     nseg = (NC + CPS - 1) // CPS
     m = j < PN
@@ -127,7 +127,7 @@ def _dstates_fix_kernel(DSH, DSL, STH, STL, GST, DPOST, DCSF, NC, H, CPS, NFIX, 
     off = ((b * NC + c) * H + h) * PN + j
     _st_store(DSH, DSL, off, _st_load(DSH, DSL, off, m, PREC) + gnext, m, PREC)
     s_next = _st_load(STH, STL, off + H * PN, m, PREC)  # S_{c+1}: chunk c + 1 < NC always (c < NFIX)
-    tl.store(DCSF + ((b * H + h) * NFIX + c) * tl.num_programs(0) + blk, tsum(gnext * s_next, axis=0))
+    tl.store(DCSF + ((b * H + h) * NFIX + c) * tl.num_programs(2) + blk, tsum(gnext * s_next, axis=0))
 
 
 @triton.jit
@@ -430,7 +430,7 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
         BLK = _pow2_block(hdim * dstate, 1024)
         nfb = triton.cdiv(hdim * dstate, BLK)
         dcsf = torch.empty(bsz, nheads, nfix, nfb, dtype=torch.float32, device=dev)
-        _dstates_fix_kernel[(nfb, nheads, bsz * nfix)](
+        _dstates_fix_kernel[(bsz * nfix, nheads, nfb)](
             *dsn, *states, gst, after, dcsf, nc, nheads, cps, nfix, PN=hdim * dstate, BLK=BLK, PREC=prec,
         )
     dinit = gst[:, 0].contiguous() if initial_states is not None else None
