@@ -1,4 +1,4 @@
-"""Tile sweep for the Triton SSD (kernels/triton/ssd.py TILES), forward + backward, bf16, the anchors shape
+"""Tile sweep for the Triton SSD (kernels/triton/ssd_common.py TILES), forward + backward, bf16, the anchors shape
 (H=64, P=64, N=128, G=1, 16 x 2048 tokens, chunk 256) unless told otherwise.
 
 Coordinate descent: for each kernel's tiles in turn, every candidate is timed (median of do_bench over the
@@ -21,7 +21,7 @@ import torch  # noqa: E402
 import triton.testing  # noqa: E402
 
 from megassm import kernels as K  # noqa: E402
-from megassm.kernels.triton import ssd as tssd  # noqa: E402
+from megassm.kernels.triton import ssd_common as tssd  # noqa: E402
 
 # kernel -> the TILES entries it reads -> candidate values (tuples, in that order)
 SWEEP = {

@@ -63,9 +63,9 @@ def triton_mode(monkeypatch):
     if tk is None:
         pytest.skip(f"megassm.kernels.triton failed to import: {ops._triton_err!r}")
     if not HAS_CUDA:
-        from megassm.kernels.triton import ssd as tssd
+        from megassm.kernels.triton import ssd_common
 
-        if not tssd._INTERPRET:
+        if not ssd_common._INTERPRET:
             pytest.skip("kernels/triton was imported before TRITON_INTERPRET=1 was set")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     yield tk
@@ -323,7 +323,7 @@ def test_ssd_triton_fp32_vs_sequential_oracle(triton_mode, case):
     dict(chunk=64, resets=False, cb_bt=16, scan_bt=32, scan_bs=16, dx_bs=16, dcb_bs=16, dbc_bs=32),
 ], ids=["small", "mixed", "chunk64", "chunk64-no-resets"])
 def test_ssd_triton_tile_variants(triton_mode, monkeypatch, tiles):
-    from megassm.kernels.triton import ssd as tssd
+    from megassm.kernels.triton import ssd_common as tssd
 
     tiles = dict(tiles)
     chunk = tiles.pop("chunk", 32)
@@ -363,7 +363,7 @@ def test_ssd_triton_state_segments(triton_mode, monkeypatch, dtype, segments):
 
 @needs_triton
 def test_ssd_state_segments_setting(monkeypatch):
-    from megassm.kernels.triton.ssd import _state_segments
+    from megassm.kernels.triton.ssd_states import _state_segments
 
     x = torch.zeros(1, device=DEV)
     for text, nc, want in (("1", 10, (1, 10)), ("4", 10, (4, 3)), ("3", 7, (3, 3)), ("16", 3, (3, 1))):
@@ -380,7 +380,7 @@ def test_ssd_state_segments_setting(monkeypatch):
 
 @needs_triton
 def test_ssd_tiles_env_override():
-    from megassm.kernels.triton.ssd import _tiles_from_env
+    from megassm.kernels.triton.ssd_common import _tiles_from_env
 
     table = {"dx_bs": 32, "dbc_bs": 128}
     _tiles_from_env(table, " dx_bs=64 , dbc_bs=16,")

@@ -153,9 +153,9 @@ def test_triton_path_in_the_mixer(monkeypatch, letter):
         pytest.skip(f"triton kernels unavailable: {ops._triton_err!r}")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cpu":
-        from megassm.kernels.triton import ssd as tssd
+        from megassm.kernels.triton import ssd_common
 
-        if not tssd._INTERPRET:
+        if not ssd_common._INTERPRET:
             pytest.skip("kernels/triton was imported before TRITON_INTERPRET=1 was set")
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # an earlier test may have changed it; read at launch
     m = mixer(letter, dtype=torch.float32).to(dev)

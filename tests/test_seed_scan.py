@@ -56,9 +56,9 @@ def triton_mode(monkeypatch):
     if tk is None:
         pytest.skip(f"megassm.kernels.triton failed to import: {ops._triton_err!r}")
     if not HAS_CUDA:
-        from megassm.kernels.triton import ssd as tssd
+        from megassm.kernels.triton import ssd_common
 
-        if not tssd._INTERPRET:
+        if not ssd_common._INTERPRET:
             pytest.skip("kernels/triton was imported before TRITON_INTERPRET=1 was set")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     yield tk

@@ -1,8 +1,8 @@
 """Triton SSD backward: the reverse pass of ssd.py (see its docstring for the math and the kernel map).
 
 Recomputes dt/cs, CB and the entering states with the forward's kernels (the SSM output only with the gate
-z), then: _dstates_kernel (reverse pass over chunks: dS per chunk, d initial_states, the cs_last gradient
-terms), _dx_kernel (dx, the direct dt gradient = the cs_s gradient, dD partials), _dcb_kernel (the gradient of
+z), then: _dstates (ssd_states.py: the reverse walk over chunks: dS per chunk, d initial_states, the cs_last
+gradient terms), _dx_kernel (dx, the direct dt gradient = the cs_s gradient, dD partials), _dcb_kernel (the gradient of
 each chunk's C.B, summed over a group's heads once, and the intra-chunk cs_t partials) and _dbc_kernel (dB and
 dC: state terms + dCB products; the read-out cs_t partials); the cs gradients become ddt/dA in torch.
 No atomics: deterministic run to run.
@@ -13,121 +13,22 @@ import torch
 import triton
 import triton.language as tl
 
-from ._lang import tcumsum, tsigmoid, tsum  # noqa: F401
-from .ssd import (  # noqa: F401
+from ._lang import tsum
+from .ssd import _prep, _scan
+from .ssd_common import (
     _autotune,
-    _chunk_decays,
     _contig_last,
+    _mm_a_st,
     _mm_af,
     _mm_ff,
-    _mm_a_st,
     _mm_raw,
     _pow2_block,
     _prec,
-    _prep,
-    _scan,
-    _segment_decays,
     _seq_args,
     _seq_at,
-    _st_load,
-    _st_store,
-    _state_blocks,
-    _state_buffer,
-    _state_segments,
-    _states,
     _tile,
 )
-
-@_autotune([triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=4, num_stages=2),
-            triton.Config({}, num_warps=4, num_stages=3)], key=["T", "BP", "BN", "BT"])
-@triton.jit
-def _dstates_kernel(DY, Cp, CS, SEQ, STH, STL, FINAL, DFIN, DSH, DSL, DCSL, DINIT, L, H, G, NC, NSEG, CPS,
-                    sdyb, sdyl, sdyh, sdyp, scb, scl, scg, scn, ssb, ssl,
-                    P: tl.constexpr, N: tl.constexpr, T: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                    BT: tl.constexpr, HAS_DFIN: tl.constexpr, HAS_SEQ: tl.constexpr, WANT_DINIT: tl.constexpr,
-                    PREC: tl.constexpr):
-    """Reverse pass over the chunks [seg * CPS, seg * CPS + CPS): dS_{c+1} for every chunk (into DSN[b, c, h]),
-    <dS_{c+1}, S_{c+1}> partials, and the gradient of the segment's entering state into DINIT[b, seg]. The
-    last segment starts from d final_states, the others from zero (_dstates_fix_kernel completes them)."""
-    b = (tl.program_id(0) // NSEG).to(tl.int64)
-    seg = tl.program_id(0) % NSEG
-    h = tl.program_id(1)
-    blk = tl.program_id(2)
-    nblk = tl.num_programs(2)
-    npb: tl.constexpr = (P + BP - 1) // BP
-    pb = blk % npb
-    nb = blk // npb
-    g = h // (H // G)
-    p = pb * BP + tl.arange(0, BP)
-    n = nb * BN + tl.arange(0, BN)
-    mp = p < P
-    mn = n < N
-    mpn = mp[:, None] & mn[None, :]
-    pn = p[:, None] * N + n[None, :]
-    c0 = seg * CPS
-    c1 = tl.minimum(c0 + CPS, NC)
-    if HAS_DFIN:
-        dS = tl.load(DFIN + (b * H + h) * P * N + pn, mask=mpn & (seg == NSEG - 1), other=0.0).to(tl.float32)
-    else:
-        dS = tl.full([BP, BN], 0.0, tl.float32)
-    if seg == NSEG - 1:
-        S_next = tl.load(FINAL + (b * H + h) * P * N + pn, mask=mpn, other=0.0)
-    else:  # the state entering the next segment's first chunk
-        S_next = _st_load(STH, STL, ((b * NC + c1) * H + h) * P * N + pn, mpn, PREC)
-    for ci in range(c0, c1):
-        c = c0 + c1 - 1 - ci
-        st_off = ((b * NC + c) * H + h) * P * N
-        _st_store(DSH, DSL, st_off + pn, dS, mpn, PREC)
-        tl.store(DCSL + ((b * H + h) * NC + c) * nblk + blk, tsum(tsum(dS * S_next, axis=1), axis=0))
-        dbase = ((b * H + h) * NC + c) * T
-        if HAS_SEQ:
-            sid_in = _seq_at(SEQ, b, c * T - 1, L, ssb, ssl)
-        R = tl.full([BP, BN], 0.0, tl.float32)
-        for t0 in range(0, T, BT):
-            t = t0 + tl.arange(0, BT)
-            pt = c * T + t
-            mt = pt < L
-            dyv = tl.load(DY + b * sdyb + pt[:, None] * sdyl + h * sdyh + p[None, :] * sdyp,
-                          mask=mt[:, None] & mp[None, :], other=0.0)
-            cv = tl.load(Cp + b * scb + pt[:, None] * scl + g * scg + n[None, :] * scn,
-                         mask=mt[:, None] & mn[None, :], other=0.0)
-            row = tl.exp(tl.load(CS + dbase + t))
-            ok = mt
-            if HAS_SEQ:
-                ok = ok & (_seq_at(SEQ, b, pt, L, ssb, ssl) == sid_in)
-            row = tl.where(ok, row, 0.0)
-            dys = dyv.to(tl.float32) * row[:, None]
-            R += _mm_af(tl.trans(dys), cv, PREC)
-        decay = tl.exp(tl.load(CS + dbase + T - 1))
-        if HAS_SEQ:
-            last = tl.minimum(c * T + T, L) - 1
-            decay = tl.where(sid_in == _seq_at(SEQ, b, last, L, ssb, ssl), decay, 0.0)
-        dS = R + decay * dS
-        S_next = _st_load(STH, STL, st_off + pn, mpn, PREC)
-    if WANT_DINIT:
-        tl.store(DINIT + ((b * NSEG + seg) * H + h) * P * N + pn, dS, mask=mpn)
-
-
-@triton.jit
-def _dstates_fix_kernel(DSH, DSL, STH, STL, GST, DPOST, DCSF, NC, H, CPS, NFIX, PN: tl.constexpr,
-                        BLK: tl.constexpr, PREC: tl.constexpr):
-    """Completes dS_{c+1} for the chunks of every segment but the last: += DPOST[b, h, c] * GST[b, seg + 1, h]
-    (the true gradient of the next segment's entering state, carried back to chunk c's end), and writes this
-    term's share of <dS_{c+1}, S_{c+1}> (the cs_last gradient) as partials DCSF[b, h, c, block]."""
-    blk = tl.program_id(2)
-    j = blk * BLK + tl.arange(0, BLK)
-    h = tl.program_id(1)
-    b = (tl.program_id(0) // NFIX).to(tl.int64)
-    c = tl.program_id(0) % NFIX
-    seg = c // CPS
-    nseg = (NC + CPS - 1) // CPS
-    m = j < PN
-    w = tl.load(DPOST + (b * H + h) * NC + c)
-    gnext = w * tl.load(GST + ((b * nseg + seg + 1) * H + h) * PN + j, mask=m, other=0.0)
-    off = ((b * NC + c) * H + h) * PN + j
-    _st_store(DSH, DSL, off, _st_load(DSH, DSL, off, m, PREC) + gnext, m, PREC)
-    s_next = _st_load(STH, STL, off + H * PN, m, PREC)  # S_{c+1}: chunk c + 1 < NC always (c < NFIX)
-    tl.store(DCSF + ((b * H + h) * NFIX + c) * tl.num_programs(2) + blk, tsum(gnext * s_next, axis=0))
+from .ssd_states import _dstates, _states
 
 
 @triton.jit
@@ -404,36 +305,7 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
 
     seq, ssb, ssl = _seq_args(seq_idx, x)
     prec = _prec(x)
-    # reverse pass over chunks (in segments: as _states)
-    nseg, cps = _state_segments(x, bsz, nheads, hdim, dstate, nc)
-    BP, BN = _state_blocks(x, bsz * nseg, nheads, hdim, dstate, "dstates_bn")
-    nblk = triton.cdiv(hdim, BP) * triton.cdiv(dstate, BN)
-    dsn = _state_buffer(x, (bsz, nc, nheads, hdim, dstate))
-    dcsl = torch.empty(bsz, nheads, nc, nblk, dtype=torch.float32, device=dev)
-    # the gradient of each segment's entering state; segment 0's is d initial_states
-    gst = torch.empty(bsz, nseg, nheads, hdim, dstate, dtype=torch.float32, device=dev) \
-        if initial_states is not None or nseg > 1 else None
-    if dfinal is not None:
-        dfinal = dfinal.contiguous()
-    _dstates_kernel[(bsz * nseg, nheads, nblk)](
-        dy, C, cs, seq, *states, final, dfinal if dfinal is not None else final, *dsn, dcsl,
-        gst if gst is not None else final, seqlen, nheads, ngroups, nc, nseg, cps, *dy.stride(), *C.stride(),
-        ssb, ssl, P=hdim, N=dstate, T=T, BP=BP, BN=BN, BT=_tile("dstates_bt", T), HAS_DFIN=dfinal is not None,
-        HAS_SEQ=seq_idx is not None, WANT_DINIT=gst is not None, PREC=prec,
-    )
-    dcsf = None
-    if nseg > 1:  # true segment-start gradients, last to first; then complete dS and the cs_last partials
-        _, after, whole = _segment_decays(_chunk_decays(cs, seq_idx, T, seqlen), nseg, cps)
-        for k in range(nseg - 2, -1, -1):
-            gst[:, k] += whole[:, :, k, None, None] * gst[:, k + 1]
-        nfix = (nseg - 1) * cps
-        BLK = _pow2_block(hdim * dstate, 1024)
-        nfb = triton.cdiv(hdim * dstate, BLK)
-        dcsf = torch.empty(bsz, nheads, nfix, nfb, dtype=torch.float32, device=dev)
-        _dstates_fix_kernel[(bsz * nfix, nheads, nfb)](
-            *dsn, *states, gst, after, dcsf, nc, nheads, cps, nfix, PN=hdim * dstate, BLK=BLK, PREC=prec,
-        )
-    dinit = gst[:, 0].contiguous() if initial_states is not None else None
+    dsn, dcs_last, dinit = _dstates(x, C, dy, cs, seq_idx, states, final, dfinal, initial_states, T, nc)
     # dx, the direct dt gradient, dD
     BS = _tile("dx_bs", T)
     BPF = _pow2_block(hdim, 256)
@@ -480,9 +352,7 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     dcs = dcsi.sum(-2) + dcsr.sum(-1)
     # cs gradients -> a = dt * A gradients -> dt, A
     dcs = dcs - dtp * ddt_direct
-    dcs[..., T - 1] += dcsl.sum(-1)
-    if dcsf is not None:
-        dcs[:, :, :dcsf.shape[2], T - 1] += dcsf.sum(-1)
+    dcs[..., T - 1] += dcs_last
     da = dcs.flip(-1).cumsum(-1).flip(-1)
     Af = A.float()
     ddt_p = ddt_direct + Af[None, :, None, None] * da

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from ._lang import tsigmoid, tsum
-from .ssd import _softplus
+from .ssd_common import _softplus
 
 
 @triton.jit

@@ -1,0 +1,269 @@
+"""Shared pieces of the Triton SSD (ssd.py forward, ssd_states.py chunk walks, ssd_bwd.py backward): the
+per-shape autotuner, the precision-aware matrix products and the stored-state operand format (device helpers),
+and the host-side tile table, precision mode and buffers."""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+import triton.testing
+from triton.runtime.errors import OutOfResources
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+_AUTOTUNE = os.environ.get("MEGASSM_TRITON_AUTOTUNE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+class _Tuned:
+    """`kernel[grid](...)` with num_warps / num_stages picked per shape: on the first call for a key (the named
+    arguments' values and the tensor dtypes, as triton.autotune keys) every config is timed once and the
+    fastest kept; later calls launch the kernel directly. triton.autotune does the same but costs ~85 us of
+    Python per launch on an H100 host (benchmarks/host_overhead.py): ~35 ms per mamba2-1.3b training step."""
+
+    def __init__(self, fn, configs, key):
+        self.fn, self.configs, self.key = fn, configs, key
+        self.arg_names = fn.arg_names
+        self.best: dict = {}
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self._run(grid, args, kwargs)
+
+    def _time(self, grid, cfg, args, kwargs):
+        """Median ms of one config; inf when it needs more shared memory than the GPU has (large tiles fit
+        only with fewer pipeline stages)."""
+        try:
+            return triton.testing.do_bench(lambda: self._launch(grid, cfg, args, kwargs), warmup=5, rep=20,
+                                           return_mode="median")
+        except OutOfResources:
+            return float("inf")
+
+    def _launch(self, grid, cfg, args, kwargs):
+        return self.fn[grid](*args, **kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    def _run(self, grid, args, kwargs):
+        named = dict(zip(self.arg_names, args))
+        named.update(kwargs)
+        k = tuple(named[n] for n in self.key) + tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
+        cfg = self.best.get(k)
+        if cfg is None:
+            cfg = self.configs[0]
+            if len(self.configs) > 1:
+                times = [self._time(grid, c, args, kwargs) for c in self.configs]
+                if min(times) == float("inf"):  # none fits: launch the first again to raise its error
+                    return self._launch(grid, cfg, args, kwargs)
+                cfg = self.configs[min(range(len(times)), key=times.__getitem__)]
+            self.best[k] = cfg
+        return self._launch(grid, cfg, args, kwargs)
+
+
+def _autotune(configs, key):
+    """Autotune num_warps / num_stages per shape (_Tuned); off (first config only) under the interpreter and
+    with MEGASSM_TRITON_AUTOTUNE=0 (the GPU tests: compiling every config of every variant costs minutes)."""
+    if _INTERPRET or not _AUTOTUNE:
+        configs = configs[:1]
+    return lambda fn: _Tuned(fn, configs, key)
+
+
+# --------------------------------------------------------------------------------------------------------
+# device helpers
+
+# Triton 3.6's CPU interpreter computes tl.dot on bf16/fp16 operands wrongly; there the operands are upcast
+# first (bf16 x bf16 products are exact in fp32, so this matches the GPU's fp32-accumulating tensor cores).
+_UPCAST_DOT = tl.constexpr(_INTERPRET)
+
+
+@triton.jit
+def _dot_lp(a, b):
+    """Both operands bf16 (exact products, fp32 accumulation)."""
+    if _UPCAST_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _split(a):
+    hi = a.to(tl.bfloat16)
+    return hi, (a - hi.to(tl.float32)).to(tl.bfloat16)
+
+
+# Matrix products. PREC "bf16": the inputs are bf16; a raw input operand goes to the tensor cores as is, a
+# derived fp32 operand (decay-weighted, states, ...) as a bf16 hi + lo pair (about 16 mantissa bits: two bf16
+# products instead of one rounding to 8 bits). PREC "ieee": fp32 / fp16 inputs, fp32 products.
+@triton.jit
+def _mm_raw(a, b, PREC: tl.constexpr):
+    if PREC == "bf16" or PREC == "bf16fast":
+        return _dot_lp(a, b)
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def _mm_af(a, b, PREC: tl.constexpr):
+    """a fp32 (derived), b raw input."""
+    if PREC == "bf16fast":
+        return _dot_lp(a.to(tl.bfloat16), b)
+    elif PREC == "bf16":
+        hi, lo = _split(a)
+        return _dot_lp(hi, b) + _dot_lp(lo, b)
+    else:
+        return tl.dot(a, b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def _mm_ff(a, b, PREC: tl.constexpr):
+    """Both fp32 (derived)."""
+    if PREC == "bf16fast":
+        return _dot_lp(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif PREC == "bf16":
+        ahi, alo = _split(a)
+        bhi, blo = _split(b)
+        return _dot_lp(ahi, bhi) + (_dot_lp(ahi, blo) + _dot_lp(alo, bhi))
+    else:
+        return tl.dot(a, b, input_precision="ieee")
+
+
+# Chunk states (entering states S and their gradients dS) are stored as they are used: as dot operands. PREC
+# "ieee": one fp32 array. "bf16": a bf16 hi array and a bf16 lo array (hi + lo = the fp32 value to ~16 bits; the
+# same bytes as fp32, and consumers load ready tensor-core operands instead of splitting in every program).
+# "bf16fast": the hi array only (the products round the state to bf16 once anyway, as mamba_ssm stores them).
+@triton.jit
+def _st_store(HI, LO, off, v, mask, PREC: tl.constexpr):
+    if PREC == "ieee":
+        tl.store(HI + off, v, mask=mask)
+    else:
+        hi = v.to(tl.bfloat16)
+        tl.store(HI + off, hi, mask=mask)
+        if PREC == "bf16":
+            tl.store(LO + off, (v - hi.to(tl.float32)).to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _st_load(HI, LO, off, mask, PREC: tl.constexpr):
+    """A stored state tile as fp32 (for elementwise use)."""
+    v = tl.load(HI + off, mask=mask, other=0.0).to(tl.float32)
+    if PREC == "bf16":
+        v += tl.load(LO + off, mask=mask, other=0.0).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _mm_a_st(a, HI, LO, off, mask, A_F32: tl.constexpr, PREC: tl.constexpr):
+    """a @ (stored state tile at HI/LO + off). a: a raw input, or with A_F32 a derived fp32 operand."""
+    if PREC == "ieee":
+        return tl.dot(a.to(tl.float32), tl.load(HI + off, mask=mask, other=0.0), input_precision="ieee")
+    else:
+        hi = tl.load(HI + off, mask=mask, other=0.0)
+        if A_F32:
+            if PREC == "bf16":
+                ahi, alo = _split(a)
+                lo = tl.load(LO + off, mask=mask, other=0.0)
+                return _dot_lp(ahi, hi) + (_dot_lp(ahi, lo) + _dot_lp(alo, hi))
+            else:
+                return _dot_lp(a.to(tl.bfloat16), hi)
+        else:
+            r = _dot_lp(a, hi)
+            if PREC == "bf16":
+                r += _dot_lp(a, tl.load(LO + off, mask=mask, other=0.0))
+            return r
+
+
+@triton.jit
+def _softplus(x):
+    # max(x, 0) + log1p(exp(-|x|)), log1p by Goldberg's trick (accurate for tiny arguments)
+    u = tl.exp(-tl.abs(x))
+    w = 1.0 + u
+    l1p = tl.where(w == 1.0, u, tl.log(w) * u / (w - 1.0))
+    return tl.maximum(x, 0.0) + l1p
+
+
+@triton.jit
+def _seq_at(SEQ, b, pos, L, ssb, ssl):
+    p = tl.minimum(tl.maximum(pos, 0), L - 1)
+    return tl.load(SEQ + b * ssb + p * ssl)
+
+
+# --------------------------------------------------------------------------------------------------------
+# host helpers
+
+def _pow2_block(n, cap):
+    return max(16, min(cap, triton.next_power_of_2(n)))
+
+
+# Tile sizes (powers of two; each is capped by the chunk length or the state size at the call). The defaults
+# come from benchmarks/ssd_tiles.py on an H100 (docs/benchmarks.md); num_warps / num_stages are tuned per shape
+# by _Tuned. The table is module state so that benchmark can sweep it; MEGASSM_SSD_TILES overrides entries.
+TILES = {
+    "cb_bt": 64,       # _cb_kernel: C B^T block
+    "states_bs": 64,   # _states_kernel: positions per step of the chunk walk
+    "states_bn": 128,  # _states_kernel: state columns per program (all N: x is read once)
+    "scan_bt": 64,     # _scan_kernel: target positions per program
+    "scan_bs": 32,     # _scan_kernel: source positions per step
+    "scan_bk": 64,     # _scan_kernel: state columns per step of the read-out
+    "dstates_bt": 64,  # _dstates_kernel: positions per step of the reverse walk
+    "dstates_bn": 128, # _dstates_kernel: state columns per program (all N: dy is read once)
+    "dx_bs": 64,       # _dx_kernel: source positions per program (and target positions per step)
+    "dx_bk": 64,       # _dx_kernel: state columns per step
+    "dcb_bs": 64,      # _dcb_kernel: square block of the chunk's dCB (and of the cs_t partials)
+    "dbc_bs": 128,     # _dbc_kernel: positions per program and per step
+    "dbc_bn": 128,     # _dbc_kernel: state columns per program
+}
+
+
+def _tiles_from_env(table, text):
+    """MEGASSM_SSD_TILES="dx_bs=64,dbc_bs=64": override TILES entries (tuning on another GPU). Unknown names and
+    values that are not powers of two >= 16 fail at import, naming the entry."""
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name, sep, val = (x.strip() for x in item.partition("="))
+        if not sep or name not in table:
+            raise ValueError(f"MEGASSM_SSD_TILES: {item!r} is not NAME=VALUE with NAME one of {sorted(table)}")
+        v = int(val) if val.isdigit() else 0
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"MEGASSM_SSD_TILES: {name}={val!r} must be a power of two >= 16")
+        table[name] = v
+
+
+_tiles_from_env(TILES, os.environ.get("MEGASSM_SSD_TILES", ""))
+
+
+def _tile(name, limit):
+    """TILES[name] capped by limit (the chunk length or the padded state size), at least 16."""
+    return max(16, min(TILES[name], triton.next_power_of_2(limit)))
+
+
+def _prec(x):
+    """Product precision. bf16 inputs: "bf16" (default; derived fp32 operands as bf16 hi + lo pairs) or, with
+    MEGASSM_SSD_PRECISION=bf16, "bf16fast" (derived operands rounded once to bf16, as mamba_ssm does: fewer
+    tensor-core products, about 2-4x the reference's bf16 error on y, dx, dB, dC, but ~1e-2 relative on the
+    cancelling sums dA and ddt_bias, 20-50x mamba_ssm's). Other dtypes: fp32 products."""
+    if x.dtype != torch.bfloat16:
+        return "ieee"
+    mode = os.environ.get("MEGASSM_SSD_PRECISION", "split").strip().lower()
+    if mode not in ("split", "bf16"):
+        raise ValueError(f"MEGASSM_SSD_PRECISION={mode!r}: expected split or bf16")
+    return "bf16fast" if mode == "bf16" else "bf16"
+
+
+def _seq_args(seq_idx, x):
+    if seq_idx is None:
+        return x, 0, 0
+    return seq_idx, seq_idx.stride(0), seq_idx.stride(1)
+
+
+def _state_buffer(x, shape):
+    """(hi, lo) arrays for chunk states or their gradients, stored as _st_store writes them: fp32 (both names
+    one array) for fp32 inputs, bf16 hi + lo arrays by default for bf16 inputs, a bf16 hi array alone with
+    MEGASSM_SSD_PRECISION=bf16."""
+    prec = _prec(x)
+    if prec == "ieee":
+        t = torch.empty(shape, dtype=torch.float32, device=x.device)
+        return t, t
+    t = torch.empty((2 if prec == "bf16" else 1,) + tuple(shape), dtype=torch.bfloat16, device=x.device)
+    return t[0], t[-1]
+
+
+def _contig_last(t):
+    return None if t is None else (t if t.stride(-1) == 1 else t.contiguous())

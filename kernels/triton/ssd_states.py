@@ -1,0 +1,362 @@
+"""The SSD's chunk walks: the entering state of every chunk (_states_kernel, forward) and the gradient of the
+state leaving every chunk (_dstates_kernel, backward). One program walks the chunks of its (row, head, P-block,
+N-block) in order, so the chunk states never round-trip through memory. With MEGASSM_SSD_STATE_SEGMENTS=k the
+chunks are walked as k segments in parallel (the later ones from zero); the true segment ends follow in torch,
+and _states_fix_kernel / _dstates_fix_kernel complete the later segments' chunks: parallelism for a few long
+rows. The math is in ssd.py's docstring."""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import ssd_common
+from ._lang import tsum
+from .ssd_common import (
+    _autotune,
+    _mm_af,
+    _pow2_block,
+    _prec,
+    _seq_args,
+    _seq_at,
+    _st_load,
+    _st_store,
+    _state_buffer,
+    _tile,
+)
+
+
+@_autotune([triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=4, num_stages=2),
+            triton.Config({}, num_warps=4, num_stages=3)], key=["T", "BP", "BN", "BS"])
+@triton.jit
+def _states_kernel(X, Bp, DTP, CS, SEQ, INIT, STH, STL, FINAL, L, H, G, NC, NSEG, CPS,
+                   sxb, sxl, sxh, sxp, sbb, sbl, sbg, sbn, ssb, ssl, sib, sih, sip, sin,
+                   P: tl.constexpr, N: tl.constexpr, T: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+                   BS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, PREC: tl.constexpr):
+    """Walks the chunks [seg * CPS, seg * CPS + CPS) of one (row, segment, head, P-block, N-block) in order:
+    stores each chunk's entering state, then the segment's end state into FINAL[b, seg]. Segments after the
+    first start from zero (their entering states are completed by _states_fix_kernel); with NSEG = 1 this is
+    the whole sequence and FINAL the final state."""
+    b = (tl.program_id(0) // NSEG).to(tl.int64)
+    seg = tl.program_id(0) % NSEG
+    h = tl.program_id(1)
+    npb: tl.constexpr = (P + BP - 1) // BP
+    pb = tl.program_id(2) % npb
+    nb = tl.program_id(2) // npb
+    g = h // (H // G)
+    p = pb * BP + tl.arange(0, BP)
+    n = nb * BN + tl.arange(0, BN)
+    mp = p < P
+    mn = n < N
+    if HAS_INIT:  # the initial state enters the first segment only
+        S = tl.load(INIT + b * sib + h * sih + p[:, None] * sip + n[None, :] * sin,
+                    mask=mp[:, None] & mn[None, :] & (seg == 0), other=0.0).to(tl.float32)
+    else:
+        S = tl.full([BP, BN], 0.0, tl.float32)
+    st_base = (b * NC * H + h) * P * N
+    for c in range(seg * CPS, tl.minimum(seg * CPS + CPS, NC)):
+        off = st_base + c * H * P * N + p[:, None] * N + n[None, :]
+        _st_store(STH, STL, off, S, mp[:, None] & mn[None, :], PREC)
+        dbase = ((b * H + h) * NC + c) * T
+        cs_last = tl.load(CS + dbase + T - 1)
+        last = tl.minimum(c * T + T, L) - 1
+        if HAS_SEQ:
+            seq_last = _seq_at(SEQ, b, last, L, ssb, ssl)
+        acc = tl.full([BP, BN], 0.0, tl.float32)
+        for s0 in range(0, T, BS):
+            s = s0 + tl.arange(0, BS)
+            pos = c * T + s
+            ms = pos < L
+            xv = tl.load(X + b * sxb + pos[:, None] * sxl + h * sxh + p[None, :] * sxp,
+                         mask=ms[:, None] & mp[None, :], other=0.0)
+            bv = tl.load(Bp + b * sbb + pos[:, None] * sbl + g * sbg + n[None, :] * sbn,
+                         mask=ms[:, None] & mn[None, :], other=0.0)
+            dts = tl.load(DTP + dbase + s)
+            css = tl.load(CS + dbase + s)
+            scale = dts * tl.exp(tl.minimum(cs_last - css, 0.0))
+            ok = ms
+            if HAS_SEQ:
+                ok = ok & (_seq_at(SEQ, b, pos, L, ssb, ssl) == seq_last)
+            scale = tl.where(ok, scale, 0.0)
+            xs = xv.to(tl.float32) * scale[:, None]
+            acc += _mm_af(tl.trans(xs), bv, PREC)
+        decay = tl.exp(cs_last)
+        if HAS_SEQ:
+            sid_in = _seq_at(SEQ, b, c * T - 1, L, ssb, ssl)  # clamps to position 0 for c = 0
+            decay = tl.where(sid_in == seq_last, decay, 0.0)
+        S = S * decay + acc
+    tl.store(FINAL + ((b * NSEG + seg) * H + h) * P * N + p[:, None] * N + n[None, :], S,
+             mask=mp[:, None] & mn[None, :])
+
+
+@triton.jit
+def _states_fix_kernel(STH, STL, ENDS, DPRE, NC, H, CPS, PN: tl.constexpr, BLK: tl.constexpr,
+                       PREC: tl.constexpr):
+    """Completes the entering states of the chunks of segments after the first: S_c += DPRE[b, h, c] *
+    ENDS[b, seg - 1, h] (the true end state of the previous segment, decayed to chunk c)."""
+    j = tl.program_id(2) * BLK + tl.arange(0, BLK)
+    h = tl.program_id(1)
+    nfix = NC - CPS
+    b = (tl.program_id(0) // nfix).to(tl.int64)
+    c = CPS + tl.program_id(0) % nfix
+    seg = c // CPS
+    nseg = (NC + CPS - 1) // CPS
+    m = j < PN
+    w = tl.load(DPRE + (b * H + h) * NC + c)
+    prev = tl.load(ENDS + ((b * nseg + seg - 1) * H + h) * PN + j, mask=m, other=0.0)
+    off = ((b * NC + c) * H + h) * PN + j
+    _st_store(STH, STL, off, _st_load(STH, STL, off, m, PREC) + w * prev, m, PREC)
+
+
+@_autotune([triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=4, num_stages=2),
+            triton.Config({}, num_warps=4, num_stages=3)], key=["T", "BP", "BN", "BT"])
+@triton.jit
+def _dstates_kernel(DY, Cp, CS, SEQ, STH, STL, FINAL, DFIN, DSH, DSL, DCSL, DINIT, L, H, G, NC, NSEG, CPS,
+                    sdyb, sdyl, sdyh, sdyp, scb, scl, scg, scn, ssb, ssl,
+                    P: tl.constexpr, N: tl.constexpr, T: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+                    BT: tl.constexpr, HAS_DFIN: tl.constexpr, HAS_SEQ: tl.constexpr, WANT_DINIT: tl.constexpr,
+                    PREC: tl.constexpr):
+    """Reverse pass over the chunks [seg * CPS, seg * CPS + CPS): dS_{c+1} for every chunk (into DSN[b, c, h]),
+    <dS_{c+1}, S_{c+1}> partials, and the gradient of the segment's entering state into DINIT[b, seg]. The
+    last segment starts from d final_states, the others from zero (_dstates_fix_kernel completes them)."""
+    b = (tl.program_id(0) // NSEG).to(tl.int64)
+    seg = tl.program_id(0) % NSEG
+    h = tl.program_id(1)
+    blk = tl.program_id(2)
+    nblk = tl.num_programs(2)
+    npb: tl.constexpr = (P + BP - 1) // BP
+    pb = blk % npb
+    nb = blk // npb
+    g = h // (H // G)
+    p = pb * BP + tl.arange(0, BP)
+    n = nb * BN + tl.arange(0, BN)
+    mp = p < P
+    mn = n < N
+    mpn = mp[:, None] & mn[None, :]
+    pn = p[:, None] * N + n[None, :]
+    c0 = seg * CPS
+    c1 = tl.minimum(c0 + CPS, NC)
+    if HAS_DFIN:
+        dS = tl.load(DFIN + (b * H + h) * P * N + pn, mask=mpn & (seg == NSEG - 1), other=0.0).to(tl.float32)
+    else:
+        dS = tl.full([BP, BN], 0.0, tl.float32)
+    if seg == NSEG - 1:
+        S_next = tl.load(FINAL + (b * H + h) * P * N + pn, mask=mpn, other=0.0)
+    else:  # the state entering the next segment's first chunk
+        S_next = _st_load(STH, STL, ((b * NC + c1) * H + h) * P * N + pn, mpn, PREC)
+    for ci in range(c0, c1):
+        c = c0 + c1 - 1 - ci
+        st_off = ((b * NC + c) * H + h) * P * N
+        _st_store(DSH, DSL, st_off + pn, dS, mpn, PREC)
+        tl.store(DCSL + ((b * H + h) * NC + c) * nblk + blk, tsum(tsum(dS * S_next, axis=1), axis=0))
+        dbase = ((b * H + h) * NC + c) * T
+        if HAS_SEQ:
+            sid_in = _seq_at(SEQ, b, c * T - 1, L, ssb, ssl)
+        R = tl.full([BP, BN], 0.0, tl.float32)
+        for t0 in range(0, T, BT):
+            t = t0 + tl.arange(0, BT)
+            pt = c * T + t
+            mt = pt < L
+            dyv = tl.load(DY + b * sdyb + pt[:, None] * sdyl + h * sdyh + p[None, :] * sdyp,
+                          mask=mt[:, None] & mp[None, :], other=0.0)
+            cv = tl.load(Cp + b * scb + pt[:, None] * scl + g * scg + n[None, :] * scn,
+                         mask=mt[:, None] & mn[None, :], other=0.0)
+            row = tl.exp(tl.load(CS + dbase + t))
+            ok = mt
+            if HAS_SEQ:
+                ok = ok & (_seq_at(SEQ, b, pt, L, ssb, ssl) == sid_in)
+            row = tl.where(ok, row, 0.0)
+            dys = dyv.to(tl.float32) * row[:, None]
+            R += _mm_af(tl.trans(dys), cv, PREC)
+        decay = tl.exp(tl.load(CS + dbase + T - 1))
+        if HAS_SEQ:
+            last = tl.minimum(c * T + T, L) - 1
+            decay = tl.where(sid_in == _seq_at(SEQ, b, last, L, ssb, ssl), decay, 0.0)
+        dS = R + decay * dS
+        S_next = _st_load(STH, STL, st_off + pn, mpn, PREC)
+    if WANT_DINIT:
+        tl.store(DINIT + ((b * NSEG + seg) * H + h) * P * N + pn, dS, mask=mpn)
+
+
+@triton.jit
+def _dstates_fix_kernel(DSH, DSL, STH, STL, GST, DPOST, DCSF, NC, H, CPS, NFIX, PN: tl.constexpr,
+                        BLK: tl.constexpr, PREC: tl.constexpr):
+    """Completes dS_{c+1} for the chunks of every segment but the last: += DPOST[b, h, c] * GST[b, seg + 1, h]
+    (the true gradient of the next segment's entering state, carried back to chunk c's end), and writes this
+    term's share of <dS_{c+1}, S_{c+1}> (the cs_last gradient) as partials DCSF[b, h, c, block]."""
+    blk = tl.program_id(2)
+    j = blk * BLK + tl.arange(0, BLK)
+    h = tl.program_id(1)
+    b = (tl.program_id(0) // NFIX).to(tl.int64)
+    c = tl.program_id(0) % NFIX
+    seg = c // CPS
+    nseg = (NC + CPS - 1) // CPS
+    m = j < PN
+    w = tl.load(DPOST + (b * H + h) * NC + c)
+    gnext = w * tl.load(GST + ((b * nseg + seg + 1) * H + h) * PN + j, mask=m, other=0.0)
+    off = ((b * NC + c) * H + h) * PN + j
+    _st_store(DSH, DSL, off, _st_load(DSH, DSL, off, m, PREC) + gnext, m, PREC)
+    s_next = _st_load(STH, STL, off + H * PN, m, PREC)  # S_{c+1}: chunk c + 1 < NC always (c < NFIX)
+    tl.store(DCSF + ((b * H + h) * NFIX + c) * tl.num_programs(2) + blk, tsum(gnext * s_next, axis=0))
+
+
+# --------------------------------------------------------------------------------------------------------
+# host side
+
+def _state_blocks(x, bsz, nheads, hdim, dstate, bn_tile):
+    """P/N blocks of the sequential (chunk-walking) kernels: P 64 and N TILES[bn_tile], halving N down to 64
+    while that leaves fewer than two programs per multiprocessor (e.g. micro-batch 4 x 64 heads); still too few
+    (one 32K-token row): 32 and 32."""
+    BP, BN = _pow2_block(hdim, 64), _tile(bn_tile, dstate)
+    if x.is_cuda:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+
+        def programs(bp, bn):
+            return bsz * nheads * triton.cdiv(hdim, bp) * triton.cdiv(dstate, bn)
+
+        while BN > 64 and programs(BP, BN) < 2 * sms:
+            BN //= 2
+        if programs(BP, BN) < 2 * sms:
+            BP, BN = _pow2_block(hdim, 32), _pow2_block(dstate, 32)
+    return BP, BN
+
+
+def _states_step(BN, T):
+    """Positions per step of _states_kernel: TILES["states_bs"] at the full TILES["states_bn"] columns; when
+    _state_blocks narrows the N block, longer steps (at most 128), keeping the tile work per step (the H100
+    sweep: 64 x 128 and 128 x 64 are the best pairs, 64 x 64 is ~25% slower)."""
+    tiles = ssd_common.TILES  # read at the call: benchmarks and tests swap the table
+    bs = tiles["states_bs"]
+    if BN < tiles["states_bn"]:
+        bs = max(bs, min(bs * (tiles["states_bn"] // BN), 128))
+    return max(16, min(bs, triton.next_power_of_2(T)))
+
+
+def _state_segments(x, bsz, nheads, hdim, dstate, nc):
+    """(segments, chunks per segment) of the chunk walks in _states_kernel / _dstates_kernel.
+    MEGASSM_SSD_STATE_SEGMENTS: "1" (default: one walk over the whole sequence), an integer k (k walks of
+    ceil(nc / k) chunks in parallel, then a fix-up pass), or "auto" (double k, up to 16 and nc / 2, while the
+    walks give fewer than two programs per multiprocessor at 64 x 64 blocks or a walk is longer than 16 chunks:
+    a starting rule, not yet tuned on a GPU). Read per call."""
+    text = os.environ.get("MEGASSM_SSD_STATE_SEGMENTS", "1").strip().lower()
+    if text == "auto":
+        k = 1
+        if x.is_cuda:
+            sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+            blocks = triton.cdiv(hdim, 64) * triton.cdiv(dstate, 64)
+            while k < 16 and 2 * k <= nc // 2 and (bsz * k * nheads * blocks < 2 * sms or triton.cdiv(nc, k) > 16):
+                k *= 2
+    else:
+        try:
+            k = int(text)
+        except ValueError:
+            k = 0
+        if k < 1:
+            raise ValueError(f"MEGASSM_SSD_STATE_SEGMENTS={text!r}: expected a positive integer or auto")
+    cps = triton.cdiv(nc, min(k, nc))
+    return triton.cdiv(nc, cps), cps
+
+
+def _chunk_decays(cs, seq_idx, T, seqlen):
+    """exp(cs_last) per (row, head, chunk): the factor by which a chunk carries its entering state to its end;
+    0 where the entering state's document is not the chunk's last (as _states_kernel's `decay`)."""
+    dec = torch.exp(cs[..., T - 1])
+    if seq_idx is not None:
+        nc = cs.shape[2]
+        starts = torch.arange(nc, device=cs.device) * T
+        first = (starts - 1).clamp(0, seqlen - 1)
+        last = (starts + T).clamp(max=seqlen) - 1
+        keep = seq_idx[:, first] == seq_idx[:, last]
+        dec = dec * keep[:, None, :]
+    return dec
+
+
+def _segment_decays(dec, nseg, cps):
+    """For chunk decays [B, H, nc] grouped into segments of cps chunks: (before, after, whole), the products of
+    the decays of the segment's chunks before chunk c, after chunk c, and of the whole segment [B, H, nseg]."""
+    bsz, nheads, nc = dec.shape
+    d = torch.nn.functional.pad(dec, (0, nseg * cps - nc), value=1.0).view(bsz, nheads, nseg, cps)
+    one = torch.ones_like(d[..., :1])
+    inc = d.cumprod(-1)
+    before = torch.cat([one, inc[..., :-1]], -1)
+    after = torch.cat([d.flip(-1).cumprod(-1).flip(-1)[..., 1:], one], -1)
+    return (before.reshape(bsz, nheads, -1)[..., :nc].contiguous(),
+            after.reshape(bsz, nheads, -1)[..., :nc].contiguous(), inc[..., -1])
+
+
+def _states(x, B, dtp, cs, seq_idx, initial_states, T, nc):
+    """Entering state of every chunk ((hi, lo) arrays, _state_buffer) and the final states (fp32). With
+    segments (_state_segments), each segment's walk starts from zero; the true segment ends follow in order
+    (end_k += decay of segment k * end_{k-1}) and _states_fix_kernel adds the decayed previous end to the
+    entering states of every later segment's chunks."""
+    bsz, seqlen, nheads, hdim = x.shape
+    ngroups, dstate = B.shape[-2:]
+    states = _state_buffer(x, (bsz, nc, nheads, hdim, dstate))
+    nseg, cps = _state_segments(x, bsz, nheads, hdim, dstate, nc)
+    ends = torch.empty(bsz, nseg, nheads, hdim, dstate, dtype=torch.float32, device=x.device)
+    BP, BN = _state_blocks(x, bsz * nseg, nheads, hdim, dstate, "states_bn")
+    seq, ssb, ssl = _seq_args(seq_idx, x)
+    grid = (bsz * nseg, nheads, triton.cdiv(hdim, BP) * triton.cdiv(dstate, BN))
+    _states_kernel[grid](
+        x, B, dtp, cs, seq, initial_states if initial_states is not None else x, *states, ends,
+        seqlen, nheads, ngroups, nc, nseg, cps, *x.stride(), *B.stride(), ssb, ssl,
+        *(initial_states.stride() if initial_states is not None else (0, 0, 0, 0)),
+        P=hdim, N=dstate, T=T, BP=BP, BN=BN, BS=_states_step(BN, T), HAS_INIT=initial_states is not None,
+        HAS_SEQ=seq_idx is not None, PREC=_prec(x),
+    )
+    if nseg == 1:
+        return states, ends[:, 0]
+    before, _, whole = _segment_decays(_chunk_decays(cs, seq_idx, T, seqlen), nseg, cps)
+    for k in range(1, nseg):
+        ends[:, k] += whole[:, :, k, None, None] * ends[:, k - 1]
+    BLK = _pow2_block(hdim * dstate, 1024)
+    # rows x chunks on grid axis 0: CUDA caps axes 1 and 2 at 65535 programs
+    _states_fix_kernel[(bsz * (nc - cps), nheads, triton.cdiv(hdim * dstate, BLK))](
+        *states, ends, before, nc, nheads, cps, PN=hdim * dstate, BLK=BLK, PREC=_prec(x),
+    )
+    return states, ends[:, -1].contiguous()
+
+
+def _dstates(x, C, dy, cs, seq_idx, states, final, dfinal, initial_states, T, nc):
+    """The reverse walk: (dS, the gradient of the state leaving every chunk, as _state_buffer arrays; the
+    gradient of each chunk's cs_last through <dS_{c+1}, S_{c+1}>, [B, H, nc] fp32; d initial_states in fp32 or
+    None). In segments as _states: the true gradient entering each segment follows last to first, and
+    _dstates_fix_kernel completes dS and the cs_last terms of every segment but the last."""
+    bsz, seqlen, nheads, hdim = x.shape
+    ngroups, dstate = C.shape[-2:]
+    dev = x.device
+    prec = _prec(x)
+    seq, ssb, ssl = _seq_args(seq_idx, x)
+    nseg, cps = _state_segments(x, bsz, nheads, hdim, dstate, nc)
+    BP, BN = _state_blocks(x, bsz * nseg, nheads, hdim, dstate, "dstates_bn")
+    nblk = triton.cdiv(hdim, BP) * triton.cdiv(dstate, BN)
+    dsn = _state_buffer(x, (bsz, nc, nheads, hdim, dstate))
+    dcsl = torch.empty(bsz, nheads, nc, nblk, dtype=torch.float32, device=dev)
+    # the gradient of each segment's entering state; segment 0's is d initial_states
+    gst = torch.empty(bsz, nseg, nheads, hdim, dstate, dtype=torch.float32, device=dev) \
+        if initial_states is not None or nseg > 1 else None
+    if dfinal is not None:
+        dfinal = dfinal.contiguous()
+    _dstates_kernel[(bsz * nseg, nheads, nblk)](
+        dy, C, cs, seq, *states, final, dfinal if dfinal is not None else final, *dsn, dcsl,
+        gst if gst is not None else final, seqlen, nheads, ngroups, nc, nseg, cps, *dy.stride(), *C.stride(),
+        ssb, ssl, P=hdim, N=dstate, T=T, BP=BP, BN=BN, BT=_tile("dstates_bt", T), HAS_DFIN=dfinal is not None,
+        HAS_SEQ=seq_idx is not None, WANT_DINIT=gst is not None, PREC=prec,
+    )
+    dcs_last = dcsl.sum(-1)
+    if nseg > 1:
+        _, after, whole = _segment_decays(_chunk_decays(cs, seq_idx, T, seqlen), nseg, cps)
+        for k in range(nseg - 2, -1, -1):
+            gst[:, k] += whole[:, :, k, None, None] * gst[:, k + 1]
+        nfix = (nseg - 1) * cps
+        BLK = _pow2_block(hdim * dstate, 1024)
+        nfb = triton.cdiv(hdim * dstate, BLK)
+        dcsf = torch.empty(bsz, nheads, nfix, nfb, dtype=torch.float32, device=dev)
+        _dstates_fix_kernel[(bsz * nfix, nheads, nfb)](
+            *dsn, *states, gst, after, dcsf, nc, nheads, cps, nfix, PN=hdim * dstate, BLK=BLK, PREC=prec,
+        )
+        dcs_last[:, :, :nfix] += dcsf.sum(-1)
+    dinit = gst[:, 0].contiguous() if initial_states is not None else None
+    return dsn, dcs_last, dinit
