@@ -558,6 +558,26 @@ def test_gpu_ssd_bf16(triton_mode, case):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("segments", ["4", "auto"])
+def test_gpu_ssd_state_segments(triton_mode, monkeypatch, segments):
+    """One 16K row (the case the segmented chunk walks are for), with resets and an initial state: fp32 against
+    the fp64 reference, bf16 within 2x of the reference's own error."""
+    monkeypatch.setenv("MEGASSM_SSD_STATE_SEGMENTS", segments)
+    case = (1, 16384, 8, 64, 128, 1, 256, True, True)
+    inp, sid, chunk = _gpu_case(case)
+    ours = run_ssd(K.ssd, inp, sid, chunk_size=chunk)
+    oracle = run_ssd(R.ssd, cast_inputs(inp, to=F64), sid, chunk_size=chunk)
+    check_fp32(ours, oracle, 1e-4)
+    inp, sid, chunk = _gpu_case(case, seed=1)
+    low = cast_inputs(inp, lowp=torch.bfloat16)
+    ours = run_ssd(K.ssd, low, sid, chunk_size=chunk)
+    ref = run_ssd(R.ssd, low, sid, chunk_size=chunk)
+    oracle = run_ssd(R.ssd, cast_inputs(low, to=F64), sid, chunk_size=chunk)
+    check_lowp(ours, ref, oracle, 2.0)
+
+
+@gpu
+@needs_cuda
 def test_gpu_ssd_extremes_16k_finite_and_deterministic(triton_mode):
     inp = ssd_inputs(1, 16384, 8, 64, 1, 128, dt_scale=6.0, a_scale=50.0, device="cuda")
     inp["dt_bias"] = torch.full_like(inp["dt_bias"], 4.0)  # softplus(dt) up to ~10+, A down to -100
