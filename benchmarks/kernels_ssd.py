@@ -100,7 +100,7 @@ def kernel_profile(fn, reps=5):
 
 
 PROFILE = False
-SEGMENTS = "auto"  # MEGASSM_SSD_STATE_SEGMENTS of the megassm_seg rows (--segments)
+SEGMENTS = []  # MEGASSM_SSD_STATE_SEGMENTS values of the megassm_seg<k> rows (--segments)
 
 
 def bench_ssd(row, B, L, H, P, N, G, chunk, impls):
@@ -114,18 +114,22 @@ def bench_ssd(row, B, L, H, P, N, G, chunk, impls):
         return K.ssd(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], D=leaves["D"],
                      dt_bias=leaves["dt_bias"], dt_softplus=True, chunk_size=chunk)
 
-    def with_precision(mode, segments="1"):
+    def with_precision(mode, segments=None):
         def f():  # the env switches are read per call (forward and backward), so set them per call
             os.environ["MEGASSM_SSD_PRECISION"] = mode
-            os.environ["MEGASSM_SSD_STATE_SEGMENTS"] = segments
+            if segments is None:  # the library's default (auto)
+                os.environ.pop("MEGASSM_SSD_STATE_SEGMENTS", None)
+            else:
+                os.environ["MEGASSM_SSD_STATE_SEGMENTS"] = segments
             return ours()
 
         return f
 
-    # megassm: default (bf16 hi+lo products for derived operands); megassm_bf16: one bf16 rounding, as mamba_ssm
+    # megassm: the defaults (bf16 hi+lo products for derived operands, auto segments); megassm_bf16: one bf16
+    # rounding, as mamba_ssm; megassm_seg<k>: the chunk walks in k segments (the --segments sweep)
     fns = {"megassm": with_precision("split"), "megassm_bf16": with_precision("bf16")}
-    if L >= 8192 or "megassm_seg" in impls:  # the chunk walks split into segments (long rows, few of them)
-        fns["megassm_seg"] = with_precision("split", SEGMENTS)
+    for k in SEGMENTS:  # one process for the whole sweep: same autotuned configs, same peer timing
+        fns[f"megassm_seg{k}"] = with_precision("split", k)
     mcs, why = _mamba()
     if mcs is not None:
         def peer():
@@ -137,7 +141,7 @@ def bench_ssd(row, B, L, H, P, N, G, chunk, impls):
         row["mamba_ssm"] = f"absent ({why})"
     outs = {}
     for name, f in fns.items():
-        if impls and name not in impls:
+        if impls and name not in impls and not (name.startswith("megassm_seg") and "megassm_seg" in impls):
             continue
         with torch.no_grad():
             y = f()
@@ -155,7 +159,7 @@ def bench_ssd(row, B, L, H, P, N, G, chunk, impls):
         g_ours = torch.autograd.grad(fns["megassm"](), [leaves[k] for k in names], gy)
         g_peer = torch.autograd.grad(fns["mamba_ssm"](), [leaves[k] for k in names], gy)
         row["rel_diff_grads_vs_mamba"] = {k: round(rel(a, b), 6) for k, a, b in zip(names, g_ours, g_peer)}
-        for ours_name in ("megassm", "megassm_bf16", "megassm_seg"):
+        for ours_name in ("megassm", "megassm_bf16", *(f"megassm_seg{k}" for k in SEGMENTS)):
             if row.get("mamba_ssm_fwdbwd_ms") and row.get(f"{ours_name}_fwdbwd_ms"):
                 row[f"speedup_fwdbwd_{ours_name}"] = round(row["mamba_ssm_fwdbwd_ms"] / row[f"{ours_name}_fwdbwd_ms"], 3)
                 row[f"speedup_fwd_{ours_name}"] = round(row["mamba_ssm_fwd_ms"] / row[f"{ours_name}_fwd_ms"], 3)
@@ -294,12 +298,15 @@ def main():
     ap.add_argument("--impls", default="",
                     help="comma list restricting SSD impls (megassm, megassm_bf16, megassm_seg, mamba_ssm)")
     ap.add_argument("--profile", action="store_true", help="SSD rows also list each kernel's GPU ms per fwd+bwd")
-    ap.add_argument("--segments", default="auto",
-                    help="MEGASSM_SSD_STATE_SEGMENTS for the megassm_seg rows (L >= 8192 or --impls megassm_seg)")
+    ap.add_argument("--segments", default="",
+                    help="comma list of MEGASSM_SSD_STATE_SEGMENTS values, one megassm_seg<k> row each in every "
+                    "SSD shape; e.g. 1,2,4,8,16 (the megassm row is the default, auto)")
     args = ap.parse_args()
     global PROFILE, SEGMENTS
     PROFILE = args.profile
-    SEGMENTS = args.segments
+    SEGMENTS = [v.strip().lower() for v in args.segments.split(",") if v.strip()]
+    if any(v != "auto" and not (v.isdigit() and int(v) >= 1) for v in SEGMENTS):
+        ap.error(f"--segments {args.segments!r}: expected a comma list of positive integers or auto")
     only = set(filter(None, args.only.split(",")))
     impls = set(filter(None, args.impls.split(",")))
     want = (lambda k: not only or k in only)

@@ -363,15 +363,22 @@ def test_ssd_triton_state_segments(triton_mode, monkeypatch, dtype, segments):
 
 @needs_triton
 def test_ssd_state_segments_setting(monkeypatch):
-    from megassm.kernels.triton.ssd_states import _state_segments
+    from megassm.kernels.triton.ssd_states import _auto_segments, _state_segments
 
     x = torch.zeros(1, device=DEV)
     for text, nc, want in (("1", 10, (1, 10)), ("4", 10, (4, 3)), ("3", 7, (3, 3)), ("16", 3, (3, 1))):
         monkeypatch.setenv("MEGASSM_SSD_STATE_SEGMENTS", text)
         assert _state_segments(x, 1, 8, 64, 128, nc) == want, text
     monkeypatch.setenv("MEGASSM_SSD_STATE_SEGMENTS", "auto")
-    nseg, cps = _state_segments(x, 64, 64, 64, 128, 8)  # 64 rows fill any GPU: one walk
-    assert (nseg, cps) == (1, 8)
+    assert _state_segments(x, 1, 64, 64, 128, 128) == (1, 128)  # auto is one walk off the GPU
+    monkeypatch.delenv("MEGASSM_SSD_STATE_SEGMENTS")
+    assert _state_segments(x, 1, 64, 64, 128, 128) == (1, 128)  # the default is auto
+    # auto on an H100/H200 (132 SMs), anchors shape H 64, P 64, N 128: 128 walks per row
+    assert _auto_segments(64 * 2, 128, 132) == 4  # 1 x 32K: 512 programs
+    assert _auto_segments(2 * 64 * 2, 64, 132) == 2  # 2 x 16K
+    assert _auto_segments(4 * 64 * 2, 32, 132) == 1  # 4 x 8K already fills the GPU
+    assert _auto_segments(1, 6, 132) == 2  # never more than nc / 2 segments
+    assert _auto_segments(1, 4096, 132) == 16  # nor more than 16
     for bad in ("0", "-2", "two"):
         monkeypatch.setenv("MEGASSM_SSD_STATE_SEGMENTS", bad)
         with pytest.raises(ValueError, match=f"MEGASSM_SSD_STATE_SEGMENTS={bad!r}"):

@@ -234,20 +234,29 @@ def _states_step(BN, T):
     return max(16, min(bs, triton.next_power_of_2(T)))
 
 
+def _auto_segments(walks, nc, sms):
+    """The segment count of MEGASSM_SSD_STATE_SEGMENTS=auto: double k (up to 16 and nc / 2) while the walks
+    (rows x heads x P-blocks x N-blocks at 64 x 64) give fewer than two programs per multiprocessor. Tuned on
+    an H200 (docs/benchmarks.md, session 12): below that count the walks are latency-bound (one 32K row:
+    1 -> 6.8 ms fwd+bwd, 4 -> 5.2); above it the fix-up passes cost more than the extra programs give
+    (4 x 8K: 1 -> 4.7 ms, 2 -> 4.9)."""
+    k = 1
+    while k < 16 and 2 * k <= nc // 2 and walks * k < 2 * sms:
+        k *= 2
+    return k
+
+
 def _state_segments(x, bsz, nheads, hdim, dstate, nc):
     """(segments, chunks per segment) of the chunk walks in _states_kernel / _dstates_kernel.
-    MEGASSM_SSD_STATE_SEGMENTS: "1" (default: one walk over the whole sequence), an integer k (k walks of
-    ceil(nc / k) chunks in parallel, then a fix-up pass), or "auto" (double k, up to 16 and nc / 2, while the
-    walks give fewer than two programs per multiprocessor at 64 x 64 blocks or a walk is longer than 16 chunks:
-    a starting rule, not yet tuned on a GPU). Read per call."""
-    text = os.environ.get("MEGASSM_SSD_STATE_SEGMENTS", "1").strip().lower()
+    MEGASSM_SSD_STATE_SEGMENTS: "auto" (default: _auto_segments on a GPU, one walk elsewhere), or an integer k
+    (k walks of ceil(nc / k) chunks in parallel, then a fix-up pass; 1: one walk over the whole sequence).
+    Read per call."""
+    text = os.environ.get("MEGASSM_SSD_STATE_SEGMENTS", "auto").strip().lower()
     if text == "auto":
         k = 1
         if x.is_cuda:
             sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-            blocks = triton.cdiv(hdim, 64) * triton.cdiv(dstate, 64)
-            while k < 16 and 2 * k <= nc // 2 and (bsz * k * nheads * blocks < 2 * sms or triton.cdiv(nc, k) > 16):
-                k *= 2
+            k = _auto_segments(bsz * nheads * triton.cdiv(hdim, 64) * triton.cdiv(dstate, 64), nc, sms)
     else:
         try:
             k = int(text)
