@@ -6,6 +6,8 @@
 # Groups:
 #   induction   Mamba paper induction heads, the paper's 204,800 steps at batch 8: Mamba-2 `M` and Mamba-1 `S`
 #               under CUDA graphs, and the attention control `**` (eager, INDUCTION_ATTN_STEPS)
+#   induction-seeds the paper's S (Mamba-1) at batch 8 (its config: no gradient clipping), seeds $SEEDS, 256
+#               evaluation samples per length, until LIMIT
 #   selcopy     Mamba paper selective copying: S6 against its LTI ablation (CUDA graphs)
 #   mqar        MQAR (Zoology settings, T = 256, 16 pairs, d_model 64): Mamba-2 vs Longhorn at state 4 and 16,
 #               8,000 steps, seeds $SEEDS (CUDA graphs); B'MOJO in the bmojo groups
@@ -41,6 +43,11 @@ for group in "$@"; do
       run induction-S --config configs/synthetic/induction_mamba1.yaml --steps 204800 --cuda-graph
       run induction-attn --config configs/synthetic/induction_mamba2.yaml --steps "$INDUCTION_ATTN_STEPS" \
           model.pattern='**' model.d_model=128 model.attn.n_heads=8 ;;
+    induction-seeds)
+      for seed in $SEEDS; do
+        run induction-S-s$seed --config configs/synthetic/induction_mamba1.yaml --steps 204800 --seed "$seed" \
+            --eval-batches 32 --cuda-graph
+      done ;;
     selcopy)
       run selcopy-S --config configs/synthetic/selective_copying.yaml --steps 400000 --cuda-graph
       run selcopy-S-lti --config configs/synthetic/selective_copying.yaml --steps 400000 --cuda-graph \
@@ -72,7 +79,7 @@ for group in "$@"; do
               model.bmojo.n_eidetic=8 model.attn.n_heads=2 "${extra[@]}"
         done
       done ;;
-    *) echo "seed_repro.sh: unknown group '$group' (induction, selcopy, mqar, bmojo-lr, bmojo, bmojo-f, bmojo-alg1)" >&2; exit 2 ;;
+    *) echo "seed_repro.sh: unknown group '$group' (induction, induction-seeds, selcopy, mqar, bmojo-lr, bmojo, bmojo-f, bmojo-alg1)" >&2; exit 2 ;;
   esac
 done
 wait

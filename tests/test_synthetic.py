@@ -123,6 +123,30 @@ def test_runner_config_file_and_errors(tmp_path, capsys):
     cfg.write_text("task: {name: coffee_induction}\ntrain: {precision: fp16}\n")
     assert R.main(["--config", str(cfg), "--out", str(tmp_path / "x")]) == 2
     assert "train.precision must be bf16 or fp32, got 'fp16'" in capsys.readouterr().err
+    cfg.write_text("task: {name: coffee_induction}\n")
+    assert R.main(["--config", str(cfg), "--grad-clip", "-1", "--out", str(tmp_path / "x")]) == 2
+    assert "train.grad_clip must be >= 0 (0: no clipping), got -1.0" in capsys.readouterr().err
+    assert R.main(["--config", str(cfg), "--eval-batches", "0", "--out", str(tmp_path / "x")]) == 2
+    assert "eval.batches must be >= 1, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()  # config mistakes fail before any output
+
+
+def test_runner_grad_clip_and_eval_batches_flags(tmp_path, monkeypatch):
+    """--grad-clip 0 trains without clipping (clip_grad_norm_ never called); --eval-batches sets the
+    evaluation sample count."""
+    calls = []
+    real = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda p, m: calls.append(m) or real(p, m))
+    base = ["--task", "induction_heads", "--steps", "2", "--batch", "2", "--train-len", "16", "--device", "cpu",
+            "model.pattern=M", "model.d_model=32", "model.mamba.headdim=8", "model.mamba.d_state=8",
+            "model.mamba.chunk_size=8"]
+    assert R.main(base + ["--out", str(tmp_path / "a")]) == 0
+    assert calls == [1.0, 1.0]  # the default clips at 1.0
+    calls.clear()
+    assert R.main(base + ["--grad-clip", "0", "--eval-batches", "3", "--out", str(tmp_path / "b")]) == 0
+    assert calls == []
+    res = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert res["config"]["train"]["grad_clip"] == 0 and res["config"]["eval"]["batches"] == 3
 
 
 def test_runner_cuda_graph_refusals(tmp_path, capsys):

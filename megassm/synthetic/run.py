@@ -12,13 +12,14 @@ A run config (YAML) has four sections; command-line flags override them, and tra
     model: {pattern: MM, d_model: 64, ...}         # megassm.config model keys (docs/config.md); or
            {core: coffee, n: 8, d: 16}             # the COFFEE paper's bare one-layer model (CoffeeCore)
     train: {steps: 2000, batch: 8, lr: 1e-3, weight_decay: 0, train_len: 256, seed: 0, warmup: 0,
+            grad_clip: 1.0,                     # gradient-norm clip (--grad-clip; 0: none)
             cuda_graph: false, time_limit: 0,   # cuda_graph (or --cuda-graph): each step's forward +
             precision: bf16}                    # backward replayed as one CUDA graph (GPU, M/S/L/B/- only);
                                                 # time_limit (--time-limit) s > 0: stop training after the
                                                 # step that passes it, evaluate, record steps_done;
                                                 # precision (--precision) bf16 | fp32: autocast on the GPU
                                                 # for training and evaluation, or none (the CPU: always fp32)
-    eval:  {lens: [256, 1024, 16384], batches: 4, batch: 8, every: 0,
+    eval:  {lens: [256, 1024, 16384], batches: 4, batch: 8, every: 0,   # batches: --eval-batches
             also_fp32: false}                   # also_fp32 (--eval-fp32): the final evaluation once more
                                                 # without autocast (accuracy_fp32 in results.json)
 
@@ -79,9 +80,11 @@ def load_run_config(path: str | None, args) -> dict:
     t, tr, ev = cfg["task"], cfg["train"], cfg["eval"]
     if args.task:
         t["name"] = args.task
-    for key in ("steps", "batch", "lr", "train_len", "seed"):
-        if getattr(args, key) is not None:
+    for key in ("steps", "batch", "lr", "train_len", "seed", "grad_clip"):
+        if getattr(args, key, None) is not None:
             tr[key] = getattr(args, key)
+    if getattr(args, "eval_batches", None) is not None:
+        ev["batches"] = args.eval_batches
     if args.eval_lens:
         ev["lens"] = [int(x) for x in args.eval_lens.split(",")]
     for text in args.overrides:
@@ -101,6 +104,10 @@ def load_run_config(path: str | None, args) -> dict:
     for k in ("steps", "batch", "train_len"):
         if int(tr[k]) < 1:
             raise ValueError(f"train.{k} must be >= 1, got {tr[k]}")
+    if not float(tr["grad_clip"]) >= 0:
+        raise ValueError(f"train.grad_clip must be >= 0 (0: no clipping), got {tr['grad_clip']}")
+    if int(ev["batches"]) < 1:
+        raise ValueError(f"eval.batches must be >= 1, got {ev['batches']}")
     if getattr(args, "cuda_graph", False):
         tr["cuda_graph"] = True
     if getattr(args, "time_limit", None) is not None:
@@ -362,6 +369,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float)
     ap.add_argument("--train-len", dest="train_len", type=int)
     ap.add_argument("--seed", type=int)
+    ap.add_argument("--grad-clip", dest="grad_clip", type=float,
+                    help="gradient-norm clipping threshold (train.grad_clip, default 1.0; 0: no clipping)")
+    ap.add_argument("--eval-batches", dest="eval_batches", type=int,
+                    help="evaluation batches per length (eval.batches; samples = batches x eval.batch)")
     ap.add_argument("--eval-lens", help="comma-separated evaluation lengths")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
     ap.add_argument("--time-limit", dest="time_limit", type=float,
