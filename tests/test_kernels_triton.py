@@ -11,6 +11,7 @@ reference's own bf16 error (reference run on the same bf16 inputs vs the fp64 or
 alone doubles the output rounding error). fp32 outputs of bf16 inputs (final states, their gradient) carry a
 floor of 1e-4: the kernels' state products run as bf16 hi+lo pairs (~16 mantissa bits).
 """
+import importlib
 import logging
 import os
 
@@ -177,8 +178,8 @@ def check_lowp(ours, ref, oracle, factor):
 
 def _op_ssd(x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_limit=None, initial_states=None,
             seq_idx=None, chunk_size=256, return_final_states=False):
-    y, fin = ops.ssd_op(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states, seq_idx, chunk_size,
-                        return_final_states)
+    y, fin, _, _ = ops.ssd_op(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states, seq_idx,
+                              chunk_size, return_final_states)
     return (y, fin) if return_final_states else y
 
 
@@ -359,6 +360,48 @@ def test_ssd_triton_state_segments(triton_mode, monkeypatch, dtype, segments):
         ref = run_ssd(R.ssd, low, sid, chunk_size=chunk)
         oracle = run_ssd(R.ssd, cast_inputs(low, to=F64), sid, chunk_size=chunk)
         check_lowp(ours, ref, oracle, 3.0 if INTERP else 2.0)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype,segments", [("fp32", "1"), ("bf16", "2")])
+def test_ssd_triton_saved_states(triton_mode, monkeypatch, dtype, segments):
+    """MEGASSM_SSD_SAVE_STATES=1: the backward reads the states the forward kept instead of recomputing them
+    (the recompute is made to fail), and gives the recomputing backward's results bit for bit, through
+    kernels.ssd (eager) and through the custom op, with and without the final states returned; the fake
+    implementation promises the kept buffers' real shapes."""
+    tbwd = importlib.import_module("megassm.kernels.triton.ssd_bwd")  # the module (the package exports the function)
+    monkeypatch.setenv("MEGASSM_SSD_STATE_SEGMENTS", segments)
+    inp = ssd_inputs(2, 40, 2, 16, 1, 16, d_mode="head")
+    if dtype == "bf16":
+        inp = cast_inputs(inp, lowp=torch.bfloat16)
+    sid = seq_from_starts([[16, 21], [3]], 40)
+    monkeypatch.setenv("MEGASSM_SSD_SAVE_STATES", "0")
+    want = run_ssd(K.ssd, inp, sid, chunk_size=16)
+    y_only = (lambda **kw: (lambda y: (y, y.float().sum() * 0))(K.ssd(**{**kw, "return_final_states": False})))
+    want_y = run_ssd(y_only, inp, sid, chunk_size=16)
+    monkeypatch.setenv("MEGASSM_SSD_SAVE_STATES", "1")
+
+    def no_recompute(*a, **k):
+        raise AssertionError("the backward recomputed the states it was given")
+
+    monkeypatch.setattr(tbwd, "_states", no_recompute)
+    for fn in (K.ssd, _op_ssd):
+        got = run_ssd(fn, inp, sid, chunk_size=16)
+        assert all(torch.equal(got[k], want[k]) for k in want), fn
+    got = run_ssd(y_only, inp, sid, chunk_size=16)
+    assert all(torch.equal(got[k], want_y[k]) for k in want_y)
+    args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["z"], inp["dt_bias"], True, None,
+            inp["initial_states"], sid, 16)
+    for ret in (True, False):
+        real = ops.ssd_op(*args, ret)
+        with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+            fake = ops.ssd_op._abstract_fn(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                                             for a in args), ret)
+        assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
+        assert real[2].numel() > 0 and (real[3].numel() > 0) != ret  # kept buffer; kept final unless returned
+    monkeypatch.setenv("MEGASSM_SSD_SAVE_STATES", "yes")
+    with pytest.raises(ValueError, match="MEGASSM_SSD_SAVE_STATES='yes'"):
+        K.ssd(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"])
 
 
 @needs_triton
@@ -581,6 +624,23 @@ def test_gpu_ssd_state_segments(triton_mode, monkeypatch, segments):
     ref = run_ssd(R.ssd, low, sid, chunk_size=chunk)
     oracle = run_ssd(R.ssd, cast_inputs(low, to=F64), sid, chunk_size=chunk)
     check_lowp(ours, ref, oracle, 2.0)
+
+
+@gpu
+@needs_cuda
+def test_gpu_ssd_saved_states_bitwise(triton_mode, monkeypatch):
+    """MEGASSM_SSD_SAVE_STATES=1 at a real shape (2 x 4K, H 8, resets, an initial state; bf16 with segments 4
+    and one walk): the same bits as the recomputing backward."""
+    inp, sid, chunk = _gpu_case((2, 4096, 8, 64, 128, 1, 256, True, True))
+    low = cast_inputs(inp, lowp=torch.bfloat16)
+    for segments in ("1", "4"):
+        monkeypatch.setenv("MEGASSM_SSD_STATE_SEGMENTS", segments)
+        monkeypatch.setenv("MEGASSM_SSD_SAVE_STATES", "0")
+        run_ssd(K.ssd, low, sid, chunk_size=chunk)  # the autotuner's first calls may time other configs
+        want = run_ssd(K.ssd, low, sid, chunk_size=chunk)
+        monkeypatch.setenv("MEGASSM_SSD_SAVE_STATES", "1")
+        got = run_ssd(K.ssd, low, sid, chunk_size=chunk)
+        assert all(torch.equal(got[k], want[k]) for k in want), segments
 
 
 @gpu

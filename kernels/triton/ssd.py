@@ -57,6 +57,9 @@ from .ssd_common import (
     _seq_args,
     _seq_at,
     _softplus,
+    _state_base,
+    _state_buffer_dtype,
+    _state_buffer_shape,
     _tile,
 )
 from .ssd_states import _states
@@ -307,7 +310,9 @@ def _scan(x, z, C, D, cb, dtp, cs, seq_idx, states, T, nc, dout=None):
 
 
 def ssd_fwd(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states, seq_idx, chunk_size,
-            return_final_states):
+            return_final_states, keep_states=False):
+    """(y, final states or None, kept or None). With keep_states, kept = (the entering states of every chunk as
+    one buffer, the final states): what ssd_bwd would otherwise recompute (MEGASSM_SSD_SAVE_STATES)."""
     x, B, C, z = _contig_last(x), _contig_last(B), _contig_last(C), _contig_last(z)
     D = D.contiguous() if D is not None else None
     A = A.contiguous()
@@ -316,4 +321,15 @@ def ssd_fwd(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states
     T, nc, dtp, cs, cb = _prep(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit, seq_idx, chunk_size)
     states, final = _states(x, B, dtp, cs, seq_idx, initial_states, T, nc)
     y = _scan(x, z, C, D, cb, dtp, cs, seq_idx, states, T, nc)
-    return y, (final if return_final_states else None)
+    kept = (_state_base(states), final) if keep_states else None
+    return y, (final if return_final_states else None), kept
+
+
+def kept_state_shapes(x, B, chunk_size):
+    """((shape, dtype) of the kept states buffer, shape of the kept final states) for ssd_fwd's keep_states:
+    what the custom op's fake implementation returns."""
+    bsz, seqlen, nheads, hdim = x.shape
+    dstate = B.shape[-1]
+    nc = triton.cdiv(seqlen, _chunk_len(seqlen, chunk_size))
+    return ((_state_buffer_shape(x, (bsz, nc, nheads, hdim, dstate)), _state_buffer_dtype(x)),
+            (bsz, nheads, hdim, dstate))

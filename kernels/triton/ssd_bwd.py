@@ -26,6 +26,9 @@ from .ssd_common import (
     _prec,
     _seq_args,
     _seq_at,
+    _state_buffer_dtype,
+    _state_buffer_shape,
+    _state_views,
     _tile,
 )
 from .ssd_states import _dstates, _states
@@ -283,8 +286,10 @@ def _dbc_kernel(X, DY, OTHER, CR, DCB, DTP, CS, SEQ, SVH, SVL, OUT, DCSR, L, H, 
 
 
 def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states, seq_idx,
-            chunk_size):
-    """Gradients (dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states) of ssd_fwd."""
+            chunk_size, kept=None):
+    """Gradients (dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states) of ssd_fwd. `kept`: ssd_fwd's kept
+    (states buffer, final states), used instead of recomputing them when its layout matches this call's
+    precision mode (a switch of MEGASSM_SSD_PRECISION between forward and backward recomputes)."""
     x, B, C, z = _contig_last(x), _contig_last(B), _contig_last(C), _contig_last(z)
     D_in = D
     D = D.contiguous() if D is not None else None
@@ -296,7 +301,11 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     ngroups, dstate = B.shape[-2:]
     dev = x.device
     T, nc, dtp, cs, cb = _prep(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit, seq_idx, chunk_size)
-    states, final = _states(x, B, dtp, cs, seq_idx, initial_states, T, nc)
+    shape = _state_buffer_shape(x, (bsz, nc, nheads, hdim, dstate))
+    if kept is not None and tuple(kept[0].shape) == shape and kept[0].dtype == _state_buffer_dtype(x):
+        states, final = _state_views(kept[0]), kept[1]
+    else:
+        states, final = _states(x, B, dtp, cs, seq_idx, initial_states, T, nc)
     if z is not None:  # the gate needs the forward output: recompute it, fused with dy = dout * silu(z) and dz
         dy, dz = _scan(x, z, C, D, cb, dtp, cs, seq_idx, states, T, nc, dout=dout)
     else:  # without a gate the output is never recomputed (the cs_t gradient comes from _dcb / _dbc)

@@ -256,13 +256,30 @@ def _seq_args(seq_idx, x):
 def _state_buffer(x, shape):
     """(hi, lo) arrays for chunk states or their gradients, stored as _st_store writes them: fp32 (both names
     one array) for fp32 inputs, bf16 hi + lo arrays by default for bf16 inputs, a bf16 hi array alone with
-    MEGASSM_SSD_PRECISION=bf16."""
+    MEGASSM_SSD_PRECISION=bf16. Both views share one allocation (_state_base)."""
+    return _state_views(torch.empty(_state_buffer_shape(x, shape), dtype=_state_buffer_dtype(x), device=x.device))
+
+
+def _state_buffer_shape(x, shape):
     prec = _prec(x)
-    if prec == "ieee":
-        t = torch.empty(shape, dtype=torch.float32, device=x.device)
-        return t, t
-    t = torch.empty((2 if prec == "bf16" else 1,) + tuple(shape), dtype=torch.bfloat16, device=x.device)
-    return t[0], t[-1]
+    return tuple(shape) if prec == "ieee" else (2 if prec == "bf16" else 1,) + tuple(shape)
+
+
+def _state_buffer_dtype(x):
+    return torch.float32 if _prec(x) == "ieee" else torch.bfloat16
+
+
+def _state_views(buf):
+    """The (hi, lo) arrays of a state buffer: the fp32 array under both names, or its bf16 planes (one plane:
+    hi alone, under both names)."""
+    return (buf, buf) if buf.dtype == torch.float32 else (buf[0], buf[-1])
+
+
+def _state_base(arrays):
+    """The one allocation behind _state_buffer's (hi, lo) arrays (kept for the backward when the forward's
+    states are saved)."""
+    hi = arrays[0]
+    return hi if hi._base is None else hi._base
 
 
 def _contig_last(t):
