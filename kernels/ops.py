@@ -29,23 +29,17 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import reference
+from . import env, reference
 
 logger = logging.getLogger("megassm.kernels")
 
-_MODES = ("auto", "triton", "torch")
 _triton_mod = None
 _triton_err: Optional[BaseException] = None
 _announced_state = {"last": None}
 
 
 def mode() -> str:
-    m = os.environ.get("MEGASSM_KERNELS", "auto").strip().lower() or "auto"
-    if m == "reference":
-        m = "torch"
-    if m not in _MODES:
-        raise ValueError(f"MEGASSM_KERNELS={m!r}: expected one of {', '.join(_MODES)}")
-    return m
+    return env.kernels_mode()
 
 
 def interpret() -> bool:
@@ -208,10 +202,7 @@ def ssd_keeps_states() -> bool:
     backward, which then skips recomputing them: ~0.3 ms of 4.5 per 32K-token call at the anchors shape, for
     B * ceil(L / chunk) * H * P * N * 4 bytes per layer (bf16 inputs; fp32 likewise) held until the backward.
     Default 0 (recompute). Read per call."""
-    text = os.environ.get("MEGASSM_SSD_SAVE_STATES", "0").strip().lower()
-    if text not in ("0", "1"):
-        raise ValueError(f"MEGASSM_SSD_SAVE_STATES={text!r}: expected 0 or 1")
-    return text == "1"
+    return env.ssd_save_states()
 
 
 def _ssd_triton_takes(x: Tensor, chunk_size: int) -> bool:

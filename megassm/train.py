@@ -144,6 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     overrides = list(args.overrides)
     if args.resume is not None:
         overrides.append(f"run.resume={args.resume}")
+    try:  # the kernels' environment switches (MEGASSM_KERNELS, MEGASSM_SSD_*): before any model or GPU work
+        from megassm.kernels import env as kernel_env
+
+        kernel_env.check()
+    except ValueError as e:
+        print(f"megassm-train: config error: environment: {e}", file=sys.stderr)
+        return EXIT_CONFIG
     if args.dry_run:
         try:
             return dry_run(*_dry_run_config(args.config, overrides))

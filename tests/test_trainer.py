@@ -96,6 +96,23 @@ def test_cli_config_error_exits_before_compute(tmp_path):
     assert "model.d_model" in r.stderr and not os.path.exists(tmp_path / "x")
 
 
+@pytest.mark.parametrize("var,value", [("MEGASSM_KERNELS", "cuda"), ("MEGASSM_SSD_PRECISION", "fp8"),
+                                       ("MEGASSM_SSD_STATE_SEGMENTS", "0"), ("MEGASSM_SSD_SAVE_STATES", "on")])
+def test_cli_bad_kernel_environment_exits_before_compute(tmp_path, monkeypatch, capsys, var, value):
+    """A bad kernel switch fails at startup (dry run or training), naming the variable and the value, with
+    nothing written; the synthetic runner likewise."""
+    from megassm import train as T
+    from megassm.synthetic import run as S
+
+    monkeypatch.setenv(var, value)
+    for extra in ([], ["--dry-run"]):
+        assert T.main(["--config", "configs/tiny.yaml", f"run.dir={tmp_path}/x", *extra]) == 2
+        assert f"{var}={value!r}" in capsys.readouterr().err
+    assert S.main(["--task", "induction_heads", "--out", str(tmp_path / "s")]) == 2
+    assert f"{var}={value!r}" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "s")
+
+
 def test_cli_refuses_unbuilt_parallelism(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "megassm.train", "--config", "configs/tiny.yaml", "parallel.tp=2", "parallel.world_size=2",

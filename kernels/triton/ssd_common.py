@@ -11,6 +11,8 @@ import triton.language as tl
 import triton.testing
 from triton.runtime.errors import OutOfResources
 
+from .. import env
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
@@ -241,10 +243,7 @@ def _prec(x):
     cancelling sums dA and ddt_bias, 20-50x mamba_ssm's). Other dtypes: fp32 products."""
     if x.dtype != torch.bfloat16:
         return "ieee"
-    mode = os.environ.get("MEGASSM_SSD_PRECISION", "split").strip().lower()
-    if mode not in ("split", "bf16"):
-        raise ValueError(f"MEGASSM_SSD_PRECISION={mode!r}: expected split or bf16")
-    return "bf16fast" if mode == "bf16" else "bf16"
+    return "bf16fast" if env.ssd_precision() == "bf16" else "bf16"
 
 
 def _seq_args(seq_idx, x):

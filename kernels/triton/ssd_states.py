@@ -6,12 +6,11 @@ and _states_fix_kernel / _dstates_fix_kernel complete the later segments' chunks
 rows. The math is in ssd.py's docstring."""
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from .. import env
 from . import ssd_common
 from ._lang import tsum
 from .ssd_common import (
@@ -251,19 +250,12 @@ def _state_segments(x, bsz, nheads, hdim, dstate, nc):
     MEGASSM_SSD_STATE_SEGMENTS: "auto" (default: _auto_segments on a GPU, one walk elsewhere), or an integer k
     (k walks of ceil(nc / k) chunks in parallel, then a fix-up pass; 1: one walk over the whole sequence).
     Read per call."""
-    text = os.environ.get("MEGASSM_SSD_STATE_SEGMENTS", "auto").strip().lower()
-    if text == "auto":
+    k = env.ssd_state_segments()
+    if k == "auto":
         k = 1
         if x.is_cuda:
             sms = torch.cuda.get_device_properties(x.device).multi_processor_count
             k = _auto_segments(bsz * nheads * triton.cdiv(hdim, 64) * triton.cdiv(dstate, 64), nc, sms)
-    else:
-        try:
-            k = int(text)
-        except ValueError:
-            k = 0
-        if k < 1:
-            raise ValueError(f"MEGASSM_SSD_STATE_SEGMENTS={text!r}: expected a positive integer or auto")
     cps = triton.cdiv(nc, min(k, nc))
     return triton.cdiv(nc, cps), cps
 

@@ -391,6 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        from megassm.kernels import env as kernel_env
+
+        kernel_env.check()  # the kernels' environment switches, before any work
         cfg = load_run_config(args.config, args)
     except (ValueError, yaml.YAMLError) as e:
         print(f"megassm-synthetic: {e}", file=sys.stderr)

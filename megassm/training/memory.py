@@ -132,9 +132,22 @@ def _mamba2_bytes(m, a: int) -> tuple[int, int]:
 
     gn = m.ngroups * m.d_state
     zxbcdt = 2 * m.d_inner + 2 * gn + m.nheads
+    kept = _ssd_kept_state_bytes(m, a)
     if isinstance(m, _FusedNormMamba2Mixer):
-        return a * (zxbcdt + m.conv_dim) + (16 + a) * m.d_inner, 4 * m.n_slots * (m.d_model + 1)
-    return a * (zxbcdt + m.conv_dim + 2 * m.d_inner), 0
+        return a * (zxbcdt + m.conv_dim) + (16 + a) * m.d_inner + kept, 4 * m.n_slots * (m.d_model + 1)
+    return a * (zxbcdt + m.conv_dim + 2 * m.d_inner) + kept, 0
+
+
+def _ssd_kept_state_bytes(m, a: int) -> int:
+    """Per token: the chunk states the SSD forward keeps for the backward under MEGASSM_SSD_SAVE_STATES=1
+    (docs/kernels.md), H x P x N per chunk at 4 bytes (bf16 hi + lo planes, or fp32), 2 under
+    MEGASSM_SSD_PRECISION=bf16 with bf16 autocast; 0 by default (the backward recomputes them)."""
+    from megassm.kernels import env
+
+    if not env.ssd_save_states():
+        return 0
+    fast = a == 2 and env.ssd_precision() == "bf16"
+    return m.nheads * m.headdim * m.d_state * (2 if fast else 4) // m.chunk_size
 
 
 def head_bytes(vocab_local: int, a: int) -> int:

@@ -1,0 +1,59 @@
+"""The kernels' environment switches, parsed in one place without importing Triton, so a launcher can check
+them all before any model or GPU work (`check()`, called by megassm-train) and the kernels read the same
+values per call. Each bad value fails with a ValueError naming the variable and the value. docs/kernels.md
+describes what each switch does."""
+from __future__ import annotations
+
+import os
+
+KERNEL_MODES = ("auto", "triton", "torch")
+
+
+def _get(name: str, default: str) -> str:
+    return os.environ.get(name, default).strip().lower()
+
+
+def kernels_mode() -> str:
+    """MEGASSM_KERNELS=auto|triton|torch ("reference" is torch; empty is auto)."""
+    m = _get("MEGASSM_KERNELS", "auto") or "auto"
+    if m == "reference":
+        m = "torch"
+    if m not in KERNEL_MODES:
+        raise ValueError(f"MEGASSM_KERNELS={m!r}: expected one of {', '.join(KERNEL_MODES)}")
+    return m
+
+
+def ssd_precision() -> str:
+    """MEGASSM_SSD_PRECISION=split|bf16 (default split): the SSD's products for bf16 inputs."""
+    mode = _get("MEGASSM_SSD_PRECISION", "split")
+    if mode not in ("split", "bf16"):
+        raise ValueError(f"MEGASSM_SSD_PRECISION={mode!r}: expected split or bf16")
+    return mode
+
+
+def ssd_state_segments():
+    """MEGASSM_SSD_STATE_SEGMENTS=auto|k (default auto): "auto" or the positive integer k."""
+    text = _get("MEGASSM_SSD_STATE_SEGMENTS", "auto")
+    if text == "auto":
+        return text
+    k = int(text) if text.isdigit() else 0
+    if k < 1:
+        raise ValueError(f"MEGASSM_SSD_STATE_SEGMENTS={text!r}: expected a positive integer or auto")
+    return k
+
+
+def ssd_save_states() -> bool:
+    """MEGASSM_SSD_SAVE_STATES=0|1 (default 0): keep the SSD forward's chunk states for the backward."""
+    text = _get("MEGASSM_SSD_SAVE_STATES", "0")
+    if text not in ("0", "1"):
+        raise ValueError(f"MEGASSM_SSD_SAVE_STATES={text!r}: expected 0 or 1")
+    return text == "1"
+
+
+def check() -> None:
+    """Parse every switch above; the first bad one raises. (MEGASSM_SSD_TILES is checked when the Triton SSD
+    module is imported, against its table.)"""
+    kernels_mode()
+    ssd_precision()
+    ssd_state_segments()
+    ssd_save_states()
