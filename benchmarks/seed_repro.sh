@@ -15,6 +15,9 @@
 #   bmojo       B'MOJO on the same MQAR with M's settings (lr 3e-3, 8,000 steps), state 4 and 16, seeds $SEEDS,
 #               under CUDA graphs (its forward is graph-safe without document resets)
 #   bmojo-f     the same without eidetic tokens (B'MOJO-F)
+#   bmojo-kv    B'MOJO's Fig. 2 ordering against the number of pairs: Mamba-2 (M), the Hybrid (B without memory
+#               tokens: Mamba beside sliding-window attention), B'MOJO-F and B'MOJO, at n_kv $KVS (default
+#               "8 24"), state $STATE (default 4), seeds $SEEDS, M's MQAR settings, no gradient clipping
 #   bmojo-alg1  the same with the attention output only (model.bmojo.ssm_residual=false), lr 1e-3, until LIMIT
 # LIMIT (s) is each run's training time limit (the runner stops, evaluates and records steps_done).
 set -u
@@ -66,6 +69,18 @@ for group in "$@"; do
         run mqar-B-N16-s0-lr$lr --config configs/synthetic/mqar_small.yaml --steps 6000 --seed 0 --lr "$lr" --cuda-graph \
             model.pattern=BB model.mamba.d_state=16 model.bmojo.window=32 model.bmojo.n_eidetic=8 model.attn.n_heads=2
       done ;;
+    bmojo-kv)
+      for kv in ${KVS:-8 24}; do
+        for seed in $SEEDS; do
+          common=(--config configs/synthetic/mqar_small.yaml --steps 8000 --seed "$seed" --lr 3e-3 --grad-clip 0
+                  --cuda-graph task.n_kv=$kv model.mamba.d_state=${STATE:-4})
+          bm=(model.pattern=BB model.bmojo.window=32 model.attn.n_heads=2)
+          run kv$kv-M-s$seed "${common[@]}"
+          run kv$kv-hybrid-s$seed "${common[@]}" "${bm[@]}" model.bmojo.n_fading=0 model.bmojo.n_eidetic=0
+          run kv$kv-bmojo-f-s$seed "${common[@]}" "${bm[@]}" model.bmojo.n_eidetic=0
+          run kv$kv-bmojo-s$seed "${common[@]}" "${bm[@]}" model.bmojo.n_eidetic=8
+        done
+      done ;;
     bmojo|bmojo-f|bmojo-alg1)
       # bmojo: B'MOJO as configured by default (the SSM output joins the layer output), the M/L settings;
       # bmojo-f: its B'MOJO-F ablation (no eidetic tokens); bmojo-alg1: attention output only, lr 1e-3
@@ -79,7 +94,7 @@ for group in "$@"; do
               model.bmojo.n_eidetic=8 model.attn.n_heads=2 "${extra[@]}"
         done
       done ;;
-    *) echo "seed_repro.sh: unknown group '$group' (induction, induction-seeds, selcopy, mqar, bmojo-lr, bmojo, bmojo-f, bmojo-alg1)" >&2; exit 2 ;;
+    *) echo "seed_repro.sh: unknown group '$group' (induction, induction-seeds, selcopy, mqar, bmojo-lr, bmojo, bmojo-f, bmojo-kv, bmojo-alg1)" >&2; exit 2 ;;
   esac
 done
 wait
