@@ -90,7 +90,7 @@ def ssd(
         return reference.ssd(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
                              dt_limit=dt_limit, initial_states=initial_states, seq_idx=seq_idx,
                              chunk_size=chunk_size, return_final_states=return_final_states)
-    y, fin, _, _ = ops.ssd_call(x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), _tuple_or_none(dt_limit),
+    y, fin, _ = ops.ssd_call(x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), _tuple_or_none(dt_limit),
                                 initial_states, seq_idx, int(chunk_size), bool(return_final_states))
     return (y, fin) if return_final_states else y
 

@@ -198,8 +198,7 @@ def _ssd_ref_full(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_
 
 
 def ssd_keeps_states() -> bool:
-    """MEGASSM_SSD_SAVE_STATES=1: the Triton SSD forward keeps its chunk states (and final states) for the
-    backward, which then skips recomputing them: ~0.3 ms of 4.5 per 32K-token call at the anchors shape, for
+    """MEGASSM_SSD_SAVE_STATES=1: the Triton SSD forward keeps its chunk states for the backward, which then skips recomputing them: ~0.3 ms of 4.5 per 32K-token call at the anchors shape, for
     B * ceil(L / chunk) * H * P * N * 4 bytes per layer (bf16 inputs; fp32 likewise) held until the backward.
     Default 0 (recompute). Read per call."""
     return env.ssd_save_states()
@@ -214,21 +213,18 @@ def ssd_op(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
     dt_bias: Optional[Tensor], dt_softplus: bool, dt_limit: Optional[Sequence[float]],
     initial_states: Optional[Tensor], seq_idx: Optional[Tensor], chunk_size: int, return_final_states: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(y, final states or empty, kept states buffer or empty, kept final states or empty): the last two are
-    for the backward only (MEGASSM_SSD_SAVE_STATES), never returned by kernels.ssd; the kept final states are
-    empty when the second output carries them (outputs must not alias each other)."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(y, final states or empty, kept states buffer or empty): the last is for the backward only
+    (MEGASSM_SSD_SAVE_STATES), never returned by kernels.ssd. The backward needs the final states only when
+    they are returned (their gradient is the only way they enter it), and then the second output is them."""
     if _pick(x) and _ssd_triton_takes(x, chunk_size):
         keep = ssd_keeps_states()
         y, fin, kept = triton_kernels().ssd_fwd(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit,
                                                 initial_states, seq_idx, chunk_size, return_final_states, keep)
-        buf, kfin = kept if keep else (_empty_f32(x), _empty_f32(x))
-        if return_final_states:
-            return y, fin, buf, _empty_f32(x)
-        return y, _empty_f32(x), buf, kfin
+        return y, (fin if return_final_states else _empty_f32(x)), (kept[0] if keep else _empty_f32(x))
     y, fin = _fresh_all(_ssd_ref_full(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states,
                                       seq_idx, chunk_size, return_final_states))
-    return y, fin, _empty_f32(x), _empty_f32(x)
+    return y, fin, _empty_f32(x)
 
 
 @ssd_op.register_fake
@@ -237,29 +233,28 @@ def _(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states, seq_
     b, _, h, p = x.shape
     n = B.shape[-1]
     fin = x.new_empty((b, h, p, n), dtype=_cdt(x)) if return_final_states else _empty_f32(x)
-    kept = (_empty_f32(x), _empty_f32(x))
+    kept = _empty_f32(x)
     if use_triton(x) and _ssd_triton_takes(x, chunk_size) and ssd_keeps_states():
-        (shape, dtype), fshape = triton_kernels().ssd_kept_state_shapes(x, B, chunk_size)
-        kept = (x.new_empty(shape, dtype=dtype),
-                _empty_f32(x) if return_final_states else x.new_empty(fshape, dtype=torch.float32))
-    return x.new_empty(x.shape), fin, *kept
+        shape, dtype = triton_kernels().ssd_kept_state_shape(x, B, chunk_size)
+        kept = x.new_empty(shape, dtype=dtype)
+    return x.new_empty(x.shape), fin, kept
 
 
 def _ssd_setup(ctx, inputs, output):
-    _, fin, buf, kfin = output
+    _, fin, buf = output
     keep = buf.numel() > 0
-    _save(ctx, inputs, (buf, fin if inputs[13] else kfin) if keep else (), keep_output=keep)
-    ctx.mark_non_differentiable(buf, kfin)
+    _save(ctx, inputs, ((buf, fin) if inputs[13] else (buf,)) if keep else (), keep_output=keep)
+    ctx.mark_non_differentiable(buf)
 
 
-def _ssd_bwd(ctx, gy, gfinal, _gkept=None, _gkept_final=None):
+def _ssd_bwd(ctx, gy, gfinal, _gkept=None):
     args, kept = _restore(ctx)
     x = args[0]
     if use_triton(x) and triton_kernels().HAS_SSD_BWD and _ssd_triton_takes(x, args[12]):
         (x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, init, seq_idx, chunk, ret) = args
         grads = triton_kernels().ssd_bwd(
             gy, gfinal if ret else None, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, init, seq_idx,
-            chunk, kept=tuple(kept) if kept else None)
+            chunk, kept=(kept[0], kept[1] if ret else None) if kept else None)
         dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit = grads
         return dx, ddt, dA, dB, dC, dD, dz, ddt_bias, None, None, dinit, None, None, None
     return _reference_backward(_ssd_ref_full, ctx, args, (gy, gfinal))

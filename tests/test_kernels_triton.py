@@ -178,7 +178,7 @@ def check_lowp(ours, ref, oracle, factor):
 
 def _op_ssd(x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_limit=None, initial_states=None,
             seq_idx=None, chunk_size=256, return_final_states=False):
-    y, fin, _, _ = ops.ssd_op(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states, seq_idx,
+    y, fin, _ = ops.ssd_op(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states, seq_idx,
                               chunk_size, return_final_states)
     return (y, fin) if return_final_states else y
 
@@ -363,42 +363,43 @@ def test_ssd_triton_state_segments(triton_mode, monkeypatch, dtype, segments):
 
 
 @needs_triton
-@pytest.mark.parametrize("dtype,segments", [("fp32", "1"), ("bf16", "2")])
-def test_ssd_triton_saved_states(triton_mode, monkeypatch, dtype, segments):
+@pytest.mark.parametrize("dtype,segments,path", [("fp32", "1", "eager"), ("bf16", "2", "op")])
+def test_ssd_triton_saved_states(triton_mode, monkeypatch, dtype, segments, path):
     """MEGASSM_SSD_SAVE_STATES=1: the backward reads the states the forward kept instead of recomputing them
-    (the recompute is made to fail), and gives the recomputing backward's results bit for bit, through
-    kernels.ssd (eager) and through the custom op, with and without the final states returned; the fake
-    implementation promises the kept buffers' real shapes."""
+    (the recompute is made to fail) and gives the recomputing backward's results bit for bit. fp32 through
+    kernels.ssd (eager) with the final states returned (the backward reads them from that output); bf16 in
+    segments through the custom op without them (the backward needs none). The fake implementation promises
+    the kept buffer's real shape."""
     tbwd = importlib.import_module("megassm.kernels.triton.ssd_bwd")  # the module (the package exports the function)
     monkeypatch.setenv("MEGASSM_SSD_STATE_SEGMENTS", segments)
     inp = ssd_inputs(2, 40, 2, 16, 1, 16, d_mode="head")
     if dtype == "bf16":
         inp = cast_inputs(inp, lowp=torch.bfloat16)
     sid = seq_from_starts([[16, 21], [3]], 40)
+    if path == "eager":
+        fn = K.ssd
+    else:  # y alone (a zero-weighted stand-in for the final states keeps run_ssd's signature)
+        fn = (lambda **kw: (lambda y: (y, y.float().sum() * 0))(_op_ssd(**{**kw, "return_final_states": False})))
     monkeypatch.setenv("MEGASSM_SSD_SAVE_STATES", "0")
-    want = run_ssd(K.ssd, inp, sid, chunk_size=16)
-    y_only = (lambda **kw: (lambda y: (y, y.float().sum() * 0))(K.ssd(**{**kw, "return_final_states": False})))
-    want_y = run_ssd(y_only, inp, sid, chunk_size=16)
+    want = run_ssd(fn, inp, sid, chunk_size=16)
     monkeypatch.setenv("MEGASSM_SSD_SAVE_STATES", "1")
 
     def no_recompute(*a, **k):
         raise AssertionError("the backward recomputed the states it was given")
 
     monkeypatch.setattr(tbwd, "_states", no_recompute)
-    for fn in (K.ssd, _op_ssd):
-        got = run_ssd(fn, inp, sid, chunk_size=16)
-        assert all(torch.equal(got[k], want[k]) for k in want), fn
-    got = run_ssd(y_only, inp, sid, chunk_size=16)
-    assert all(torch.equal(got[k], want_y[k]) for k in want_y)
-    args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["z"], inp["dt_bias"], True, None,
-            inp["initial_states"], sid, 16)
-    for ret in (True, False):
-        real = ops.ssd_op(*args, ret)
-        with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
-            fake = ops.ssd_op._abstract_fn(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
-                                             for a in args), ret)
-        assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
-        assert real[2].numel() > 0 and (real[3].numel() > 0) != ret  # kept buffer; kept final unless returned
+    got = run_ssd(fn, inp, sid, chunk_size=16)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    if path == "op":
+        args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["z"], inp["dt_bias"], True,
+                None, inp["initial_states"], sid, 16)
+        for ret in (True, False):
+            real = ops.ssd_op(*args, ret)
+            with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+                fake = ops.ssd_op._abstract_fn(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                                                 for a in args), ret)
+            assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
+            assert real[2].numel() > 0  # the kept buffer
     monkeypatch.setenv("MEGASSM_SSD_SAVE_STATES", "yes")
     with pytest.raises(ValueError, match="MEGASSM_SSD_SAVE_STATES='yes'"):
         K.ssd(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"])

@@ -9,7 +9,7 @@ from .norm import add_rmsnorm_bwd, add_rmsnorm_fwd, gated_rmsnorm_bwd, gated_rms
 from .ssd import ssd_fwd  # noqa: E402
 from .ssd_bwd import ssd_bwd  # noqa: E402
 from .ssd import supported as ssd_supported  # noqa: E402
-from .ssd import kept_state_shapes as ssd_kept_state_shapes  # noqa: E402
+from .ssd import kept_state_shape as ssd_kept_state_shape  # noqa: E402
 from .step import causal_conv1d_step_fwd, ssd_step_fwd  # noqa: E402
 
 HAS_SSD_BWD = True

@@ -325,11 +325,9 @@ def ssd_fwd(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states
     return y, (final if return_final_states else None), kept
 
 
-def kept_state_shapes(x, B, chunk_size):
-    """((shape, dtype) of the kept states buffer, shape of the kept final states) for ssd_fwd's keep_states:
-    what the custom op's fake implementation returns."""
+def kept_state_shape(x, B, chunk_size):
+    """(shape, dtype) of the states buffer ssd_fwd keeps with keep_states: what the custom op's fake
+    implementation returns."""
     bsz, seqlen, nheads, hdim = x.shape
-    dstate = B.shape[-1]
     nc = triton.cdiv(seqlen, _chunk_len(seqlen, chunk_size))
-    return ((_state_buffer_shape(x, (bsz, nc, nheads, hdim, dstate)), _state_buffer_dtype(x)),
-            (bsz, nheads, hdim, dstate))
+    return _state_buffer_shape(x, (bsz, nc, nheads, hdim, B.shape[-1])), _state_buffer_dtype(x)

@@ -289,7 +289,9 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
             chunk_size, kept=None):
     """Gradients (dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states) of ssd_fwd. `kept`: ssd_fwd's kept
     (states buffer, final states), used instead of recomputing them when its layout matches this call's
-    precision mode (a switch of MEGASSM_SSD_PRECISION between forward and backward recomputes)."""
+    precision mode (a switch of MEGASSM_SSD_PRECISION between forward and backward recomputes). The final
+    states may be None without `dfinal`: then the reverse walk starts from a zero gradient and its products
+    with them vanish."""
     x, B, C, z = _contig_last(x), _contig_last(B), _contig_last(C), _contig_last(z)
     D_in = D
     D = D.contiguous() if D is not None else None
@@ -302,8 +304,10 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     dev = x.device
     T, nc, dtp, cs, cb = _prep(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit, seq_idx, chunk_size)
     shape = _state_buffer_shape(x, (bsz, nc, nheads, hdim, dstate))
-    if kept is not None and tuple(kept[0].shape) == shape and kept[0].dtype == _state_buffer_dtype(x):
-        states, final = _state_views(kept[0]), kept[1]
+    if kept is not None and tuple(kept[0].shape) == shape and kept[0].dtype == _state_buffer_dtype(x) and (
+            kept[1] is not None or dfinal is None):
+        states = _state_views(kept[0])
+        final = kept[1] if kept[1] is not None else x.new_zeros(bsz, nheads, hdim, dstate, dtype=torch.float32)
     else:
         states, final = _states(x, B, dtp, cs, seq_idx, initial_states, T, nc)
     if z is not None:  # the gate needs the forward output: recompute it, fused with dy = dout * silu(z) and dz
