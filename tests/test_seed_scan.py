@@ -5,7 +5,7 @@ on the final state), document resets (a one-token document among them), odd leng
 
 CPU default run: the reference and the custom-op plumbing, then the Triton kernels in Triton's interpreter
 (TRITON_INTERPRET=1, set before the kernels are decorated) at tiny shapes. `pytest -m gpu
-tests/test_seed_scan.py` runs the grid at real shapes on the device. Criteria as in test_kernels_triton.py:
+tests/test_seed_scan.py` runs the grid at real shapes on the device. Criteria as in kernel_cases.py:
 fp32 relative error < 1e-5 against an fp64 oracle; bf16 inputs within 2x the reference's own bf16 error
 (3x under the interpreter, which truncates fp32 -> bf16 instead of rounding).
 """
