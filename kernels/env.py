@@ -13,22 +13,21 @@ def _get(name: str, default: str) -> str:
     return os.environ.get(name, default).strip().lower()
 
 
+def _choice(name: str, default: str, allowed) -> str:
+    value = _get(name, default) or default
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(allowed)}")
+    return value
+
+
 def kernels_mode() -> str:
     """MEGASSM_KERNELS=auto|triton|torch ("reference" is torch; empty is auto)."""
-    m = _get("MEGASSM_KERNELS", "auto") or "auto"
-    if m == "reference":
-        m = "torch"
-    if m not in KERNEL_MODES:
-        raise ValueError(f"MEGASSM_KERNELS={m!r}: expected one of {', '.join(KERNEL_MODES)}")
-    return m
+    return _choice("MEGASSM_KERNELS", "auto", KERNEL_MODES + ("reference",)).replace("reference", "torch")
 
 
 def ssd_precision() -> str:
     """MEGASSM_SSD_PRECISION=split|bf16 (default split): the SSD's products for bf16 inputs."""
-    mode = _get("MEGASSM_SSD_PRECISION", "split")
-    if mode not in ("split", "bf16"):
-        raise ValueError(f"MEGASSM_SSD_PRECISION={mode!r}: expected split or bf16")
-    return mode
+    return _choice("MEGASSM_SSD_PRECISION", "split", ("split", "bf16"))
 
 
 def ssd_state_segments():
@@ -43,11 +42,9 @@ def ssd_state_segments():
 
 
 def ssd_save_states() -> bool:
-    """MEGASSM_SSD_SAVE_STATES=0|1 (default 0): keep the SSD forward's chunk states for the backward."""
-    text = _get("MEGASSM_SSD_SAVE_STATES", "0")
-    if text not in ("0", "1"):
-        raise ValueError(f"MEGASSM_SSD_SAVE_STATES={text!r}: expected 0 or 1")
-    return text == "1"
+    """MEGASSM_SSD_SAVE_STATES=0|1 (default 0): keep the SSD forward's chunk states for the backward, which then
+    skips recomputing them (memory for time; docs/kernels.md gives both)."""
+    return _choice("MEGASSM_SSD_SAVE_STATES", "0", ("0", "1")) == "1"
 
 
 def check() -> None:

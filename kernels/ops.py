@@ -197,13 +197,6 @@ def _ssd_ref_full(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_
     return out, _empty_f32(x)
 
 
-def ssd_keeps_states() -> bool:
-    """MEGASSM_SSD_SAVE_STATES=1: the Triton SSD forward keeps its chunk states for the backward, which then skips recomputing them: ~0.3 ms of 4.5 per 32K-token call at the anchors shape, for
-    B * ceil(L / chunk) * H * P * N * 4 bytes per layer (bf16 inputs; fp32 likewise) held until the backward.
-    Default 0 (recompute). Read per call."""
-    return env.ssd_save_states()
-
-
 def _ssd_triton_takes(x: Tensor, chunk_size: int) -> bool:
     return triton_kernels().ssd_supported(x, chunk_size)
 
@@ -218,10 +211,10 @@ def ssd_op(
     (MEGASSM_SSD_SAVE_STATES), never returned by kernels.ssd. The backward needs the final states only when
     they are returned (their gradient is the only way they enter it), and then the second output is them."""
     if _pick(x) and _ssd_triton_takes(x, chunk_size):
-        keep = ssd_keeps_states()
         y, fin, kept = triton_kernels().ssd_fwd(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit,
-                                                initial_states, seq_idx, chunk_size, return_final_states, keep)
-        return y, (fin if return_final_states else _empty_f32(x)), (kept[0] if keep else _empty_f32(x))
+                                                initial_states, seq_idx, chunk_size, return_final_states,
+                                                env.ssd_save_states())
+        return y, (fin if return_final_states else _empty_f32(x)), (kept if kept is not None else _empty_f32(x))
     y, fin = _fresh_all(_ssd_ref_full(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states,
                                       seq_idx, chunk_size, return_final_states))
     return y, fin, _empty_f32(x)
@@ -234,7 +227,7 @@ def _(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states, seq_
     n = B.shape[-1]
     fin = x.new_empty((b, h, p, n), dtype=_cdt(x)) if return_final_states else _empty_f32(x)
     kept = _empty_f32(x)
-    if use_triton(x) and _ssd_triton_takes(x, chunk_size) and ssd_keeps_states():
+    if use_triton(x) and _ssd_triton_takes(x, chunk_size) and env.ssd_save_states():
         shape, dtype = triton_kernels().ssd_kept_state_shape(x, B, chunk_size)
         kept = x.new_empty(shape, dtype=dtype)
     return x.new_empty(x.shape), fin, kept

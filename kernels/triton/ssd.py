@@ -311,8 +311,8 @@ def _scan(x, z, C, D, cb, dtp, cs, seq_idx, states, T, nc, dout=None):
 
 def ssd_fwd(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states, seq_idx, chunk_size,
             return_final_states, keep_states=False):
-    """(y, final states or None, kept or None). With keep_states, kept = (the entering states of every chunk as
-    one buffer, the final states): what ssd_bwd would otherwise recompute (MEGASSM_SSD_SAVE_STATES)."""
+    """(y, final states or None, kept states or None). With keep_states, the entering states of every chunk as
+    one buffer (_state_base): what ssd_bwd would otherwise recompute (MEGASSM_SSD_SAVE_STATES)."""
     x, B, C, z = _contig_last(x), _contig_last(B), _contig_last(C), _contig_last(z)
     D = D.contiguous() if D is not None else None
     A = A.contiguous()
@@ -321,8 +321,7 @@ def ssd_fwd(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states
     T, nc, dtp, cs, cb = _prep(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit, seq_idx, chunk_size)
     states, final = _states(x, B, dtp, cs, seq_idx, initial_states, T, nc)
     y = _scan(x, z, C, D, cb, dtp, cs, seq_idx, states, T, nc)
-    kept = (_state_base(states), final) if keep_states else None
-    return y, (final if return_final_states else None), kept
+    return y, (final if return_final_states else None), (_state_base(states) if keep_states else None)
 
 
 def kept_state_shape(x, B, chunk_size):
