@@ -20,15 +20,22 @@
 #               "8 24"), state $STATE (default 4), seeds $SEEDS, M's MQAR settings, no gradient clipping
 #   bmojo-alg1  the same with the attention output only (model.bmojo.ssm_residual=false), lr 1e-3, until LIMIT
 # LIMIT (s) is each run's training time limit (the runner stops, evaluates and records steps_done).
+# GPUS (default 1): spread the runs round-robin over GPUs 0..GPUS-1 (CUDA_VISIBLE_DEVICES per run).
 set -u
 OUT=${OUT:-/tmp/seed_repro}
 LIMIT=${LIMIT:-400}
 SEEDS=${SEEDS:-0 1 2}
 INDUCTION_ATTN_STEPS=${INDUCTION_ATTN_STEPS:-20000}
+GPUS=${GPUS:-1}
+case $GPUS in ''|*[!0-9]*|0) echo "seed_repro.sh: GPUS must be a positive integer, got '$GPUS'" >&2; exit 2 ;; esac
 mkdir -p "$OUT"
+n_runs=0
 run() {  # name, args...   (in the background; results printed by report)
   local name=$1; shift
-  (timeout $((LIMIT + 240)) python -m megassm.synthetic.run --device cuda --time-limit "$LIMIT" --out "$OUT/$name" \
+  local pin=()  # one GPU: keep the caller's CUDA_VISIBLE_DEVICES
+  # rotate by one GPU each round, so a group's runs of one model do not all land on the same GPU
+  [ "$GPUS" -gt 1 ] && pin=(env CUDA_VISIBLE_DEVICES=$(((n_runs + n_runs / GPUS) % GPUS))); n_runs=$((n_runs + 1))
+  ("${pin[@]}" timeout $((LIMIT + 240)) python -m megassm.synthetic.run --device cuda --time-limit "$LIMIT" --out "$OUT/$name" \
      "$@" > "$OUT/$name.log" 2>&1; echo $? > "$OUT/$name.rc") &
 }
 report() {
