@@ -17,7 +17,10 @@
 #   bmojo-f     the same without eidetic tokens (B'MOJO-F)
 #   bmojo-kv    B'MOJO's Fig. 2 ordering against the number of pairs: Mamba-2 (M), the Hybrid (B without memory
 #               tokens: Mamba beside sliding-window attention), B'MOJO-F and B'MOJO, at n_kv $KVS (default
-#               "8 24"), state $STATE (default 4), seeds $SEEDS, M's MQAR settings, no gradient clipping
+#               "8 24"), state $STATE (default 4), seeds $SEEDS, M's MQAR settings but $KV_STEPS steps (default
+#               8000), no gradient clipping
+#   bmojo-me    B'MOJO's eidetic ablation (Fig. 2, panel 4): the bmojo-kv B'MOJO with n_eidetic in $EIDETIC (default
+#               "0 2 4 8 16 32"), at n_kv $KVS, state $STATE, seeds $SEEDS, $KV_STEPS steps
 #   bmojo-alg1  the same with the attention output only (model.bmojo.ssm_residual=false), lr 1e-3, until LIMIT
 # LIMIT (s) is each run's training time limit (the runner stops, evaluates and records steps_done).
 # GPUS (default 1): spread the runs round-robin over GPUs 0..GPUS-1 (CUDA_VISIBLE_DEVICES per run).
@@ -79,13 +82,23 @@ for group in "$@"; do
     bmojo-kv)
       for kv in ${KVS:-8 24}; do
         for seed in $SEEDS; do
-          common=(--config configs/synthetic/mqar_small.yaml --steps 8000 --seed "$seed" --lr 3e-3 --grad-clip 0
+          common=(--config configs/synthetic/mqar_small.yaml --steps "${KV_STEPS:-8000}" --seed "$seed" --lr 3e-3 --grad-clip 0
                   --cuda-graph task.n_kv=$kv model.mamba.d_state=${STATE:-4})
           bm=(model.pattern=BB model.bmojo.window=32 model.attn.n_heads=2)
           run kv$kv-M-s$seed "${common[@]}"
           run kv$kv-hybrid-s$seed "${common[@]}" "${bm[@]}" model.bmojo.n_fading=0 model.bmojo.n_eidetic=0
           run kv$kv-bmojo-f-s$seed "${common[@]}" "${bm[@]}" model.bmojo.n_eidetic=0
           run kv$kv-bmojo-s$seed "${common[@]}" "${bm[@]}" model.bmojo.n_eidetic=8
+        done
+      done ;;
+    bmojo-me)
+      for kv in ${KVS:-8 24}; do
+        for me in ${EIDETIC:-0 2 4 8 16 32}; do
+          for seed in $SEEDS; do
+            run kv$kv-me$me-s$seed --config configs/synthetic/mqar_small.yaml --steps "${KV_STEPS:-8000}" --seed "$seed" \
+                --lr 3e-3 --grad-clip 0 --cuda-graph task.n_kv=$kv model.mamba.d_state=${STATE:-4} model.pattern=BB \
+                model.bmojo.window=32 model.attn.n_heads=2 model.bmojo.n_eidetic=$me
+          done
         done
       done ;;
     bmojo|bmojo-f|bmojo-alg1)
@@ -101,7 +114,7 @@ for group in "$@"; do
               model.bmojo.n_eidetic=8 model.attn.n_heads=2 "${extra[@]}"
         done
       done ;;
-    *) echo "seed_repro.sh: unknown group '$group' (induction, induction-seeds, selcopy, mqar, bmojo-lr, bmojo, bmojo-f, bmojo-kv, bmojo-alg1)" >&2; exit 2 ;;
+    *) echo "seed_repro.sh: unknown group '$group' (induction, induction-seeds, selcopy, mqar, bmojo-lr, bmojo, bmojo-f, bmojo-kv, bmojo-me, bmojo-alg1)" >&2; exit 2 ;;
   esac
 done
 wait
