@@ -79,26 +79,23 @@ for group in "$@"; do
         run mqar-B-N16-s0-lr$lr --config configs/synthetic/mqar_small.yaml --steps 6000 --seed 0 --lr "$lr" --cuda-graph \
             model.pattern=BB model.mamba.d_state=16 model.bmojo.window=32 model.bmojo.n_eidetic=8 model.attn.n_heads=2
       done ;;
-    bmojo-kv)
+    bmojo-kv|bmojo-me)
+      # the MQAR runs of B'MOJO's Fig. 2: M's settings at KV_STEPS steps, no clipping; bm: the B layer's shape
+      bm=(model.pattern=BB model.bmojo.window=32 model.attn.n_heads=2)
       for kv in ${KVS:-8 24}; do
         for seed in $SEEDS; do
           common=(--config configs/synthetic/mqar_small.yaml --steps "${KV_STEPS:-8000}" --seed "$seed" --lr 3e-3 --grad-clip 0
                   --cuda-graph task.n_kv=$kv model.mamba.d_state=${STATE:-4})
-          bm=(model.pattern=BB model.bmojo.window=32 model.attn.n_heads=2)
+          if [ "$group" = bmojo-me ]; then
+            for me in ${EIDETIC:-0 2 4 8 16 32}; do
+              run kv$kv-me$me-s$seed "${common[@]}" "${bm[@]}" model.bmojo.n_eidetic=$me
+            done
+            continue
+          fi
           run kv$kv-M-s$seed "${common[@]}"
           run kv$kv-hybrid-s$seed "${common[@]}" "${bm[@]}" model.bmojo.n_fading=0 model.bmojo.n_eidetic=0
           run kv$kv-bmojo-f-s$seed "${common[@]}" "${bm[@]}" model.bmojo.n_eidetic=0
           run kv$kv-bmojo-s$seed "${common[@]}" "${bm[@]}" model.bmojo.n_eidetic=8
-        done
-      done ;;
-    bmojo-me)
-      for kv in ${KVS:-8 24}; do
-        for me in ${EIDETIC:-0 2 4 8 16 32}; do
-          for seed in $SEEDS; do
-            run kv$kv-me$me-s$seed --config configs/synthetic/mqar_small.yaml --steps "${KV_STEPS:-8000}" --seed "$seed" \
-                --lr 3e-3 --grad-clip 0 --cuda-graph task.n_kv=$kv model.mamba.d_state=${STATE:-4} model.pattern=BB \
-                model.bmojo.window=32 model.attn.n_heads=2 model.bmojo.n_eidetic=$me
-          done
         done
       done ;;
     bmojo|bmojo-f|bmojo-alg1)
