@@ -72,20 +72,29 @@ def _mistral_model() -> str | None:
     return path if os.path.exists(path) else None
 
 
-def bench_preprocess(inp: str, tok: str, workers: int, tmp: str, repeats: int = 1, shard_input_size=None) -> dict:
+def bench_preprocess(inp: str, tok: str, workers: list[int], tmp: str, repeats: int = 1,
+                     shard_input_size=None) -> dict[int, dict]:
+    """Per worker count: best and median seconds over `repeats` runs. The worker counts alternate within
+    each repeat (1, 2, 1, 2, ...), so a drift in the machine's speed (a 2-core VM's timings move by 20% from
+    minute to minute) falls on every count alike instead of on whichever ran last."""
     from megassm.data_tools.preprocess import preprocess
 
-    best = None
+    times: dict[int, list[float]] = {w: [] for w in workers}
     for _ in range(repeats):
-        out = os.path.join(tmp, "out", "o")
-        t0 = time.perf_counter()
-        m = preprocess([inp], out, tokenizer=tok, workers=workers, overwrite=True, quiet=True, progress=False,
-                       shard_input_size=shard_input_size)
-        dt = time.perf_counter() - t0
-        best = dt if best is None else min(best, dt)
-        shutil.rmtree(os.path.dirname(out))
-    return {"seconds": round(best, 3), "tokens": m["num_tokens"], "documents": m["num_documents"],
-            "tokens_per_s": round(m["num_tokens"] / best), "input_mb_per_s": round(os.path.getsize(inp) / 1e6 / best, 2)}
+        for w in workers:
+            out = os.path.join(tmp, "out", "o")
+            t0 = time.perf_counter()
+            m = preprocess([inp], out, tokenizer=tok, workers=w, overwrite=True, quiet=True, progress=False,
+                           shard_input_size=shard_input_size)
+            times[w].append(time.perf_counter() - t0)
+            shutil.rmtree(os.path.dirname(out))
+    runs = {}
+    for w, ts in times.items():
+        best, med = min(ts), float(np.median(ts))
+        runs[w] = {"seconds": round(best, 3), "median_seconds": round(med, 3), "tokens": m["num_tokens"],
+                   "documents": m["num_documents"], "tokens_per_s": round(m["num_tokens"] / best),
+                   "input_mb_per_s": round(os.path.getsize(inp) / 1e6 / best, 2)}
+    return runs
 
 
 def bench_reads(prefix: str, seq_lens=(512, 2048, 8192), seconds: float = 2.0) -> list[dict]:
@@ -112,7 +121,8 @@ def main() -> None:
     ap.add_argument("--tokenizers", default="byte,mistral")
     ap.add_argument("--workers", default="1,2")
     ap.add_argument("--max-mb", type=float, default=16.0, help="cap on the stdlib text used")
-    ap.add_argument("--repeats", type=int, default=1, help="best of N preprocessing runs")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="N preprocessing runs per worker count, the counts alternating; best and median")
     ap.add_argument("--source", choices=("stdlib", "site-packages"), default="stdlib",
                     help="corpus: the standard library's sources (12 MB) or the installed packages' (larger)")
     ap.add_argument("--shard-input-size", default=None,
@@ -135,12 +145,13 @@ def main() -> None:
                 result["preprocess"].append({"tokenizer": name, "skipped": "mistral-common / sentencepiece not installed"})
                 continue
             for fmt, inp in (("jsonl", jsonl), ("parquet", parquet)):
-                runs = {w: bench_preprocess(inp, tok, w, tmp, args.repeats, args.shard_input_size) for w in workers}
+                runs = bench_preprocess(inp, tok, workers, tmp, args.repeats, args.shard_input_size)
                 entry = {"tokenizer": name, "format": fmt, "shard_input_size": args.shard_input_size,
                          "runs": {str(w): r for w, r in runs.items()}}
-                if 1 in runs and len(runs) > 1:
+                if 1 in runs and len(runs) > 1:  # on the best runs, and on the medians
                     top = max(workers)
-                    entry[f"speedup_{top}_vs_1"] = round(runs[top]["tokens_per_s"] / runs[1]["tokens_per_s"], 2)
+                    entry[f"speedup_{top}_vs_1"] = round(runs[1]["seconds"] / runs[top]["seconds"], 2)
+                    entry[f"speedup_{top}_vs_1_median"] = round(runs[1]["median_seconds"] / runs[top]["median_seconds"], 2)
                 result["preprocess"].append(entry)
         from megassm.data_tools.preprocess import preprocess
 

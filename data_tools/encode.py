@@ -213,6 +213,23 @@ def encode_task(task: Task) -> tuple[np.ndarray, np.ndarray, dict]:
     return out, lengths, stats
 
 
+# --- pieces (several workers, one writer): each task's tokens go to a file of their own --------------------
+def encode_piece(job: tuple) -> tuple[np.ndarray, dict]:
+    """Worker: encode consecutive tasks and write their tokens to the file `path` (the writer copies them
+    into place file to file and removes the piece). Returns (document lengths, counters): only these cross
+    the process pipe."""
+    tasks, path = job
+    lengths, stats = [], dict.fromkeys(STAT_KEYS, 0)
+    with open(path, "wb") as f:
+        for t in tasks:
+            tokens, lens, st = encode_task(t)
+            f.write(memoryview(np.ascontiguousarray(tokens)).cast("B"))
+            lengths.append(lens)
+            for k in STAT_KEYS:
+                stats[k] += st[k]
+    return (np.concatenate(lengths) if lengths else np.zeros(0, np.int64)), stats
+
+
 # --- direct output (single .bin, one process): tokens go straight into the file, hashed as they go ------
 def init_direct(opts: EncodeOptions, bin_file: str, offset: int, hasher=None, tok: Tokenizer | None = None) -> None:
     """In-process init for direct output: task tokens are written at `offset` onwards, in task order, and

@@ -9,10 +9,11 @@ or from Python (what the built-in corpus and the tests use):
 
 Pipeline: the main process cuts the inputs into tasks (sources.py: byte ranges of uncompressed line
 files and Parquet row-group slices, which the workers read themselves; the raw content of other
-inputs); N worker processes read, decode and tokenize them (encode.py); the main process writes the
-results in task order (shard_writer.py). A single output file is hashed as it is written (by a thread
-behind the writes when there are workers; another thread hashes the inputs meanwhile); with --workers 1
-everything runs in the calling thread and the tokens go straight from the tokenizer into the file. Output bytes depend
+inputs); N worker processes read, decode and tokenize them (encode.py), each task's tokens into a piece
+file of its own; the main process copies the pieces into the output in task order, file to file
+(shard_writer.py). A single output file is hashed as it is written (by a thread behind the writes when
+there are workers; another thread hashes the inputs meanwhile); with --workers 1 everything runs in the
+calling thread and the tokens go straight from the tokenizer into the file. Output bytes depend
 only on the input and the options, never on N. Everything is written under PREFIX.partial/ and renamed
 into place at the end; `--resume` continues an interrupted run from its last checkpoint.
 """
@@ -33,7 +34,8 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from .encode import STAT_KEYS, EncodeOptions, close_direct, encode_direct, encode_task, init_direct, init_worker
+from .encode import (STAT_KEYS, EncodeOptions, close_direct, encode_direct, encode_piece, encode_task, init_direct,
+                     init_worker)
 from .indexed import CODE_OF_DTYPE, bin_path, dtype_for_vocab, idx_path
 from .shard_writer import ShardWriter, read_progress, write_json_atomic
 from .sources import DataInputError, InputFile, expand_inputs, iter_tasks
@@ -42,6 +44,8 @@ from .tokenizers import TokenizerError, load_tokenizer, tokenizer_info
 MANIFEST_VERSION = 1
 TASK_SCHEME = 3  # how inputs are cut into tasks (3: byte ranges / row-group slices weighted by compressed size); --resume needs the same
 CHECKPOINT_SECONDS = 2.0
+PIECE = "piece-"  # a worker's tokens of some tasks, in the work folder until the writer copies them into place
+PIECE_BYTES = 4 << 20  # input bytes per piece: per-file costs (open, copy call, remove) stay small per byte
 
 
 def manifest_path(prefix: str) -> str:
@@ -94,81 +98,64 @@ def _start_method() -> str:
     return "spawn"
 
 
-def _ordered_map(workers: int, opts: EncodeOptions, tok, tasks: Iterable, direct: dict | None = None
-                 ) -> Iterator[tuple[int, tuple]]:
-    """(task.nbytes, result) in task order, with at most a few tasks in flight per worker. result is
-    encode_task(task) = (tokens, lengths, counters), or in one process with `direct` (bin_file, offset,
-    hasher) encode_direct(task) = (lengths, counters, offset, nbytes): the tokens are already written.
-    (Workers do not write the file themselves: they would have to wait for each other's offsets, and
-    buffered writes to one file from several processes are serialized by the kernel anyway.)"""
+def _ordered_map(workers: int, opts: EncodeOptions, tok, tasks: Iterable, direct: dict | None = None,
+                 pieces_dir: str | None = None, piece_bytes: int = 0) -> Iterator[tuple[int, int, tuple]]:
+    """(tasks, input bytes, result) in task order, with at most a few results in flight per worker. In one
+    process, one task per result: encode_task(task) = (tokens, lengths, counters), or with `direct`
+    (bin_file, offset, hasher) encode_direct(task) = (lengths, counters, offset, nbytes), the tokens already
+    written. With workers, a result is (piece path, lengths, counters) for consecutive tasks of about
+    piece_bytes of input: the worker writes their tokens to a piece file under pieces_dir, which the writer
+    copies into place file to file (ShardWriter.add_piece). Pickling the tokens back instead made the main
+    process copy every byte three times, so byte-level runs got slower with more workers; writing the final
+    file from the workers would make them wait for each other's offsets."""
     if workers <= 1:
         if direct is None:
             init_worker(opts, tok)
             for t in tasks:
-                yield t.nbytes, encode_task(t)
+                yield 1, t.nbytes, encode_task(t)
             return
         init_direct(opts, direct["bin_file"], direct["offset"], direct["hasher"], tok)
         try:
             for t in tasks:
-                yield t.nbytes, encode_direct(t)
+                yield 1, t.nbytes, encode_direct(t)
         finally:
             close_direct()
         return
+
+    def pieces():
+        batch, nbytes = [], 0
+        for t in tasks:
+            batch.append(t)
+            nbytes += t.nbytes
+            if nbytes >= piece_bytes:
+                yield batch, nbytes
+                batch, nbytes = [], 0
+        if batch:
+            yield batch, nbytes
+
     pool = mp.get_context(_start_method()).Pool(workers, initializer=init_worker, initargs=(opts,))
     try:
         pending: collections.deque = collections.deque()
-        for t in tasks:
-            pending.append((t.nbytes, pool.apply_async(encode_task, (t,))))
-            if len(pending) >= 4 * workers:
-                n, r = pending.popleft()
-                yield n, r.get()
+        for i, (batch, nbytes) in enumerate(pieces()):
+            path = os.path.join(pieces_dir, f"{PIECE}{i:09d}")
+            pending.append((len(batch), nbytes, path, pool.apply_async(encode_piece, ((batch, path),))))
+            if len(pending) >= 3 * workers:
+                k, n, path, r = pending.popleft()
+                yield k, n, (path, *r.get())
         while pending:
-            n, r = pending.popleft()
-            yield n, r.get()
+            k, n, path, r = pending.popleft()
+            yield k, n, (path, *r.get())
         pool.close()
     finally:
         pool.terminate()
         pool.join()
 
 
-class _FileHasher:
-    """sha256 of a file that grows in order: `ready(end)` says bytes [0, end) are final; a thread reads and
-    hashes them behind the writers (hashlib and reads release the GIL). `digest()` waits for the rest."""
-
-    def __init__(self, path: str, start: int = 0):
-        self.path, self._h, self._done = path, hashlib.sha256(), 0
-        self._q: queue.Queue = queue.Queue()
-        self._err: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="megassm-sha256", daemon=True)
-        self._thread.start()
-        if start:
-            self.ready(start)
-
-    def _run(self) -> None:
-        try:
-            with open(self.path, "rb", buffering=0) as f:
-                while True:
-                    end = self._q.get()
-                    if end is None:
-                        return
-                    while self._done < end:
-                        block = os.pread(f.fileno(), min(end - self._done, 1 << 22), self._done)
-                        if not block:
-                            raise OSError(f"{self.path}: shorter than {end} bytes while hashing")
-                        self._h.update(block)
-                        self._done += len(block)
-        except BaseException as e:  # reported by digest()
-            self._err = e
-
-    def ready(self, end: int) -> None:
-        self._q.put(end)
-
-    def digest(self) -> str:
-        self._q.put(None)
-        self._thread.join()
-        if self._err is not None:
-            raise self._err
-        return self._h.hexdigest()
+def _remove_pieces(work: str) -> None:
+    """Piece files that an interrupted run's workers left (their tasks are redone)."""
+    for name in os.listdir(work):
+        if name.startswith(PIECE):
+            os.remove(os.path.join(work, name))
 
 
 class _InputHashes:
@@ -321,14 +308,15 @@ def preprocess(
     all_tasks = iter_tasks(files, text_key, text_per_line)
     for _ in range(tasks_done):  # deterministic task cutting: skip what the interrupted run wrote
         next(all_tasks)
-    # One output file: its sha256 is taken as it is written (in one process inline, with workers by a
-    # thread reading behind the main process's writes). Numbered shards are hashed at the end.
+    # One output file: its sha256 is taken as its bytes are written (by the tokenizing thread in one process,
+    # by the main process as it copies the workers' pieces into place). Numbered shards are hashed at the end.
     direct = None
-    bin_hasher = None
-    if shard_size is None and workers <= 1:
+    inline_hash = None
+    if shard_size is None:
         inline_hash = hashlib.sha256()
         _hash_prefix(inline_hash, writer.bin_file(), writer.bin_bytes)
-        direct = {"bin_file": writer.bin_file(), "offset": writer.bin_bytes, "hasher": inline_hash}
+        if workers <= 1:
+            direct = {"bin_file": writer.bin_file(), "offset": writer.bin_bytes, "hasher": inline_hash}
     input_hashes = None
     succeeded = False
     try:
@@ -336,25 +324,28 @@ def preprocess(
         last_ckpt = time.perf_counter()
         t_run = time.perf_counter()
         docs_run = toks_run = 0
-        results = _ordered_map(workers, opts, tok, all_tasks, direct)
-        # background hashing starts after the pool (a fork start needs a single-threaded process)
+        _remove_pieces(work)
+        # pieces of PIECE_BYTES, but at least 4 per worker: a small input (or compressed Parquet, whose tasks
+        # count compressed bytes) must still spread over the workers
+        piece_bytes = min(PIECE_BYTES, max(1, (total_bytes - done_bytes) // (4 * max(workers, 1))))
+        results = _ordered_map(workers, opts, tok, all_tasks, direct, pieces_dir=work, piece_bytes=piece_bytes)
+        # background input hashing starts after the pool (a fork start needs a single-threaded process)
         first = next(results, None)
-        if shard_size is None and workers > 1:
-            bin_hasher = _FileHasher(writer.bin_file(), writer.bin_bytes)
         input_hashes = _InputHashes([f.path for f in files], background=workers > 1)
-        for nbytes, res in (_chain(first, results) if first is not None else ()):
-            if direct is None:
-                tokens, lengths, st = res
-                writer.add(tokens, lengths)
-                if bin_hasher is not None:
-                    writer.flush_bin()
-                    bin_hasher.ready(writer.bin_bytes)
-            else:
+        for ntasks, nbytes, res in (_chain(first, results) if first is not None else ()):
+            if direct is not None:
                 lengths, st, off, nb = res
                 writer.add_direct(lengths, nb)
+            elif workers > 1:
+                piece, lengths, st = res
+                writer.add_piece(piece, lengths, inline_hash)
+                os.remove(piece)
+            else:
+                tokens, lengths, st = res
+                writer.add(tokens, lengths)
             for k in STAT_KEYS:
                 stats[k] += st[k]
-            tasks_done += 1
+            tasks_done += ntasks
             done_bytes += nbytes
             docs_run += st["documents"]
             toks_run += st["tokens"]
@@ -386,11 +377,7 @@ def preprocess(
 
     # Hash, move into place, then write the manifest last: its presence marks a complete output.
     numbered = shard_size is not None
-    bin_digest = None
-    if bin_hasher is not None:
-        bin_digest = bin_hasher.digest()
-    elif direct is not None:
-        bin_digest = direct["hasher"].hexdigest()
+    bin_digest = inline_hash.hexdigest() if inline_hash is not None else None
     shards = []
     for i in range(n_shards):
         b, x = os.path.join(work, f"shard-{i:05d}.bin"), os.path.join(work, f"shard-{i:05d}.idx")

@@ -11,6 +11,7 @@ it and re-reads the input from the next task, so no document is dropped or writt
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 
@@ -90,28 +91,46 @@ class ShardWriter:
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """Append whole documents; a shard closes after the document that makes it reach shard_size."""
+        self._add(lengths, lambda a, b: self._write_bin(np.ascontiguousarray(tokens[a:b], dtype=self.dtype)))
+
+    def add_piece(self, path: str, lengths: np.ndarray, hasher=None) -> None:
+        """As add(), for documents whose tokens (this writer's dtype, in order) a worker wrote to the file
+        `path` (preprocess.py: one writer fed by several workers). Without `hasher` the bytes go file to
+        file inside the kernel (os.copy_file_range); with it (the single output's sha256) they pass through
+        one reused buffer, hashed on the way, so they are read from memory once."""
+        size = self.dtype.itemsize
+        with open(path, "rb", buffering=0) as src:
+            have, want = os.fstat(src.fileno()).st_size, int(lengths.sum()) * size
+            if have != want:
+                raise RuntimeError(f"{path}: {have} bytes, expected {want} for its {len(lengths)} documents")
+            self._add(lengths, lambda a, b: self._copy_bin(src.fileno(), a * size, (b - a) * size, hasher))
+
+    def _add(self, lengths: np.ndarray, put) -> None:
+        """Split whole documents over the shards: put(a, b) appends tokens [a, b) of the batch to the open
+        shard's .bin; the lengths are recorded here."""
         if self.shard_size is None:
-            self._append(tokens, lengths)
+            put(0, int(lengths.sum()))
+            self._record(lengths)
             return
         pos, start = 0, 0
         ends = np.cumsum(lengths)
         for k in range(len(lengths)):
             if self._shard_tokens + (ends[k] - pos) >= self.shard_size:
-                self._append(tokens[pos : ends[k]], lengths[start : k + 1])
+                put(pos, int(ends[k]))
+                self._record(lengths[start : k + 1])
                 pos, start = int(ends[k]), k + 1
                 self._close_shard()
                 self._open(self.shard + 1)
         if start < len(lengths):
-            self._append(tokens[pos:], lengths[start:])
+            put(pos, int(ends[-1]))
+            self._record(lengths[start:])
 
     def add_direct(self, lengths: np.ndarray, nbytes: int) -> None:
         """Record whole documents whose tokens a worker already wrote into this (only) shard's .bin, right
         after the previous ones (preprocess.py: direct output, no shard_size)."""
         if self.shard_size is not None:
             raise RuntimeError("direct output is for a single shard (no shard_size)")
-        self._len.write(np.ascontiguousarray(lengths, dtype="<i8").tobytes())
-        self._lengths.append(np.asarray(lengths, dtype=np.int64))
-        self._shard_tokens += int(lengths.sum())
+        self._record(lengths)
         self.bin_bytes += int(nbytes)
 
     def flush_bin(self) -> None:
@@ -121,10 +140,43 @@ class ShardWriter:
     def bin_file(self) -> str:
         return self._paths(self.shard)[0]
 
-    def _append(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        data = np.ascontiguousarray(tokens, dtype=self.dtype).tobytes()
-        self._bin.write(data)
-        self.bin_bytes += len(data)
+    def _write_bin(self, data: np.ndarray) -> None:
+        self._bin.write(memoryview(data).cast("B"))
+        self.bin_bytes += data.nbytes
+
+    def _copy_bin(self, src_fd: int, offset: int, nbytes: int, hasher=None) -> None:
+        """Bytes [offset, offset + nbytes) of src_fd to the end of the open .bin (fed to hasher if given)."""
+        self._bin.flush()
+        dst_fd, done = self._bin.fileno(), 0
+        kernel_copy = hasher is None
+        buf = view = None
+        while done < nbytes:
+            n = 0
+            if kernel_copy:
+                try:
+                    n = os.copy_file_range(src_fd, dst_fd, nbytes - done, offset + done, self.bin_bytes + done)
+                except OSError as e:  # file systems or kernels without it: the same bytes through user space
+                    if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
+                    kernel_copy = False
+            if not kernel_copy:
+                if buf is None:
+                    buf = bytearray(min(nbytes, 1 << 20))  # reused: stays in cache between read, hash, write
+                    view = memoryview(buf)
+                n = os.preadv(src_fd, [view[: min(len(buf), nbytes - done)]], offset + done)
+                if n > 0:
+                    if hasher is not None:
+                        hasher.update(view[:n])
+                    w = 0
+                    while w < n:
+                        w += os.pwrite(dst_fd, view[w:n], self.bin_bytes + done + w)
+            if n <= 0:
+                raise RuntimeError(f"fd {src_fd}: ended {nbytes - done} bytes early while copying tokens")
+            done += n
+        self.bin_bytes += nbytes
+        self._bin.seek(self.bin_bytes)
+
+    def _record(self, lengths: np.ndarray) -> None:
         self._len.write(np.ascontiguousarray(lengths, dtype="<i8").tobytes())
         self._lengths.append(np.asarray(lengths, dtype=np.int64))
         self._shard_tokens += int(lengths.sum())

@@ -1,4 +1,5 @@
 """megassm-preprocess: formats, determinism across worker counts, manifest, bad input, shards, resume."""
+import errno
 import glob
 import gzip
 import hashlib
@@ -8,6 +9,7 @@ import os
 import numpy as np
 import pytest
 
+from megassm.data_tools import preprocess as preprocess_mod
 from megassm.data_tools import sources
 from megassm.data_tools.builtin import ensure_builtin_corpus, stdlib_files
 from megassm.data_tools.indexed import IndexedReader, ShardSet, shard_prefixes
@@ -55,6 +57,7 @@ def test_jsonl_round_trip_and_manifest(tmp_path):
 def test_same_bytes_for_1_and_2_workers(tmp_path, monkeypatch):
     monkeypatch.setattr(sources, "TASK_DOCS", 7)  # many tasks, so ordering across workers matters
     monkeypatch.setattr(sources, "TASK_BYTES", 150)  # (uncompressed JSONL is cut by bytes)
+    monkeypatch.setattr(preprocess_mod, "PIECE_BYTES", 400)  # several tasks per worker piece, many pieces
     texts = [f"document {i} " + "x" * (i % 13) for i in range(200)]
     src = write_jsonl(tmp_path / "a.jsonl", texts)
     m1 = preprocess([src], str(tmp_path / "w1"), workers=1, quiet=True)
@@ -70,6 +73,7 @@ def test_resume_with_other_worker_count_hashes_the_whole_file(tmp_path, monkeypa
     """The .bin hash is taken while writing (inline with 1 worker, a thread behind the writes with 2); a
     resumed run must still hash what the interrupted one wrote."""
     monkeypatch.setattr(sources, "TASK_BYTES", 120)
+    monkeypatch.setattr(preprocess_mod, "PIECE_BYTES", 250)  # pieces of ~2 tasks: the stop lands mid-run
     texts = [f"resumed document {i} " + "y" * (i % 11) for i in range(80)]
     src = write_jsonl(tmp_path / "a.jsonl", texts)
     ref = preprocess([src], str(tmp_path / "ref"), quiet=True)
@@ -79,6 +83,42 @@ def test_resume_with_other_worker_count_hashes_the_whole_file(tmp_path, monkeypa
     assert sha(str(tmp_path / "o") + ".bin") == sha(str(tmp_path / "ref") + ".bin") == m["shards"][0]["bin"]["sha256"]
     assert m["shards"][0]["bin"]["sha256"] == ref["shards"][0]["bin"]["sha256"]
     assert docs_of(str(tmp_path / "o")) == texts
+
+
+@pytest.mark.parametrize("kernel_copy", [True, False])
+def test_workers_pieces_split_over_token_shards(tmp_path, monkeypatch, kernel_copy):
+    """With workers, each piece (a worker's tokens of some tasks) is copied into place by the writer, split
+    over numbered shards where they close; without os.copy_file_range (some file systems) the bytes go
+    through user space. Either way: the bytes of one process."""
+    monkeypatch.setattr(sources, "TASK_BYTES", 200)
+    monkeypatch.setattr(preprocess_mod, "PIECE_BYTES", 700)
+    if not kernel_copy:
+        def no_copy_file_range(*args, **kwargs):
+            raise OSError(errno.EXDEV, "cross-device copy")
+        monkeypatch.setattr(os, "copy_file_range", no_copy_file_range)
+    texts = [f"piece document {i} " + "z" * (i % 17) for i in range(150)]
+    src = write_jsonl(tmp_path / "a.jsonl", texts)
+    one = preprocess([src], str(tmp_path / "one"), shard_size=300, quiet=True)
+    two = preprocess([src], str(tmp_path / "two"), shard_size=300, workers=2, quiet=True)
+    assert len(two["shards"]) == len(one["shards"]) > 3
+    assert [s["bin"]["sha256"] for s in two["shards"]] == [s["bin"]["sha256"] for s in one["shards"]]
+    assert [s["idx"]["sha256"] for s in two["shards"]] == [s["idx"]["sha256"] for s in one["shards"]]
+    assert docs_of(str(tmp_path / "two")) == texts
+    assert not os.path.exists(tmp_path / "two.partial")
+
+
+def test_piece_of_the_wrong_size_is_refused(tmp_path):
+    from megassm.data_tools.shard_writer import ShardWriter
+
+    w = ShardWriter(str(tmp_path / "work"), np.uint16, None)
+    w.start()
+    piece = tmp_path / "work" / "piece-000000000"
+    piece.write_bytes(np.arange(5, dtype=np.uint16).tobytes())
+    with pytest.raises(RuntimeError, match="piece-000000000: 10 bytes, expected 12 for its 2 documents"):
+        w.add_piece(str(piece), np.array([3, 3]))
+    w.add_piece(str(piece), np.array([2, 3]))
+    assert w.bin_bytes == 10 and w.finish() == 1
+    assert np.fromfile(tmp_path / "work" / "shard-00000.bin", dtype=np.uint16).tolist() == [0, 1, 2, 3, 4]
 
 
 def test_formats_compressed_parquet_arrow_text_glob(tmp_path):
