@@ -9,11 +9,11 @@ or from Python (what the built-in corpus and the tests use):
 
 Pipeline: the main process cuts the inputs into tasks (sources.py: byte ranges of uncompressed line
 files and Parquet row-group slices, which the workers read themselves; the raw content of other
-inputs); N worker processes read, decode and tokenize them (encode.py), each task's tokens into a piece
-file of its own; the main process copies the pieces into the output in task order, file to file
-(shard_writer.py). A single output file is hashed as it is written (by a thread behind the writes when
-there are workers; another thread hashes the inputs meanwhile); with --workers 1 everything runs in the
-calling thread and the tokens go straight from the tokenizer into the file. Output bytes depend
+inputs); N worker processes read, decode and tokenize them (encode.py), writing the tokens of a run of
+tasks to a piece file; the main process copies the pieces into the output in task order (shard_writer.py),
+taking a single output file's sha256 on the way (another thread hashes the inputs meanwhile). With
+--workers 1 everything runs in the calling thread and the tokens go straight from the tokenizer into the
+file. Output bytes depend
 only on the input and the options, never on N. Everything is written under PREFIX.partial/ and renamed
 into place at the end; `--resume` continues an interrupted run from its last checkpoint.
 """
@@ -25,7 +25,6 @@ import hashlib
 import multiprocessing as mp
 import os
 import re
-import queue
 import shutil
 import sys
 import threading

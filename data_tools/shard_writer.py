@@ -133,10 +133,6 @@ class ShardWriter:
         self._record(lengths)
         self.bin_bytes += int(nbytes)
 
-    def flush_bin(self) -> None:
-        """Hand the written tokens to the OS (a hashing thread reads the file behind the writes)."""
-        self._bin.flush()
-
     def bin_file(self) -> str:
         return self._paths(self.shard)[0]
 
