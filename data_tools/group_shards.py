@@ -1,12 +1,13 @@
 """Numbered shards cut by input size, each tokenized, written and hashed by one worker
 (`megassm-preprocess --shard-input-size SIZE`).
 
-The default pipeline (preprocess.py) has one writer: the workers send their tokens back through pipes and
-the main process writes and hashes them. That scales for real tokenizers, but byte-level tokenizing runs at
-~200M tokens/s per core, as fast as the writing and the sha256 of the output, so a single writer cannot use
-a second core (docs/data.md "Speed"). Here the input tasks are grouped, in order, into groups of at least
-SIZE input bytes; group g becomes shard g, and the worker that takes the group writes its .bin/.idx and their
-sha256 itself. Nothing but counters and digests crosses a pipe.
+The default pipeline (preprocess.py) has one writer: the workers write their tokens to piece files, and the
+main process copies them into the output and hashes it. That scales for real tokenizers, but byte-level
+tokenizing runs at ~100-200M tokens/s per core, as fast as the copy and the sha256 of the output, so one
+writer caps two workers near 1.5x (docs/data.md "Speed"). Here the input tasks are grouped, in order, into
+groups of at least SIZE input bytes (cut only between Parquet row groups); group g becomes shard g, and the
+worker that takes the group writes its .bin/.idx and their sha256 itself. Nothing but counters and digests
+crosses a pipe.
 
 Output depends only on the inputs and the options, never on the number of workers: the groups are cut from
 the deterministic task sequence. A group whose documents are all empty makes no shard; shards are numbered
@@ -29,21 +30,15 @@ import numpy as np
 
 from .encode import STAT_KEYS, EncodeOptions, encode_task, init_worker
 from .indexed import write_index
+from .sources import runs_of_tasks
 
 PROGRESS = "progress.json"
 
 
 def group_tasks(tasks: Iterable, group_bytes: int) -> Iterator[list]:
-    """Consecutive tasks in groups of at least group_bytes input bytes (the last one may be smaller)."""
-    group, size = [], 0
-    for t in tasks:
-        group.append(t)
-        size += t.nbytes
-        if size >= group_bytes:
-            yield group
-            group, size = [], 0
-    if group:
-        yield group
+    """Consecutive tasks in groups of at least group_bytes input bytes (the last one may be smaller), never
+    splitting a Parquet row group between two groups (sources.runs_of_tasks)."""
+    return runs_of_tasks(tasks, group_bytes)
 
 
 def _paths(work_dir: str, g: int) -> tuple[str, str]:

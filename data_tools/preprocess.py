@@ -37,11 +37,12 @@ from .encode import (STAT_KEYS, EncodeOptions, close_direct, encode_direct, enco
                      init_worker)
 from .indexed import CODE_OF_DTYPE, bin_path, dtype_for_vocab, idx_path
 from .shard_writer import ShardWriter, read_progress, write_json_atomic
-from .sources import DataInputError, InputFile, expand_inputs, iter_tasks
+from .sources import DataInputError, InputFile, expand_inputs, iter_tasks, runs_of_tasks
 from .tokenizers import TokenizerError, load_tokenizer, tokenizer_info
 
 MANIFEST_VERSION = 1
-TASK_SCHEME = 3  # how inputs are cut into tasks (3: byte ranges / row-group slices weighted by compressed size); --resume needs the same
+TASK_SCHEME = 4  # how inputs are cut into tasks (3: byte ranges / row-group slices weighted by compressed size;
+# 4: --shard-input-size groups end between Parquet row groups); --resume needs the same
 CHECKPOINT_SECONDS = 2.0
 PIECE = "piece-"  # a worker's tokens of some tasks, in the work folder until the writer copies them into place
 PIECE_BYTES = 4 << 20  # input bytes per piece: per-file costs (open, copy call, remove) stay small per byte
@@ -121,22 +122,12 @@ def _ordered_map(workers: int, opts: EncodeOptions, tok, tasks: Iterable, direct
             close_direct()
         return
 
-    def pieces():
-        batch, nbytes = [], 0
-        for t in tasks:
-            batch.append(t)
-            nbytes += t.nbytes
-            if nbytes >= piece_bytes:
-                yield batch, nbytes
-                batch, nbytes = [], 0
-        if batch:
-            yield batch, nbytes
-
     pool = mp.get_context(_start_method()).Pool(workers, initializer=init_worker, initargs=(opts,))
     try:
         pending: collections.deque = collections.deque()
-        for i, (batch, nbytes) in enumerate(pieces()):
+        for i, batch in enumerate(runs_of_tasks(tasks, piece_bytes)):  # never splits a Parquet row group
             path = os.path.join(pieces_dir, f"{PIECE}{i:09d}")
+            nbytes = sum(t.nbytes for t in batch)
             pending.append((len(batch), nbytes, path, pool.apply_async(encode_piece, ((batch, path),))))
             if len(pending) >= 3 * workers:
                 k, n, path, r = pending.popleft()

@@ -17,7 +17,7 @@ import gzip
 import io
 import os
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterable, Iterator
 
 TASK_BYTES = 1 << 18  # small tasks keep workers evenly loaded to the end
 TASK_DOCS = 4096
@@ -63,6 +63,27 @@ class Task:
     @property
     def is_range(self) -> bool:
         return self.offset >= 0
+
+
+def same_row_group(a: Task, b: Task) -> bool:
+    """b continues a's Parquet row group: a worker reads (decompresses) a whole row group for any slice of
+    it, so a cut between a and b would make two workers decode it."""
+    return a.kind == b.kind == "strings" and a.is_range and b.is_range and a.path == b.path and a.group == b.group
+
+
+def runs_of_tasks(tasks: Iterable[Task], min_bytes: int) -> Iterator[list[Task]]:
+    """Consecutive tasks in runs of at least min_bytes input bytes (the last may be smaller), cut only
+    between Parquet row groups: the work units of one worker (a --shard-input-size group, a piece)."""
+    run: list[Task] = []
+    size = 0
+    for t in tasks:
+        if size >= min_bytes and not same_row_group(run[-1], t):
+            yield run
+            run, size = [], 0
+        run.append(t)
+        size += t.nbytes
+    if run:
+        yield run
 
 
 def detect(path: str, forced: str = "auto") -> InputFile:

@@ -317,6 +317,37 @@ def test_corrupt_compressed_input_names_file(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["t.jsonl.gz"]
 
 
+def test_runs_of_tasks_never_split_a_parquet_row_group(tmp_path, monkeypatch):
+    """A worker decodes a whole row group for any slice of it: groups and pieces end only between row
+    groups (JSONL ranges anywhere), and 1 or 2 workers still give the same bytes in both output modes."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr(sources, "TASK_DOCS", 4)  # several tasks per row group of 10 rows
+    texts = [f"row {i} " + "p" * (i % 9) for i in range(70)]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "t.parquet", row_group_size=10)
+    tasks = list(sources.iter_tasks(sources.expand_inputs([str(tmp_path / "t.parquet")]), "text", False))
+    assert len(tasks) > 7 and len({t.group for t in tasks}) == 7
+    runs = list(sources.runs_of_tasks(tasks, 1))
+    assert [r for run in runs for r in run] == tasks
+    for a, b in zip(runs, runs[1:]):
+        assert a[-1].group != b[0].group  # cut only where a row group ends
+    assert len(runs) == 7  # one row group per run when each run needs only a byte
+    lines = [sources.Task("json", "x", 0, nbytes=10, offset=10 * i, length=10) for i in range(5)]
+    assert [len(r) for r in sources.runs_of_tasks(lines, 20)] == [2, 2, 1]  # line ranges cut anywhere
+
+    monkeypatch.setattr(preprocess_mod, "PIECE_BYTES", 1)
+    src = str(tmp_path / "t.parquet")
+    one = preprocess([src], str(tmp_path / "g1"), shard_input_size=1, workers=1, quiet=True)
+    two = preprocess([src], str(tmp_path / "g2"), shard_input_size=1, workers=2, quiet=True)
+    assert len(one["shards"]) == 7 and [s["bin"]["sha256"] for s in one["shards"]] == [
+        s["bin"]["sha256"] for s in two["shards"]]
+    single1 = preprocess([src], str(tmp_path / "s1"), workers=1, quiet=True)
+    single2 = preprocess([src], str(tmp_path / "s2"), workers=2, quiet=True)
+    assert single1["shards"][0]["bin"]["sha256"] == single2["shards"][0]["bin"]["sha256"]
+    assert docs_of(str(tmp_path / "g2")) == texts == docs_of(str(tmp_path / "s2"))
+
+
 # --shard-input-size: one shard per group of input tasks, written and hashed by the worker (group_shards.py)
 def _group_corpus(tmp_path, monkeypatch):
     monkeypatch.setattr(sources, "TASK_DOCS", 5)
