@@ -317,9 +317,10 @@ def test_corrupt_compressed_input_names_file(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["t.jsonl.gz"]
 
 
-def test_runs_of_tasks_never_split_a_parquet_row_group(tmp_path, monkeypatch):
-    """A worker decodes a whole row group for any slice of it: groups and pieces end only between row
-    groups (JSONL ranges anywhere), and 1 or 2 workers still give the same bytes in both output modes."""
+def test_runs_of_tasks_end_between_parquet_row_groups(tmp_path, monkeypatch):
+    """A worker decodes a whole row group for any slice of it: groups and pieces end between row groups
+    (JSONL ranges anywhere) unless a row group holds more than two runs, and 1 or 2 workers still give the
+    same bytes in both output modes."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -328,18 +329,22 @@ def test_runs_of_tasks_never_split_a_parquet_row_group(tmp_path, monkeypatch):
     pq.write_table(pa.table({"text": texts}), tmp_path / "t.parquet", row_group_size=10)
     tasks = list(sources.iter_tasks(sources.expand_inputs([str(tmp_path / "t.parquet")]), "text", False))
     assert len(tasks) > 7 and len({t.group for t in tasks}) == 7
-    runs = list(sources.runs_of_tasks(tasks, 1))
+    per_group = sum(t.nbytes for t in tasks if t.group == 0)  # 3 tasks of ~100 bytes
+    runs = list(sources.runs_of_tasks(tasks, per_group // 2 + 1))
     assert [r for run in runs for r in run] == tasks
     for a, b in zip(runs, runs[1:]):
         assert a[-1].group != b[0].group  # cut only where a row group ends
-    assert len(runs) == 7  # one row group per run when each run needs only a byte
+    assert len(runs) == 7  # one row group per run: a run may grow to 2 x its minimum to reach the end
+    big = list(sources.runs_of_tasks(tasks, per_group // 3))  # a row group is > 2 runs: it is split
+    assert [r for run in big for r in run] == tasks
+    assert len(big) == 14 and all(len(r) <= 2 for r in big)
     lines = [sources.Task("json", "x", 0, nbytes=10, offset=10 * i, length=10) for i in range(5)]
     assert [len(r) for r in sources.runs_of_tasks(lines, 20)] == [2, 2, 1]  # line ranges cut anywhere
 
-    monkeypatch.setattr(preprocess_mod, "PIECE_BYTES", 1)
+    monkeypatch.setattr(preprocess_mod, "PIECE_BYTES", per_group // 2 + 1)
     src = str(tmp_path / "t.parquet")
-    one = preprocess([src], str(tmp_path / "g1"), shard_input_size=1, workers=1, quiet=True)
-    two = preprocess([src], str(tmp_path / "g2"), shard_input_size=1, workers=2, quiet=True)
+    one = preprocess([src], str(tmp_path / "g1"), shard_input_size=per_group // 2 + 1, workers=1, quiet=True)
+    two = preprocess([src], str(tmp_path / "g2"), shard_input_size=per_group // 2 + 1, workers=2, quiet=True)
     assert len(one["shards"]) == 7 and [s["bin"]["sha256"] for s in one["shards"]] == [
         s["bin"]["sha256"] for s in two["shards"]]
     single1 = preprocess([src], str(tmp_path / "s1"), workers=1, quiet=True)
