@@ -21,6 +21,9 @@
 #               8000), no gradient clipping
 #   bmojo-me    B'MOJO's eidetic ablation (Fig. 2, panel 4): the bmojo-kv B'MOJO with n_eidetic in $EIDETIC (default
 #               "0 2 4 8 16 32"), at n_kv $KVS, state $STATE, seeds $SEEDS, $KV_STEPS steps
+#   bmojo-mem   Fig. 2 at equal attention memory: $MEM tokens (default 48) per query as the Hybrid's window, as
+#               B'MOJO-F's window + 1 fading token, and as B'MOJO's window + 1 fading + m_e eidetic tokens for m_e
+#               in $EIDETIC_MEM (default "15 31"); n_kv $KVS, state $STATE, seeds $SEEDS, $KV_STEPS steps
 #   bmojo-alg1  the same with the attention output only (model.bmojo.ssm_residual=false), lr 1e-3, until LIMIT
 # LIMIT (s) is each run's training time limit (the runner stops, evaluates and records steps_done).
 # GPUS (default 1): spread the runs round-robin over GPUs 0..GPUS-1 (CUDA_VISIBLE_DEVICES per run).
@@ -78,6 +81,19 @@ for group in "$@"; do
       for lr in 1e-3 3e-4; do
         run mqar-B-N16-s0-lr$lr --config configs/synthetic/mqar_small.yaml --steps 6000 --seed 0 --lr "$lr" --cuda-graph \
             model.pattern=BB model.mamba.d_state=16 model.bmojo.window=32 model.bmojo.n_eidetic=8 model.attn.n_heads=2
+      done ;;
+    bmojo-mem)
+      mem=${MEM:-48}
+      for kv in ${KVS:-8 24}; do
+        for seed in $SEEDS; do
+          common=(--config configs/synthetic/mqar_small.yaml --steps "${KV_STEPS:-8000}" --seed "$seed" --lr 3e-3 --grad-clip 0
+                  --cuda-graph task.n_kv=$kv model.mamba.d_state=${STATE:-4} model.pattern=BB model.attn.n_heads=2)
+          run kv$kv-mem$mem-hybrid-s$seed "${common[@]}" model.bmojo.window=$mem model.bmojo.n_fading=0 model.bmojo.n_eidetic=0
+          run kv$kv-mem$mem-bmojo-f-s$seed "${common[@]}" model.bmojo.window=$((mem - 1)) model.bmojo.n_eidetic=0
+          for me in ${EIDETIC_MEM:-15 31}; do
+            run kv$kv-mem$mem-me$me-s$seed "${common[@]}" model.bmojo.window=$((mem - 1 - me)) model.bmojo.n_eidetic=$me
+          done
+        done
       done ;;
     bmojo-kv|bmojo-me)
       # the MQAR runs of B'MOJO's Fig. 2: M's settings at KV_STEPS steps, no clipping; bm: the B layer's shape
