@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .sources import DataInputError, Task
+from .sources import DataInputError, Task, arrow_texts
 from .tokenizers import ByteTokenizer, Tokenizer, load_tokenizer
 
 STAT_KEYS = ("documents", "tokens", "empty_skipped", "bad_skipped", "invalid_utf8_replaced", "blank_lines")
@@ -69,7 +69,8 @@ def _parquet_column(path: str, group: int, key: str):
     files = _state.setdefault("pq_files", {})
     if path not in files:
         files[path] = pq.ParquetFile(path, memory_map=True)
-    column = files[path].read_row_group(group, columns=[key]).column(0)
+    # one thread: the workers are the parallelism (pyarrow's pool in each would oversubscribe the cores)
+    column = files[path].read_row_group(group, columns=[key], use_threads=False).column(0)
     _state["pq_group"] = ((path, group), column)
     return column
 
@@ -81,7 +82,7 @@ def load_range(task: Task, opts: EncodeOptions) -> None:
         return
     if task.kind == "strings":
         column = _parquet_column(task.path, task.group, opts.text_key)
-        task.items = column.slice(task.offset, task.length).to_pylist()
+        task.items = arrow_texts(column.slice(task.offset, task.length))
         return
     with open(task.path, "rb") as f:
         f.seek(task.offset)
@@ -141,8 +142,8 @@ def _documents(task: Task, opts: EncodeOptions, stats: dict) -> list[str]:
             docs.append(_decode(line.rstrip(b"\r\n") if line.endswith(b"\n") else line, stats))
     elif task.kind == "files":
         docs.extend(_decode(raw, stats) for raw in task.items)
-    elif task.kind == "strings":
-        docs.extend("" if v is None else v for v in task.items)
+    elif task.kind == "strings":  # str, None, or raw bytes when the column held invalid UTF-8 (arrow_texts)
+        docs.extend("" if v is None else _decode(v, stats) if isinstance(v, bytes) else v for v in task.items)
     else:
         raise ValueError(f"unknown task kind {task.kind!r}")
     kept = [d for d in docs if d]
@@ -176,10 +177,57 @@ def _utf8(texts: list[str], stats: dict) -> list[bytes]:
     return out
 
 
+def _byte_arrow_task(task: Task, opts: EncodeOptions, eos: int):
+    """Byte-level tokens of a Parquet slice straight from the Arrow string buffers (UTF-8 bytes are the
+    byte tokenizer's ids), with no Python string per document: (tokens, lengths, counters), or None where
+    the general path must decide (nulls, other string types, invalid UTF-8, which it replaces and counts).
+    Same bytes as the general path: a valid UTF-8 string encodes back to its own bytes."""
+    import pyarrow as pa
+
+    column = _parquet_column(task.path, task.group, opts.text_key).slice(task.offset, task.length)
+    pieces, lengths = [], []
+    for arr in column.chunks:
+        if not (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)) or arr.null_count:
+            return None
+        try:
+            arr.validate(full=True)  # checks the UTF-8
+        except pa.ArrowInvalid:
+            return None
+        off_type = np.int64 if pa.types.is_large_string(arr.type) else np.int32
+        _, obuf, dbuf = arr.buffers()
+        offs = np.frombuffer(obuf, dtype=off_type, count=arr.offset + len(arr) + 1)[arr.offset:].astype(np.int64)
+        data = np.frombuffer(dbuf, dtype=np.uint8) if dbuf is not None else np.zeros(0, np.uint8)
+        pieces.append((data, offs))
+        lengths.append(np.diff(offs))
+    lens = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+    keep = lens > 0
+    extra = 1 if opts.append_eos else 0
+    out_lens = lens[keep] + extra
+    out = np.empty(int(out_lens.sum()), dtype=np.dtype(opts.dtype))
+    pos = 0
+    for data, offs in pieces:
+        for a, b in zip(offs[:-1].tolist(), offs[1:].tolist()):
+            if b > a:
+                out[pos : pos + b - a] = data[a:b]
+                pos += b - a
+                if extra:
+                    out[pos] = eos
+                    pos += 1
+    stats = dict.fromkeys(STAT_KEYS, 0)
+    stats["documents"] = int(keep.sum())
+    stats["tokens"] = int(out_lens.sum())
+    stats["empty_skipped"] = int((~keep).sum())
+    return out, out_lens, stats
+
+
 def encode_task(task: Task) -> tuple[np.ndarray, np.ndarray, dict]:
     """(tokens in the output dtype, int64 document lengths incl. EOS, counters) for one task."""
     opts: EncodeOptions = _state["opts"]
     tok: Tokenizer = _state["tok"]
+    if isinstance(tok, ByteTokenizer) and task.kind == "strings" and task.is_range and not task.items:
+        fast = _byte_arrow_task(task, opts, tok.eos_id)
+        if fast is not None:
+            return fast
     stats = dict.fromkeys(STAT_KEYS, 0)
     load_range(task, opts)
     texts = _documents(task, opts, stats)

@@ -65,6 +65,18 @@ class Task:
         return self.offset >= 0
 
 
+def arrow_texts(column) -> list:
+    """An Arrow text column as Python values: str (None for nulls), or, when a value is not valid UTF-8
+    (writers need not check), the raw bytes of every value, which encode.py decodes with replacement and
+    counts as for JSONL."""
+    import pyarrow as pa
+
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:
+        return column.cast(pa.large_binary()).to_pylist()
+
+
 def same_row_group(a: Task, b: Task) -> bool:
     """b continues a's Parquet row group: a worker reads (decompresses) a whole row group for any slice of
     it, so a cut between a and b would make two workers decode it."""
@@ -280,7 +292,7 @@ def _column(schema, inp: InputFile, key: str) -> None:
 
 def _batch_tasks(inp: InputFile, batch, key: str, row: int, nbytes: int) -> Iterator[Task]:
     """A record batch's text column, cut into tasks of about TASK_BYTES."""
-    values = batch.column(batch.schema.get_field_index(key)).to_pylist()
+    values = arrow_texts(batch.column(batch.schema.get_field_index(key)))
     start, size = 0, 0
     for j, v in enumerate(values):
         size += len(v) if v else 0

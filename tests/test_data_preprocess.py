@@ -317,6 +317,54 @@ def test_corrupt_compressed_input_names_file(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["t.jsonl.gz"]
 
 
+@pytest.mark.parametrize("string_type", ["string", "large_string"])
+@pytest.mark.parametrize("eos", [True, False])
+def test_byte_parquet_from_arrow_buffers_matches_the_general_path(tmp_path, monkeypatch, string_type, eos):
+    """Byte-level Parquet tokens come straight from the Arrow buffers (no Python string per document): the
+    same bytes and counters as the JSONL path, empty documents skipped, several row groups and slices."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from megassm.data_tools import encode
+
+    monkeypatch.setattr(sources, "TASK_DOCS", 3)  # slices that start inside row groups
+    texts = [f"doc {i} ünï ☃ " * (i % 4) for i in range(40)]  # every 4th is empty
+    pq.write_table(pa.table({"text": pa.array(texts, type=getattr(pa, string_type)())}), tmp_path / "t.parquet",
+                   row_group_size=7)
+    ref = preprocess([write_jsonl(tmp_path / "t.jsonl", texts)], str(tmp_path / "ref"), append_eos=eos, quiet=True)
+
+    def no_python_strings(*a, **k):
+        raise AssertionError("the byte-level Parquet path made Python strings")
+
+    monkeypatch.setattr(encode, "arrow_texts", no_python_strings)
+    for w in (1, 2):
+        m = preprocess([str(tmp_path / "t.parquet")], str(tmp_path / f"pq{w}"), append_eos=eos, workers=w, quiet=True)
+        assert m["shards"][0]["bin"]["sha256"] == ref["shards"][0]["bin"]["sha256"]
+        assert m["shards"][0]["idx"]["sha256"] == ref["shards"][0]["idx"]["sha256"]
+        assert m["stats"] == ref["stats"] and m["stats"]["empty_skipped"] == 10
+
+
+def test_arrow_text_with_nulls_or_invalid_utf8(tmp_path):
+    """Nulls are empty documents; invalid UTF-8 in a Parquet or Arrow column (writers need not check) is
+    replaced and counted, as in JSONL, by both tokenizer paths."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = b"okbad\xffend"
+    bad = pa.Array.from_buffers(pa.string(), 3, [None, pa.py_buffer(np.array([0, 2, 9, 9], np.int32).tobytes()),
+                                                 pa.py_buffer(data)])
+    pq.write_table(pa.table({"text": bad}), tmp_path / "bad.parquet")
+    with pa.OSFile(str(tmp_path / "bad.arrow"), "wb") as f, pa.ipc.new_file(f, pa.schema([("text", pa.string())])) as w:
+        w.write_table(pa.table({"text": bad}))
+    pq.write_table(pa.table({"text": ["a", None, "b"]}), tmp_path / "nulls.parquet")
+    for name in ("bad.parquet", "bad.arrow"):
+        m = preprocess([str(tmp_path / name)], str(tmp_path / name.replace(".", "_")), quiet=True)
+        assert m["stats"]["invalid_utf8_replaced"] == 1 and m["stats"]["empty_skipped"] == 1, name
+        assert docs_of(str(tmp_path / name.replace(".", "_"))) == ["ok", "bad\ufffdend"]
+    m = preprocess([str(tmp_path / "nulls.parquet")], str(tmp_path / "nulls"), quiet=True)
+    assert docs_of(str(tmp_path / "nulls")) == ["a", "b"] and m["stats"]["empty_skipped"] == 1
+
+
 def test_runs_of_tasks_end_between_parquet_row_groups(tmp_path, monkeypatch):
     """A worker decodes a whole row group for any slice of it: groups and pieces end between row groups
     (JSONL ranges anywhere) unless a row group holds more than two runs, and 1 or 2 workers still give the
