@@ -9,79 +9,23 @@ tests/test_seed_scan.py` runs the grid at real shapes on the device. Criteria as
 fp32 relative error < 1e-5 against an fp64 oracle; bf16 inputs within 2x the reference's own bf16 error
 (3x under the interpreter, which truncates fp32 -> bf16 instead of rounding).
 """
-import os
-
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of kernels/triton
+# kernel_cases sets TRITON_INTERPRET before kernels/triton is first imported
+from kernel_cases import (
+    DEV, F64, INTERP, TRITON_WARNINGS, K, R, gpu, needs_cuda, needs_triton, ops, rel, seq_from_starts,
+)
+from kernel_cases import check_fp32 as check
+from kernel_cases import check_lowp as _check_lowp
+from kernel_cases import triton_mode, torch_mode  # noqa: F401  (fixtures)
 
-try:
-    import triton  # noqa: F401
-
-    HAS_TRITON, TRITON_ERR = True, ""
-except Exception as e:  # pragma: no cover - depends on the environment
-    HAS_TRITON, TRITON_ERR = False, repr(e)
-
-import megassm.kernels as K  # noqa: E402
-from megassm.kernels import ops  # noqa: E402
-from megassm.kernels import reference as R  # noqa: E402
-
-pytestmark = [
-    pytest.mark.filterwarnings("ignore::DeprecationWarning:triton.*"),
-    pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.*"),
-]
-
-F64 = torch.float64
-DEV = "cuda" if HAS_CUDA else "cpu"
-INTERP = not HAS_CUDA
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason=f"triton is not importable: {TRITON_ERR}")
-needs_cuda = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
-gpu = pytest.mark.gpu
+pytestmark = TRITON_WARNINGS
 
 
-def rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-@pytest.fixture
-def triton_mode(monkeypatch):
-    if not HAS_TRITON:
-        pytest.skip(f"triton is not importable: {TRITON_ERR}")
-    monkeypatch.setenv("MEGASSM_KERNELS", "triton")
-    tk = ops.triton_kernels()
-    if tk is None:
-        pytest.skip(f"megassm.kernels.triton failed to import: {ops._triton_err!r}")
-    if not HAS_CUDA:
-        from megassm.kernels.triton import ssd_common
-
-        if not ssd_common._INTERPRET:
-            pytest.skip("kernels/triton was imported before TRITON_INTERPRET=1 was set")
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    yield tk
-
-
-@pytest.fixture
-def torch_mode(monkeypatch):
-    monkeypatch.setenv("MEGASSM_KERNELS", "torch")
-
-
-# --------------------------------------------------------------------------------------------------------
-# inputs
-
-
-def seq_from_starts(starts_per_row, seqlen, device=DEV):
-    rows = []
-    for r, starts in enumerate(starts_per_row):
-        row = torch.zeros(seqlen, dtype=torch.int32)
-        for s in starts:
-            if 0 < s < seqlen:
-                row[s:] += 1
-        rows.append(row + 5 * r)
-    return torch.stack(rows).to(device)
+def check_lowp(ours, ref, oracle, factor):
+    """kernel_cases' criterion with a tighter fp32 floor: the scan keeps its states in fp32 throughout."""
+    _check_lowp(ours, ref, oracle, factor, fp32_floor=1e-5)
 
 
 def reset_starts(seqlen, bsz, T=16):
@@ -146,23 +90,6 @@ def run_scan(fn, inp, decay, seq_idx=None, seed=1, **kw):
     out = {"y": y.detach(), "final": fin.detach()}
     out.update({"d" + k: gr for k, gr in zip(wrt, grads)})
     return out
-
-
-def check(ours, oracle, tol):
-    bad = {k: rel(ours[k], oracle[k]) for k in oracle if not rel(ours[k], oracle[k]) < tol}
-    assert not bad, f"relative errors over {tol}: {bad}"
-    for k, v in ours.items():
-        assert torch.isfinite(v).all(), k
-
-
-def check_lowp(ours, ref, oracle, factor):
-    bad = {}
-    for k in oracle:
-        e_ref, e_ours = rel(ref[k], oracle[k]), rel(ours[k], oracle[k])
-        floor = 1e-5 if ours[k].dtype == torch.float32 else 2e-5
-        if not e_ours <= factor * e_ref + floor:
-            bad[k] = (e_ours, e_ref)
-    assert not bad, f"(ours, reference) bf16 errors beyond {factor}x: {bad}"
 
 
 # --------------------------------------------------------------------------------------------------------
