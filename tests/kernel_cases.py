@@ -1,5 +1,5 @@
 """Shared pieces of the kernel tests (test_kernels_triton.py, test_kernels_ssd.py, test_seed_scan.py): the
-must precede the first import of kernels/triton, the backend fixtures, the SSD input builders, and the error
+interpreter setup, which must precede the first import of kernels/triton, the backend fixtures, the SSD input builders, and the error
 criteria.
 
 Criteria: fp32 inputs: relative error vs a fp64 oracle well under 1e-4. bf16 inputs: at most 2x the
