@@ -1,6 +1,6 @@
 """Shared pieces of the kernel tests (test_kernels_triton.py, test_kernels_ssd.py, test_seed_scan.py): the
-interpreter setup, which must precede the first import of kernels/triton, the backend fixtures, the SSD input builders, and the error
-criteria.
+interpreter setup, which must precede the first import of kernels/triton, the backend fixtures, the SSD
+input builders, and the error criteria.
 
 Criteria: fp32 inputs: relative error vs a fp64 oracle well under 1e-4. bf16 inputs: at most 2x the
 reference's own bf16 error (reference run on the same bf16 inputs vs the fp64 oracle); under the interpreter
