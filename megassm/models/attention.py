@@ -21,13 +21,40 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megassm.config import ModelConfig, attn_dims
 
 from .init import make_linear
 from .state import KVCache
 
-__all__ = ["Attention", "doc_positions", "rope_rotate", "single_document"]
+__all__ = ["Attention", "doc_positions", "masked_sdpa", "rope_rotate", "single_document"]
+
+# cuDNN's SDPA backward (the default backend for bf16 / fp16 on H100 and H200 since torch 2.11) returns NaN in the
+# query gradient when an explicit mask is passed, the key length is 64 mod 128 and a query row's logsumexp is
+# below -88.7 (pytorch/pytorch#196678): B'MOJO training with 576 keys per query block hit it after ~1,500 steps
+# (docs/seeds.md). Masked calls that will be differentiated on the GPU therefore leave cuDNN out; the forward
+# is correct, so inference (decoding) keeps it, and so does the mask-free causal call.
+_MASKED_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _avoid_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    return q.is_cuda and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
+def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                enable_gqa: bool = False) -> torch.Tensor:
+    """SDPA with an explicit mask (q [..., Hq, Lq, D], k / v [..., Hkv, Lk, D]); when it will be differentiated
+    on the GPU, never on the cuDNN backend (above). Then the grouped K / V heads are shared out first: of the
+    other backends only flash (which takes no mask) and math (which materialises the scores) accept grouped
+    heads, and the memory-efficient kernel should take these calls."""
+    if not _avoid_cudnn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]  # query head i reads K / V head i // rep, as SDPA's enable_gqa
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    with sdpa_kernel(_MASKED_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def single_document(seq_idx: torch.Tensor | None) -> bool:
@@ -108,9 +135,10 @@ class Attention(nn.Module):
 
     def _sdpa(self, q, k, v, mask=None, is_causal=False):
         """q [B, H, Lq, D], k/v [B, Hkv, Lk, D]."""
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=self.n_heads != self.n_kv_heads
-        )
+        gqa = self.n_heads != self.n_kv_heads
+        if mask is not None:
+            return masked_sdpa(q, k, v, mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=gqa)
 
     def forward(
         self,

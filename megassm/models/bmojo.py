@@ -43,7 +43,7 @@ from torch import nn
 
 from megassm.config import ModelConfig, attn_dims
 
-from .attention import doc_positions
+from .attention import doc_positions, masked_sdpa
 from .init import make_linear
 from .mamba2 import Mamba2Mixer, _fp32
 from .norm import RMSNorm
@@ -139,8 +139,7 @@ class BMojoMixer(nn.Module):
         return self._kv(self.fade_norm(self.fading_in(y)))
 
     def _sdpa(self, q, k, v, mask):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                              enable_gqa=self.n_heads != self.n_kv_heads)
+        return masked_sdpa(q, k, v, mask, enable_gqa=self.n_heads != self.n_kv_heads)
 
     @staticmethod
     @torch.no_grad()
