@@ -30,7 +30,7 @@ setup(
     packages=_packages(),
     package_dir={"megassm": "megassm", **_MAPPED},
     install_requires=[
-        "torch>=2.4",
+        "torch>=2.5",  # SDPA enable_gqa (models/attention.py)
         "numpy",
         "pyyaml",
         "tensorboard",
