@@ -158,3 +158,17 @@ def test_loss_chunking_prices_one_chunk_of_logits():
     whole, chunked = est(0)["ranks"][0], est(8192)["ranks"][0]
     assert chunked["head"] == pytest.approx(whole["head"] * 8192 / 131072, rel=1e-6)
     assert chunked["peak"] < whole["peak"] - 50 * 2 ** 30
+
+
+def test_masked_attention_prices_its_bias_and_shared_out_heads():
+    """The masked path (document masks, windows) saves a [L, L] bias row per token and, because masked_sdpa
+    shares grouped K / V heads out for the memory-efficient kernel, K and V at every query head."""
+    cfg = _cfg("configs/hybrid-1.3b.yaml", "train.micro_batch=1", "train.global_batch=8", "train.seq_len=512")
+    model = build_model(cfg.model, vocab_size=cfg.model.vocab_size, device="meta")
+    block = next(b for b in model.layers if b.kind == "*")
+    m = block.mixer
+    assert m.n_heads > m.n_kv_heads  # grouped heads, so the second term is not zero
+    for cp in (1, 2):
+        plain = memory.block_bytes(block, 2, cfg, cp=cp, seq_len=512, doc_mask=False)["local"]
+        masked = memory.block_bytes(block, 2, cfg, cp=cp, seq_len=512, doc_mask=True)["local"]
+        assert masked - plain == 2 * 512 + 2 * 2 * (m.n_heads - m.n_kv_heads) * m.head_dim * cp
