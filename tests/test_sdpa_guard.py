@@ -1,5 +1,5 @@
-"""masked_sdpa (megassm/models/attention.py): masked attention calls that will be differentiated on the GPU
-leave out cuDNN's SDPA backend, whose backward returns NaN query gradients for some masked shapes on
+"""masked_sdpa (megassm/models/attention.py): masked fp16 / bf16 attention calls that will be differentiated on
+the GPU leave out cuDNN's SDPA backend, whose backward returns NaN query gradients for some masked shapes on
 H100 / H200 (pytorch/pytorch#196678; docs/seeds.md), and share out grouped K / V heads for the
 memory-efficient kernel. On the CPU the guard's path is forced through `_avoid_cudnn` and held to the plain
 call; `-m gpu` runs the bug's shape on the device."""
@@ -68,9 +68,11 @@ def test_guarded_call_equals_the_plain_grouped_call(calls, forced):
 
 
 def test_when_the_guard_applies():
-    gpu = dict(is_cuda=True, requires_grad=False)
+    gpu = dict(is_cuda=True, requires_grad=False, dtype=torch.bfloat16)
     q, k = types.SimpleNamespace(**{**gpu, "requires_grad": True}), types.SimpleNamespace(**gpu)
     assert A._avoid_cudnn(q, k, k)
+    assert A._avoid_cudnn(types.SimpleNamespace(**{**vars(q), "dtype": torch.float16}), k, k)
+    assert not A._avoid_cudnn(types.SimpleNamespace(**{**vars(q), "dtype": torch.float32}), k, k)  # no cuDNN
     with torch.no_grad():  # inference: the forward is right on cuDNN, keep it
         assert not A._avoid_cudnn(q, k, k)
     assert not A._avoid_cudnn(k, k, k)  # nothing to differentiate

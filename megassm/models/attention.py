@@ -33,21 +33,23 @@ __all__ = ["Attention", "doc_positions", "masked_sdpa", "rope_rotate", "single_d
 # cuDNN's SDPA backward (the default backend for bf16 / fp16 on H100 and H200 since torch 2.11) returns NaN in the
 # query gradient when an explicit mask is passed, the key length is 64 mod 128 and a query row's logsumexp is
 # below -88.7 (pytorch/pytorch#196678): B'MOJO training with 576 keys per query block hit it after ~1,500 steps
-# (docs/seeds.md). Masked calls that will be differentiated on the GPU therefore leave cuDNN out; the forward
-# is correct, so inference (decoding) keeps it, and so does the mask-free causal call.
+# (docs/seeds.md). Masked half-precision calls that will be differentiated on the GPU therefore leave cuDNN out
+# (it takes only fp16 / bf16); the forward is correct, so inference (decoding) keeps it, and so does the
+# mask-free causal call.
 _MASKED_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def _avoid_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    return q.is_cuda and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and torch.is_grad_enabled()
+            and (q.requires_grad or k.requires_grad or v.requires_grad))
 
 
 def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                 enable_gqa: bool = False) -> torch.Tensor:
-    """SDPA with an explicit mask (q [..., Hq, Lq, D], k / v [..., Hkv, Lk, D]); when it will be differentiated
-    on the GPU, never on the cuDNN backend (above). Then the grouped K / V heads are shared out first: of the
-    other backends only flash (which takes no mask) and math (which materialises the scores) accept grouped
-    heads, and the memory-efficient kernel should take these calls."""
+    """SDPA with an explicit mask (q [..., Hq, Lq, D], k / v [..., Hkv, Lk, D]); in fp16 / bf16 on the GPU when
+    it will be differentiated, never on the cuDNN backend (above). Then the grouped K / V heads are shared out
+    first: of the other backends only flash (which takes no mask) and math (which materialises the scores)
+    accept grouped heads, and the memory-efficient kernel should take these calls."""
     if not _avoid_cudnn(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
     if enable_gqa and k.shape[-3] != q.shape[-3]:

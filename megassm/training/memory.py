@@ -99,8 +99,9 @@ def block_bytes(block, a: int, cfg: Config, *, sp_tp: int = 1, cp: int = 1, seq_
             local += a * 2 * hkv * hd * (cp - 1)
         if m.window or doc_mask:  # explicit mask path: a [L, L] bias per row (memory-efficient SDPA)
             local += a * seq_len
-            # masked_sdpa shares grouped K / V heads out for that kernel: SDPA saves them at every query head
-            local += a * 2 * (hq - hkv) * hd * cp
+            # in bf16, masked_sdpa shares grouped K / V heads out for that kernel: SDPA saves them at every head
+            if a == 2:
+                local += a * 2 * (hq - hkv) * hd * cp
     elif kind == "-":
         local = a * 4 * m.hidden  # w1 out, silu(w1 out), w3 out, their product (w2's input)
     elif kind in ("S", "L"):  # in_proj [x|z], conv out, x_proj out, y; then the step size
