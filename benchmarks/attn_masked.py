@@ -1,13 +1,14 @@
 """Masked attention on the GPU: what `masked_sdpa` (megassm/models/attention.py) costs and what it avoids.
 
-Training-time masked calls leave cuDNN's SDPA backend out (its backward returns NaN query gradients for some
-masked shapes, pytorch/pytorch#196678) and share grouped K / V heads out for the memory-efficient kernel.
-This prints JSON lines:
-  - `bug`: the issue's shape (keys 704 = 64 mod 128, every logit ~ -120, explicit causal mask, bf16): how
-    many query-gradient entries are non-finite with the default backends and with masked_sdpa;
+Training-time masked calls are steered around cuDNN's SDPA backward bugs: a key length of 64 mod 128 is padded to
+the next multiple of 128 with masked-out keys (NaN query gradients otherwise, pytorch/pytorch#196678), a single
+query leaves cuDNN out (NaN key / value gradients, NVIDIA/cudnn-frontend#1072). This prints JSON lines:
+  - `bug`: each bug's shape (every logit ~ -120, explicit mask, bf16): non-finite gradient entries (dq, dk, dv)
+    with the default backends and with masked_sdpa;
   - `speed`: forward + backward ms and peak memory above the inputs at the hybrid configs' attention shapes,
-    document-packed rows (mask) and a sliding window, for the default backend choice (`default`),
-    masked_sdpa (`guarded`) and, for scale, the mask-free causal call (`causal`).
+    document-packed rows and a sliding window, with L keys and with L + 64 (a 64-token carried KV cache: 64 mod
+    128), for the default backend choice (`default`), masked_sdpa (`guarded`), cuDNN left out altogether with the
+    grouped heads shared out (`no_cudnn`, the previous guard) and, for scale, the mask-free causal call (`causal`).
 
     source benchmarks/device_env.sh; python3 benchmarks/attn_masked.py
 """
@@ -19,6 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megassm.models.attention import masked_sdpa
 
@@ -28,8 +30,9 @@ SHAPES = [  # (label, batch, seq_len, query heads, K / V heads, head dim)
 ]
 
 
-def doc_mask(bsz, L, mean_doc, seed=0):
-    """[B, 1, L, L] causal same-document mask for rows packed with documents of random lengths."""
+def doc_mask(bsz, L, mean_doc, keys, seed=0):
+    """[B, 1, L, keys] same-document causal mask for rows packed with documents of random lengths; the first
+    keys - L columns are a carried cache that the row's first document sees."""
     g = torch.Generator().manual_seed(seed)
     ids = []
     for _ in range(bsz):
@@ -38,13 +41,22 @@ def doc_mask(bsz, L, mean_doc, seed=0):
             lens.append(int(torch.randint(mean_doc // 4, 2 * mean_doc, (1,), generator=g)))
         ids.append(torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))[:L])
     sid = torch.stack(ids).to("cuda")
-    causal = torch.ones(L, L, dtype=torch.bool, device="cuda").tril()
-    return (causal & (sid[:, :, None] == sid[:, None, :]))[:, None]
+    sid_k = torch.cat([sid.new_zeros(bsz, keys - L), sid], 1)
+    causal = torch.ones(L, keys, dtype=torch.bool, device="cuda").tril(keys - L)
+    return (causal & (sid[:, :, None] == sid_k[:, None, :]))[:, None]
 
 
-def window_mask(L, w):
-    i = torch.arange(L, device="cuda")
-    return ((i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < w))[None, None]
+def window_mask(L, keys, w):
+    i = torch.arange(L, device="cuda")[:, None] + (keys - L)
+    j = torch.arange(keys, device="cuda")[None, :]
+    return ((j <= i) & (i - j < w))[None, None]
+
+
+def no_cudnn(q, k, v, mask):
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def fwd_bwd(fn, q, k, v):
@@ -65,20 +77,19 @@ def fwd_bwd(fn, q, k, v):
     return round(ms, 4), round(peak, 1)
 
 
-def bug_row():
-    torch.manual_seed(0)
-    L, D = 704, 64
-    q = torch.randn(1, 2, L, D, device="cuda", dtype=torch.bfloat16) * 0.1
-    k = torch.randn(1, 2, L, D, device="cuda", dtype=torch.bfloat16) * 0.1
-    v = torch.randn(1, 2, L, D, device="cuda", dtype=torch.bfloat16)
-    q[..., 0], k[..., 0] = 1.0, -120 * math.sqrt(D)
-    mask = torch.ones(L, L, dtype=torch.bool, device="cuda").tril()[None, None]
-    row = {"bench": "bug", "keys": L}
+def bug_row(lq, lk, d=64):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 2, lq, d, device="cuda", dtype=torch.bfloat16, generator=g) * 0.1
+    k = torch.randn(1, 2, lk, d, device="cuda", dtype=torch.bfloat16, generator=g) * 0.1
+    v = torch.randn(1, 2, lk, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    q[..., 0], k[..., 0] = 1.0, -120 * math.sqrt(d)
+    mask = torch.ones(lq, lk, dtype=torch.bool, device="cuda").tril(lk - lq)[None, None]
+    row = {"bench": "bug", "queries": lq, "keys": lk}
     for name, fn in (("default", lambda a, b, c: F.scaled_dot_product_attention(a, b, c, attn_mask=mask)),
                      ("guarded", lambda a, b, c: masked_sdpa(a, b, c, mask))):
         leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
         fn(*leaves).backward(torch.randn_like(q))
-        row[f"{name}_nonfinite_dq"] = int((~torch.isfinite(leaves[0].grad)).sum())
+        row[f"{name}_nonfinite"] = [int((~torch.isfinite(t.grad)).sum()) for t in leaves]
     return row
 
 
@@ -86,24 +97,31 @@ def main():
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     print(json.dumps({"bench": "env", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "cudnn": torch.backends.cudnn.version()}), flush=True)
-    print(json.dumps(bug_row()), flush=True)
+    for lq, lk in ((704, 704), (2048, 2112), (1, 576), (1, 512)):
+        print(json.dumps(bug_row(lq, lk)), flush=True)
     for label, B, L, hq, hkv, D in SHAPES:
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(B, hq, L, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        k = torch.randn(B, hkv, L, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        v = torch.randn(B, hkv, L, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        for mask_name, mask in (("documents", doc_mask(B, L, 512)), ("window 1024", window_mask(L, 1024))):
-            row = {"bench": "speed", "shape": label, "B": B, "L": L, "heads": f"{hq}/{hkv}x{D}", "mask": mask_name}
-            for name, fn in (
-                ("default", lambda a, b, c: F.scaled_dot_product_attention(a, b, c, attn_mask=mask, enable_gqa=True)),
-                ("guarded", lambda a, b, c: masked_sdpa(a, b, c, mask, enable_gqa=True)),
-                ("causal", lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True)),
-            ):
-                try:
-                    row[f"{name}_ms"], row[f"{name}_peak_mib"] = fwd_bwd(fn, q, k, v)
-                except RuntimeError as e:  # a backend refusing the shape: say so in the row
-                    row[f"{name}_error"] = str(e).splitlines()[0][:200]
-            print(json.dumps(row), flush=True)
+        for keys in (L, L + 64):
+            g = torch.Generator(device="cuda").manual_seed(0)
+            q = torch.randn(B, hq, L, D, device="cuda", dtype=torch.bfloat16, generator=g)
+            k = torch.randn(B, hkv, keys, D, device="cuda", dtype=torch.bfloat16, generator=g)
+            v = torch.randn(B, hkv, keys, D, device="cuda", dtype=torch.bfloat16, generator=g)
+            for mask_name, mask in (("documents", doc_mask(B, L, 512, keys)), ("window 1024", window_mask(L, keys, 1024))):
+                row = {"bench": "speed", "shape": label, "B": B, "L": L, "keys": keys, "heads": f"{hq}/{hkv}x{D}",
+                       "mask": mask_name}
+                routes = [
+                    ("default", lambda a, b, c: F.scaled_dot_product_attention(a, b, c, attn_mask=mask, enable_gqa=True)),
+                    ("guarded", lambda a, b, c: masked_sdpa(a, b, c, mask, enable_gqa=True)),
+                    ("no_cudnn", lambda a, b, c: no_cudnn(a, b, c, mask)),
+                ]
+                if keys == L:
+                    routes.append(("causal", lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True,
+                                                                                         enable_gqa=True)))
+                for name, fn in routes:
+                    try:
+                        row[f"{name}_ms"], row[f"{name}_peak_mib"] = fwd_bwd(fn, q, k, v)
+                    except RuntimeError as e:  # a backend refusing the shape: say so in the row
+                        row[f"{name}_error"] = str(e).splitlines()[0][:200]
+                print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -30,33 +30,51 @@ from .state import KVCache
 
 __all__ = ["Attention", "doc_positions", "masked_sdpa", "rope_rotate", "single_document"]
 
-# cuDNN's SDPA backward (the default backend for bf16 / fp16 on H100 and H200 since torch 2.11) returns NaN in the
-# query gradient when an explicit mask is passed, the key length is 64 mod 128 and a query row's logsumexp is
-# below -88.7 (pytorch/pytorch#196678): B'MOJO training with 576 keys per query block hit it after ~1,500 steps
-# (docs/seeds.md). Masked half-precision calls that will be differentiated on the GPU therefore leave cuDNN out
-# (it takes only fp16 / bf16); the forward is correct, so inference (decoding) keeps it, and so does the
-# mask-free causal call.
-_MASKED_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# cuDNN's SDPA backend (the default for fp16 / bf16 on H100 and H200 since torch 2.11) has two known backward
+# bugs, both when a query row's logsumexp is below -88.7 (every logit of the row very negative), measured on
+# H200 with torch 2.11 / cuDNN 9.19 (docs/benchmarks.md):
+#  - with an explicit mask and a key length of 64 mod 128, the query gradient is NaN (pytorch/pytorch#196678:
+#    the unused half of the last 128-wide key tile is scored 0, not -inf). B'MOJO training with 576 keys per
+#    query block hit it after ~1,500 steps (docs/seeds.md). Keys padded to a multiple of 128, the padding
+#    masked out, give the right gradients on the same kernel, at the cost of the padding;
+#  - with a single query, the key and value gradients are NaN (NVIDIA/cudnn-frontend#1072), padded or not:
+#    such calls leave cuDNN out.
+# Only calls that will be differentiated are touched: the forward is right, so inference (decoding) keeps
+# cuDNN as it is, and so does the mask-free causal call, which the first bug spares.
+_NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def _avoid_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def _cudnn_backward_possible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """SDPA may run this call's backward on cuDNN: a GPU, fp16 / bf16 (cuDNN takes nothing else), grad enabled
+    and something to differentiate."""
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and torch.is_grad_enabled()
             and (q.requires_grad or k.requires_grad or v.requires_grad))
 
 
+def _pad_keys(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, extra: int):
+    """`extra` zero keys / values appended, and masked out (False, or -inf for an additive mask)."""
+    fill = False if mask.dtype == torch.bool else float("-inf")
+    mask = mask.expand(*mask.shape[:-1], k.shape[-2])
+    return F.pad(k, (0, 0, 0, extra)), F.pad(v, (0, 0, 0, extra)), F.pad(mask, (0, extra), value=fill)
+
+
 def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                 enable_gqa: bool = False) -> torch.Tensor:
-    """SDPA with an explicit mask (q [..., Hq, Lq, D], k / v [..., Hkv, Lk, D]); in fp16 / bf16 on the GPU when
-    it will be differentiated, never on the cuDNN backend (above). Then the grouped K / V heads are shared out
-    first: of the other backends only flash (which takes no mask) and math (which materialises the scores)
-    accept grouped heads, and the memory-efficient kernel should take these calls."""
-    if not _avoid_cudnn(q, k, v):
+    """SDPA with an explicit mask (q [..., Hq, Lq, D], k / v [..., Hkv, Lk, D]), steered around cuDNN's known
+    backward bugs (above) when it will be differentiated in fp16 / bf16 on the GPU: a key length of 64 mod
+    128 is padded to the next multiple of 128; a single query leaves cuDNN out, grouped K / V heads shared out
+    first (of the other backends only flash, which takes no mask, and math accept grouped heads)."""
+    if not _cudnn_backward_possible(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
-    if enable_gqa and k.shape[-3] != q.shape[-3]:
-        rep = q.shape[-3] // k.shape[-3]  # query head i reads K / V head i // rep, as SDPA's enable_gqa
-        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
-    with sdpa_kernel(_MASKED_BACKENDS):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if q.shape[-2] == 1:
+        if enable_gqa and k.shape[-3] != q.shape[-3]:
+            rep = q.shape[-3] // k.shape[-3]  # query head i reads K / V head i // rep, as SDPA's enable_gqa
+            k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+        with sdpa_kernel(_NO_CUDNN):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if k.shape[-2] % 128 == 64:
+        k, v, mask = _pad_keys(k, v, mask, 64)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
 
 
 def single_document(seq_idx: torch.Tensor | None) -> bool:

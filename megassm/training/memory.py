@@ -98,10 +98,7 @@ def block_bytes(block, a: int, cfg: Config, *, sp_tp: int = 1, cp: int = 1, seq_
         if cp > 1:  # keys / values all-gathered over the CP group, saved at full length
             local += a * 2 * hkv * hd * (cp - 1)
         if m.window or doc_mask:  # explicit mask path: a [L, L] bias per row (memory-efficient SDPA)
-            local += a * seq_len
-            # in bf16, masked_sdpa shares grouped K / V heads out for that kernel: SDPA saves them at every head
-            if a == 2:
-                local += a * 2 * (hq - hkv) * hd * cp
+            local += a * seq_len  # (masked_sdpa's padding of 64 mod 128 key lengths is left out: <= 64 keys)
     elif kind == "-":
         local = a * 4 * m.hidden  # w1 out, silu(w1 out), w3 out, their product (w2's input)
     elif kind in ("S", "L"):  # in_proj [x|z], conv out, x_proj out, y; then the step size
