@@ -3,6 +3,8 @@ megassm's PyTorch reference run on the same bf16 inputs (fp32 math, outputs roun
 "within 2x of the reference's own bf16 error"). Prints one JSON line per implementation.
 
     PYTHONPATH=.peers python benchmarks/ssd_precision.py [--batch 2 --seqlen 2048 --heads 64 --dstate 128]
+    TRITON_INTERPRET=1 python benchmarks/ssd_precision.py --device cpu --batch 1 --seqlen 256 --heads 4 \
+        --headdim 16 --dstate 16 --chunk 64   # the Triton kernels on the CPU interpreter (small shapes only)
 
 Implementations: megassm at its default precision (bf16 hi + lo products for derived operands), megassm with
 MEGASSM_SSD_PRECISION=bf16 (one bf16 rounding, as mamba_ssm), and mamba_ssm's mamba_chunk_scan_combined when it
@@ -27,18 +29,18 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def make_inputs(bsz, seqlen, nheads, hdim, dstate, ngroups, seed):
+def make_inputs(bsz, seqlen, nheads, hdim, dstate, ngroups, seed, device="cuda"):
     """bf16 activations and fp32 parameters, scaled as in benchmarks/kernels_ssd.py (dt ~ 0.02 .. 0.1)."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
 
     def rn(*s, scale=1.0):
-        return (torch.randn(*s, device="cuda", generator=g) * scale).to(torch.bfloat16)
+        return (torch.randn(*s, device=device, generator=g) * scale).to(torch.bfloat16)
 
     return dict(x=rn(bsz, seqlen, nheads, hdim), dt=rn(bsz, seqlen, nheads, scale=0.5),
-                A=-(torch.rand(nheads, device="cuda", generator=g) * 4 + 1),
+                A=-(torch.rand(nheads, device=device, generator=g) * 4 + 1),
                 B=rn(bsz, seqlen, ngroups, dstate), C=rn(bsz, seqlen, ngroups, dstate),
-                D=torch.randn(nheads, device="cuda", generator=g),
-                dt_bias=torch.rand(nheads, device="cuda", generator=g) - 4.0)
+                D=torch.randn(nheads, device=device, generator=g),
+                dt_bias=torch.rand(nheads, device=device, generator=g) - 4.0)
 
 
 def run(fn, inp, gy, cast=None):
@@ -59,14 +61,20 @@ def main():
     ap.add_argument("--ngroups", type=int, default=1)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="cpu: the Triton kernels under TRITON_INTERPRET=1 (set it), for small shapes")
     args = ap.parse_args()
-    assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
+    if args.device == "cuda":
+        assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU (or --device cpu with TRITON_INTERPRET=1)"
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("ssd_precision.py: --device cpu runs the Triton kernels on the interpreter: set TRITON_INTERPRET=1")
     from megassm import kernels as K
     from megassm.kernels import reference as R
 
-    inp = make_inputs(args.batch, args.seqlen, args.heads, args.headdim, args.dstate, args.ngroups, args.seed)
-    gy = torch.randn(args.batch, args.seqlen, args.heads, args.headdim, device="cuda",
-                     generator=torch.Generator(device="cuda").manual_seed(args.seed + 1)).to(torch.bfloat16)
+    dev = args.device
+    inp = make_inputs(args.batch, args.seqlen, args.heads, args.headdim, args.dstate, args.ngroups, args.seed, dev)
+    gy = torch.randn(args.batch, args.seqlen, args.heads, args.headdim, device=dev,
+                     generator=torch.Generator(device=dev).manual_seed(args.seed + 1)).to(torch.bfloat16)
     kw = dict(dt_softplus=True, chunk_size=args.chunk)
     shape = {k: getattr(args, k) for k in ("batch", "seqlen", "heads", "headdim", "dstate", "ngroups", "chunk")}
 
