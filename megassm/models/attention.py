@@ -28,7 +28,7 @@ from megassm.config import ModelConfig, attn_dims
 from .init import make_linear
 from .state import KVCache
 
-__all__ = ["Attention", "doc_positions", "masked_sdpa", "rope_rotate", "single_document"]
+__all__ = ["Attention", "doc_positions", "masked_sdpa", "rope_rotate", "sdpa_without_cudnn", "single_document"]
 
 # cuDNN's SDPA backend (the default for fp16 / bf16 on H100 and H200 since torch 2.11) has two known backward
 # bugs, both when a query row's logsumexp is below -88.7 (every logit of the row very negative), measured on
@@ -58,20 +58,26 @@ def _pad_keys(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, extra: int):
     return F.pad(k, (0, 0, 0, extra)), F.pad(v, (0, 0, 0, extra)), F.pad(mask, (0, extra), value=fill)
 
 
+def sdpa_without_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                       enable_gqa: bool = False) -> torch.Tensor:
+    """Masked SDPA on any backend but cuDNN. Grouped K / V heads are shared out first: of those backends only
+    flash (which takes no mask) and math accept grouped heads, and the memory-efficient kernel should run."""
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]  # query head i reads K / V head i // rep, as SDPA's enable_gqa
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    with sdpa_kernel(_NO_CUDNN):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                 enable_gqa: bool = False) -> torch.Tensor:
     """SDPA with an explicit mask (q [..., Hq, Lq, D], k / v [..., Hkv, Lk, D]), steered around cuDNN's known
     backward bugs (above) when it will be differentiated in fp16 / bf16 on the GPU: a key length of 64 mod
-    128 is padded to the next multiple of 128; a single query leaves cuDNN out, grouped K / V heads shared out
-    first (of the other backends only flash, which takes no mask, and math accept grouped heads)."""
+    128 is padded to the next multiple of 128; a single query leaves cuDNN out (sdpa_without_cudnn)."""
     if not _cudnn_backward_possible(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
     if q.shape[-2] == 1:
-        if enable_gqa and k.shape[-3] != q.shape[-3]:
-            rep = q.shape[-3] // k.shape[-3]  # query head i reads K / V head i // rep, as SDPA's enable_gqa
-            k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
-        with sdpa_kernel(_NO_CUDNN):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return sdpa_without_cudnn(q, k, v, mask, enable_gqa)
     if k.shape[-2] % 128 == 64:
         k, v, mask = _pad_keys(k, v, mask, 64)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
