@@ -228,6 +228,20 @@ def test_ssd_fast_precision_mode(triton_mode, monkeypatch):
         K.ssd(**low, chunk_size=16)
 
 
+
+@needs_triton
+def test_ssd_fast_precision_keeps_parameter_gradients(triton_mode, monkeypatch):
+    # dA and ddt_bias are sums over every position of cs gradients whose target- and source-side terms cancel;
+    # in the bf16 mode (_dx's products rounded once) they must come from terms that do not (the row minus column
+    # sums of _dcb's fp32 tiles), else their error grows far past the activations' (here 40x dx's instead of 0.7x)
+    monkeypatch.setenv("MEGASSM_SSD_PRECISION", "bf16")
+    low = cast_inputs(ssd_inputs(1, 128, 2, 32, 1, 32, d_mode=None, gate=False), lowp=torch.bfloat16)
+    sid = seq_from_starts(reset_starts(128, 32, 1), 128)
+    ours = run_ssd(K.ssd, low, sid, chunk_size=32, dt_limit=(0.0, 3.0))
+    oracle = run_ssd(R.ssd, cast_inputs(low, to=F64), sid, chunk_size=32, dt_limit=(0.0, 3.0))
+    e = {k: rel(ours[k], oracle[k]) for k in ("dx", "ddt", "dA", "ddt_bias")}
+    assert e["dA"] < 2 * e["dx"] and e["ddt_bias"] < 2 * e["dx"], e
+
 # --------------------------------------------------------------------------------------------------------
 # GPU: the full grid of issue 4 (pytest -m gpu)
 

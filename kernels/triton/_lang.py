@@ -22,5 +22,11 @@ def tcumsum(x, axis: tl.constexpr):
 
 
 @triton.jit
+def trevcumsum(x, axis: tl.constexpr):
+    """Suffix sums: element i is the sum of elements i, i + 1, ... along axis."""
+    return tl.associative_scan(x, axis, tl.standard._sum_combine, reverse=True)
+
+
+@triton.jit
 def tsigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))

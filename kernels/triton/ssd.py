@@ -24,13 +24,15 @@ _states_fix_kernel adds each previous segment's true end state, decayed, to the 
 Backward (recomputes dt/cs, CB and the entering states; the SSM output only with the gate z, in _scan_kernel's
 BWD mode, which writes dy = dout * silu(z) and dz; then):
   _dstates_kernel (ssd_states.py): reverse pass over chunks, dS_{c+1} (gradient of the state leaving chunk c) for every
-      chunk, d initial_states, and <dS_{c+1}, S_{c+1}> (the gradient of cs_last through every term scaled by it);
-  _dx_kernel (per head, block of s): dx, the direct dt gradient x_s . Q_s (the cs_s gradient) and dD partials;
+      chunk, d initial_states, and exp(cs_last) <dS_{c+1}, S_c> (the cs_last gradient through the entering state);
+  _dx_kernel (per head, block of s): dx, the direct dt gradient x_s . Q_s, its state part dt_s x_s . Q_s(state)
+      (the source-side cs_s gradient through the state leaving the chunk) and dD partials;
   _dcb_kernel (per group): the gradient of C_t . B_s summed over the group's heads, and per head the
-      intra-chunk part of dy_t . y_t (the cs_t gradient);
+      intra-chunk part of dy_t . y_t (the cs_t gradient; in the bf16 mode minus the source-side cs_s part);
   _dbc_kernel (per group, block of positions, block of N; loops over the group's heads): dB and dC, and in
       the dC pass the state read-out part of dy_t . y_t;
-  torch: the cs gradients -> reverse cumsum -> ddt, dA, then softplus/clamp/bias; sums of the partials.
+  _dt_grad_kernel (ssd_bwd.py): the cs gradients -> the a = dt A gradients (from terms that do not cancel
+      across kernels, docs/kernels.md) -> ddt through softplus/clamp/bias; partials for dA, ddt_bias.
 No atomics anywhere: every reduction is a loop inside one program or a torch sum over partials, so results
 are deterministic run to run.
 

@@ -4,7 +4,8 @@ Recomputes dt/cs, CB and the entering states with the forward's kernels (the SSM
 z), then: _dstates (ssd_states.py: the reverse walk over chunks: dS per chunk, d initial_states, the cs_last
 gradient terms), _dx_kernel (dx, the direct dt gradient = the cs_s gradient, dD partials), _dcb_kernel (the gradient of
 each chunk's C.B, summed over a group's heads once, and the intra-chunk cs_t partials) and _dbc_kernel (dB and
-dC: state terms + dCB products; the read-out cs_t partials); the cs gradients become ddt/dA in torch.
+dC: state terms + dCB products; the read-out cs_t partials) and _dt_grad_kernel (the cs gradients -> ddt, and
+partial sums for dA / ddt_bias).
 No atomics: deterministic run to run.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._lang import tsum
+from ._lang import tcumsum, trevcumsum, tsigmoid, tsum
 from .ssd import _prep, _scan
 from .ssd_common import (
     _autotune,
@@ -26,6 +27,7 @@ from .ssd_common import (
     _prec,
     _seq_args,
     _seq_at,
+    _softplus,
     _state_buffer_dtype,
     _state_buffer_shape,
     _state_views,
@@ -48,14 +50,15 @@ def _mm_w_dy(w, DYP, mask, DY_F32: tl.constexpr, PREC: tl.constexpr):
             triton.Config({}, num_warps=8, num_stages=3), triton.Config({}, num_warps=8, num_stages=1)],
            key=["T", "P", "N", "BS", "BK"])
 @triton.jit
-def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSH, DSL, Dp, DX, DDT, DDP, L, H, G, NC,
+def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSH, DSL, Dp, DX, DDT, DDTS, DDP, L, H, G, NC,
                sxb, sxl, sxh, sxp, sdyb, sdyl, sdyh, sdyp, sbb, sbl, sbg, sbn, ssb, ssl,
                P: tl.constexpr, N: tl.constexpr, T: tl.constexpr, BPF: tl.constexpr, BS: tl.constexpr,
                BK: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
                DY_F32: tl.constexpr, PREC: tl.constexpr):
     """Per head and block of source positions s: Q_s = sum_t L_ts CB_ts dy_t + exp(cs_last - cs_s) m'_s dS B_s;
-    dx_s = dt_s Q_s + D dy_s; DDT_s = x_s . Q_s (the direct dt gradient); with D, DDP = this program's
-    partial sum of dy_s * x_s over its positions (for dD)."""
+    dx_s = dt_s Q_s + D dy_s; DDT_s = x_s . Q_s (the direct dt gradient) and DDTS_s = dt_s x_s . (the state
+    part of Q_s) (the source-side cs_s gradient through the state leaving the chunk); with D, DDP = this
+    program's partial sum of dy_s * x_s over its positions (for dD)."""
     bc = tl.program_id(1)
     b = (bc // NC).to(tl.int64)
     c = bc % NC
@@ -92,6 +95,8 @@ def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSH, DSL, Dp, DX, DDT, DDP, L, H, G,
         ok_s = ok_s & (seq_s == _seq_at(SEQ, b, last, L, ssb, ssl))
     rs = tl.where(ok_s, rs, 0.0)
     Q = Q * rs[:, None]
+    xf = xv.to(tl.float32)
+    tl.store(DDTS + dbase + s, dt_s * tsum(xf * Q, axis=1))
     # intra-chunk: sum over t >= s of L_ts CB_ts dy_t. The diagonal block with the causal mask; the blocks after it
     # (s <= r < t, r the block's last source) factor the decay as exp(cs_t - cs_r) exp(cs_r - cs_s), both <= 1
     cb_base = ((b * NC + c) * G + g) * T * T
@@ -120,7 +125,6 @@ def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSH, DSL, Dp, DX, DDT, DDP, L, H, G,
         wT = tl.where(ok, cbT * tl.exp(tl.where(ok, cs_t[None, :] - cs_s[:, None], 0.0)), 0.0)
         Q += _mm_w_dy(wT, DY + b * sdyb + pt[:, None] * sdyl + h * sdyh + p[None, :] * sdyp,
                       mt[:, None] & mp[None, :], DY_F32, PREC)
-    xf = xv.to(tl.float32)
     ddt = tsum(xf * Q, axis=1)
     dx = Q * dt_s[:, None]
     m = ms[:, None] & mp[None, :]
@@ -144,13 +148,18 @@ def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSH, DSL, Dp, DX, DDT, DDP, L, H, G,
 def _dcb_kernel(X, DY, CB, DTP, CS, SEQ, DCB, DCSI, L, H, G, NC,
                 sxb, sxl, sxh, sxp, sdyb, sdyl, sdyh, sdyp, ssb, ssl,
                 P: tl.constexpr, T: tl.constexpr, BPF: tl.constexpr, BS: tl.constexpr, HAS_SEQ: tl.constexpr,
-                DY_F32: tl.constexpr, PREC: tl.constexpr):
+                DY_F32: tl.constexpr, PREC: tl.constexpr, COLS: tl.constexpr):
     """dCB[t, s] = sum over the group's heads of exp(cs_t - cs_s) dt_s (dy_t . x_s), t >= s in one document:
     the gradient of the chunk's C_t . B_s, shared by dB and dC so the per-head work is done once. One program
     per (group, t block, s block <= t block); upper blocks are never read and not written.
-    Per head it also stores DCSI[b, h, c, s block, t] = sum over the block's s of CB_ts dt_s exp(cs_t - cs_s)
-    (dy_t . x_s): the intra-chunk part of dy_t . y_t, the gradient of cs_t (the forward output is never
-    recomputed for it)."""
+    Per head it also stores, of M_ts = CB_ts dt_s exp(cs_t - cs_s) (dy_t . x_s), the row sums (the target-side
+    cs_t gradient: the intra-chunk part of dy_t . y_t; the forward output is never recomputed for it) into
+    DCSI[b, h, c, i, position]: block (tb, sb <= tb) at [sb, t]. With COLS (the bf16 mode) over the pairs
+    t > s only, minus the column sums (the source-side cs_s gradient) at [tb, s] (a diagonal block: their
+    difference at [sb, t]), so the sum over i is the whole intra-chunk cs gradient, from one fp32 tile whatever
+    precision _dx_kernel's products use (the pairs t = s carry no decay and are left out of both). Without
+    COLS over t >= s, zeros at [tb, s] (_dt_grad_kernel subtracts _dx_kernel's source side). Every entry is
+    written once."""
     bc = tl.program_id(1)
     b = (bc // NC).to(tl.int64)
     c = bc % NC
@@ -168,6 +177,7 @@ def _dcb_kernel(X, DY, CB, DTP, CS, SEQ, DCB, DCSI, L, H, G, NC,
         ok = (t[:, None] >= s[None, :]) & (pt < L)[:, None] & (ps < L)[None, :]
         if HAS_SEQ:
             ok = ok & (_seq_at(SEQ, b, pt, L, ssb, ssl)[:, None] == _seq_at(SEQ, b, ps, L, ssb, ssl)[None, :])
+        pair = ok & (t[:, None] > s[None, :])  # the cs gradient's pairs
         acc = tl.full([BS, BS], 0.0, tl.float32)
         cbv = tl.load(CB + ((b * NC + c) * G + g) * T * T + t[:, None] * T + s[None, :])
         rep = H // G
@@ -194,7 +204,18 @@ def _dcb_kernel(X, DY, CB, DTP, CS, SEQ, DCB, DCSI, L, H, G, NC,
             acc += wp
             # where, not a product with the mask: with blocks larger than _cb_kernel's, CB's upper blocks are
             # unwritten memory (possibly inf / NaN)
-            tl.store(DCSI + ((b * H + h) * NC + c) * T * nrb + sb * T + t, tsum(tl.where(ok, wp * cbv, 0.0), axis=1))
+            mts = tl.where(pair if COLS else ok, wp * cbv, 0.0)
+            hbase = ((b * H + h) * NC + c) * T * nrb
+            if sb < tb:
+                tl.store(DCSI + hbase + sb * T + t, tsum(mts, axis=1))
+                if COLS:
+                    tl.store(DCSI + hbase + tb * T + s, -tsum(mts, axis=0))
+                else:
+                    tl.store(DCSI + hbase + tb * T + s, tl.full([BS], 0.0, tl.float32))
+            elif COLS:  # t and s are the same positions
+                tl.store(DCSI + hbase + sb * T + t, tsum(mts, axis=1) - tsum(mts, axis=0))
+            else:
+                tl.store(DCSI + hbase + sb * T + t, tsum(mts, axis=1))
         tl.store(DCB + ((b * NC + c) * G + g) * T * T + t[:, None] * T + s[None, :], acc)
 
 
@@ -285,6 +306,62 @@ def _dbc_kernel(X, DY, OTHER, CR, DCB, DTP, CS, SEQ, SVH, SVL, OUT, DCSR, L, H, 
              mask=mr[:, None] & mn[None, :])
 
 
+@triton.jit
+def _dt_grad_kernel(DCSI, DCSR, DDTS, DCSL, DDTD, DTP, A, DT, DT_BIAS, DDT, DAP, DBP, L, H, NC,
+                    sdb, sdl, sdh, dt_lo, dt_hi, T: tl.constexpr, BH: tl.constexpr, NSB: tl.constexpr,
+                    NNB: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                    COLS: tl.constexpr):
+    """Per (row, chunk, block of heads): the gradient of a_j = dt_j A from its terms (docs/kernels.md, "the a
+    gradient"):
+     - suffix sums over j of the intra-chunk cs gradient (DCSI: _dcb's row minus column sums with COLS, else
+       its row sums minus _dx's dt_s x_s . Q_s, both accurate in the split mode) and of the state read-out's
+       (DCSR, _dbc's dC pass);
+     - the source-side terms of the positions before j only (DDTS, _dx: dt_s x_s . the state part of Q_s):
+       the state leaving the chunk carries exp(cs_last - cs_s), in which a_j enters only for s < j;
+     - exp(cs_last) <dS_out, S_in> (DCSL, _dstates), for every j.
+    Then ddt = the direct part (DDTD) + A da, through the clamp, softplus and bias, stored in dt's layout
+    [B, L, H]; partial sums over the chunk of dt da (DAP, for dA) and of ddt (DBP, for ddt_bias), [B, NC, H]."""
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    h = tl.program_id(2) * BH + tl.arange(0, BH)
+    t = tl.arange(0, T)
+    pos = c * T + t
+    mh = h < H
+    m = (pos < L)[:, None] & mh[None, :]
+    row = (b * H + h[None, :]) * NC + c  # [1, BH]: the (b, h, c) row of the [B, H, NC, ...] buffers
+    off = row * T + t[:, None]
+    target = tl.full([T, BH], 0.0, tl.float32)
+    for i in range(NSB):
+        target += tl.load(DCSI + (row * NSB + i) * T + t[:, None], mask=mh[None, :], other=0.0)
+    for j in range(NNB):
+        target += tl.load(DCSR + off * NNB + j, mask=mh[None, :], other=0.0)
+    target = tl.where(m, target, 0.0)
+    src = tl.where(m, tl.load(DDTS + off, mask=mh[None, :], other=0.0), 0.0)
+    dtp = tl.load(DTP + off, mask=m, other=0.0)
+    ddtd = tl.load(DDTD + off, mask=m, other=0.0)
+    if not COLS:  # the intra-chunk source side: dt_s x_s . Q_s less its state part
+        target -= tl.where(m, dtp * ddtd - src, 0.0)
+    da = trevcumsum(target, 0) + (tcumsum(src, 0) - src) + tl.load(DCSL + row, mask=mh[None, :], other=0.0)
+    Av = tl.load(A + h, mask=mh, other=0.0).to(tl.float32)
+    tl.store(DAP + (b * NC + c) * H + h, tsum(tl.where(m, dtp * da, 0.0), axis=0), mask=mh)
+    g = ddtd + Av[None, :] * da
+    # through clamp, softplus and bias (the forward's _dt_kernel)
+    dtb = tl.load(DT + b * sdb + pos[:, None] * sdl + h[None, :] * sdh, mask=m, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        dtb += tl.load(DT_BIAS + h, mask=mh, other=0.0).to(tl.float32)[None, :]
+    if HAS_LIMIT:
+        if SOFTPLUS:
+            sp = _softplus(dtb)
+        else:
+            sp = dtb
+        g = tl.where((sp >= dt_lo) & (sp <= dt_hi), g, 0.0)
+    if SOFTPLUS:
+        g = tl.where(dtb > 20.0, g, g * tsigmoid(dtb))
+    g = tl.where(m, g, 0.0)
+    tl.store(DDT + (b * L + pos[:, None]) * H + h[None, :], g.to(DDT.dtype.element_ty), mask=m)
+    tl.store(DBP + (b * NC + c) * H + h, tsum(g, axis=0), mask=mh)
+
+
 def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states, seq_idx,
             chunk_size, kept=None):
     """Gradients (dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states) of ssd_fwd. `kept`: ssd_fwd's kept
@@ -324,9 +401,11 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     BPF = _pow2_block(hdim, 256)
     dx = torch.empty(bsz, seqlen, nheads, hdim, dtype=x.dtype, device=dev)
     ddt_direct = torch.empty(bsz, nheads, nc, T, dtype=torch.float32, device=dev)
+    ddt_state = torch.empty_like(ddt_direct)
     ddp = torch.empty(bsz * nc * (T // BS), nheads, hdim, dtype=torch.float32, device=dev) if D is not None else None
     _dx_kernel[(nheads * (T // BS), bsz * nc)](
-        x, dy, B, cb, dtp, cs, seq, *dsn, D if D is not None else x, dx, ddt_direct, ddp if ddp is not None else dx,
+        x, dy, B, cb, dtp, cs, seq, *dsn, D if D is not None else x, dx, ddt_direct, ddt_state,
+        ddp if ddp is not None else dx,
         seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(), *B.stride(), ssb, ssl,
         P=hdim, N=dstate, T=T, BPF=BPF, BS=BS, BK=_tile("dx_bk", dstate), HAS_SEQ=seq_idx is not None,
         HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2, DY_F32=dy_f32, PREC=prec,
@@ -343,10 +422,13 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     # _dcb writes the blocks on and below the diagonal; _dbc reads whole blocks of its own size along the
     # diagonal, so with larger blocks than _dcb's it would read blocks _dcb never wrote: zero them first
     dcb = (torch.zeros if BSR > BSC else torch.empty)(bsz, nc, ngroups, T, T, dtype=torch.float32, device=dev)
-    dcsi = torch.zeros(bsz, nheads, nc, nsb, T, dtype=torch.float32, device=dev)  # blocks s > t stay 0
+    # the intra-chunk cs gradient as row minus column sums of _dcb's fp32 tiles in the bf16 mode, whose _dx
+    # products are rounded once (the split mode's _dx products are accurate enough: columns from _dx, cheaper)
+    cols = prec == "bf16fast"
+    dcsi = torch.empty(bsz, nheads, nc, nsb, T, dtype=torch.float32, device=dev)  # every entry written once
     _dcb_kernel[(ngroups * nsb ** 2, bsz * nc)](
         x, dy, cb, dtp, cs, seq, dcb, dcsi, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(), ssb, ssl,
-        P=hdim, T=T, BPF=BPF, BS=BSC, HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=prec,
+        P=hdim, T=T, BPF=BPF, BS=BSC, HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=prec, COLS=cols,
     )
     BNc = _tile("dbc_bn", dstate)
     nnb = triton.cdiv(dstate, BNc)
@@ -362,27 +444,20 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
         *B.stride(), *C.stride(), ssb, ssl, P=hdim, N=dstate, T=T, BPF=BPF, BS=BSR, BN=BNc, IS_DC=True,
         HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=prec,
     )
-    dcs = dcsi.sum(-2) + dcsr.sum(-1)
-    # cs gradients -> a = dt * A gradients -> dt, A
-    dcs = dcs - dtp * ddt_direct
-    dcs[..., T - 1] += dcs_last
-    da = dcs.flip(-1).cumsum(-1).flip(-1)
-    Af = A.float()
-    ddt_p = ddt_direct + Af[None, :, None, None] * da
-    dA = (dtp * da).sum(dim=(0, 2, 3)).to(A.dtype)
-    ddt_p = ddt_p.view(bsz, nheads, nc * T)[:, :, :seqlen].permute(0, 2, 1)  # [B, L, H]
-    # through clamp, softplus and bias
-    dtb = dt.float()
-    if dt_bias is not None:
-        dtb = dtb + dt_bias.float()
-    g = ddt_p
-    if dt_limit is not None:
-        sp = torch.nn.functional.softplus(dtb) if dt_softplus else dtb
-        g = g * ((sp >= dt_limit[0]) & (sp <= dt_limit[1]))
-    if dt_softplus:
-        g = torch.where(dtb > 20, g, g * torch.sigmoid(dtb))
-    ddt = g.to(dt.dtype)
-    ddt_bias = g.sum(dim=(0, 1)).to(dt_bias.dtype) if dt_bias is not None else None
+    # the cs gradients -> the a = dt * A gradients -> ddt, dA, ddt_bias, fused (_dt_grad_kernel)
+    BH = min(16, triton.next_power_of_2(nheads))
+    ddt = torch.empty(bsz, seqlen, nheads, dtype=dt.dtype, device=dev)
+    dap = torch.empty(bsz, nc, nheads, dtype=torch.float32, device=dev)
+    dbp = torch.empty_like(dap)
+    lo, hi = (float(dt_limit[0]), float(dt_limit[1])) if dt_limit is not None else (0.0, 0.0)
+    _dt_grad_kernel[(bsz, nc, triton.cdiv(nheads, BH))](
+        dcsi, dcsr, ddt_state, dcs_last.contiguous(), ddt_direct, dtp, A, dt,
+        dt_bias if dt_bias is not None else dt, ddt, dap, dbp, seqlen, nheads, nc, *dt.stride(), lo, hi,
+        T=T, BH=BH, NSB=nsb, NNB=nnb, HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
+        HAS_LIMIT=dt_limit is not None, COLS=cols, num_warps=8,
+    )
+    dA = dap.sum(dim=(0, 1)).to(A.dtype)
+    ddt_bias = dbp.sum(dim=(0, 1)).to(dt_bias.dtype) if dt_bias is not None else None
     if dinit is not None:
         dinit = dinit.to(init_in.dtype)
     return dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit

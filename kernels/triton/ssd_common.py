@@ -21,8 +21,8 @@ _AUTOTUNE = os.environ.get("MEGASSM_TRITON_AUTOTUNE", "1").strip().lower() not i
 
 class _Tuned:
     """`kernel[grid](...)` with num_warps / num_stages picked per shape: on the first call for a key (the named
-    arguments' values and the tensor dtypes, as triton.autotune keys) every config is timed once and the
-    fastest kept; later calls launch the kernel directly. triton.autotune does the same but costs ~85 us of
+    arguments' values and the tensor dtypes, as triton.autotune keys, and the compile-time switches passed by
+    keyword) every config is timed once and the fastest kept; later calls launch the kernel directly. triton.autotune does the same but costs ~85 us of
     Python per launch on an H100 host (benchmarks/host_overhead.py): ~35 ms per mamba2-1.3b training step."""
 
     def __init__(self, fn, configs, key):
@@ -48,7 +48,10 @@ class _Tuned:
     def _run(self, grid, args, kwargs):
         named = dict(zip(self.arg_names, args))
         named.update(kwargs)
-        k = tuple(named[n] for n in self.key) + tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
+        # every compile-time switch passed by name (PREC, HAS_SEQ, ...) is part of the key too: each variant is a
+        # different kernel, and a config tuned for one can be far off for another
+        k = (tuple(named[n] for n in self.key) + tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
+             + tuple(sorted((n, v) for n, v in kwargs.items() if isinstance(v, (bool, int, str)))))
         cfg = self.best.get(k)
         if cfg is None:
             cfg = self.configs[0]
@@ -239,8 +242,8 @@ def _tile(name, limit):
 def _prec(x):
     """Product precision. bf16 inputs: "bf16" (default; derived fp32 operands as bf16 hi + lo pairs) or, with
     MEGASSM_SSD_PRECISION=bf16, "bf16fast" (derived operands rounded once to bf16, as mamba_ssm does: fewer
-    tensor-core products, about 2-4x the reference's bf16 error on y, dx, dB, dC, but ~1e-2 relative on the
-    cancelling sums dA and ddt_bias, 20-50x mamba_ssm's). Other dtypes: fp32 products."""
+    tensor-core products, mamba_ssm's error on every output; ssd_bwd then takes the a gradient from _dcb's
+    column sums). Other dtypes: fp32 products."""
     if x.dtype != torch.bfloat16:
         return "ieee"
     return "bf16fast" if env.ssd_precision() == "bf16" else "bf16"

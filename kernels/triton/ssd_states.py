@@ -118,8 +118,9 @@ def _dstates_kernel(DY, Cp, CS, SEQ, STH, STL, FINAL, DFIN, DSH, DSL, DCSL, DINI
                     BT: tl.constexpr, HAS_DFIN: tl.constexpr, HAS_SEQ: tl.constexpr, WANT_DINIT: tl.constexpr,
                     PREC: tl.constexpr):
     """Reverse pass over the chunks [seg * CPS, seg * CPS + CPS): dS_{c+1} for every chunk (into DSN[b, c, h]),
-    <dS_{c+1}, S_{c+1}> partials, and the gradient of the segment's entering state into DINIT[b, seg]. The
-    last segment starts from d final_states, the others from zero (_dstates_fix_kernel completes them)."""
+    partials of decay_c <dS_{c+1}, S_c> (the cs_last gradient through the entering state carried across the
+    chunk), and the gradient of the segment's entering state into DINIT[b, seg]. The last segment starts
+    from d final_states, the others from zero (_dstates_fix_kernel completes them)."""
     b = (tl.program_id(0) // NSEG).to(tl.int64)
     seg = tl.program_id(0) % NSEG
     h = tl.program_id(1)
@@ -141,18 +142,18 @@ def _dstates_kernel(DY, Cp, CS, SEQ, STH, STL, FINAL, DFIN, DSH, DSL, DCSL, DINI
         dS = tl.load(DFIN + (b * H + h) * P * N + pn, mask=mpn & (seg == NSEG - 1), other=0.0).to(tl.float32)
     else:
         dS = tl.full([BP, BN], 0.0, tl.float32)
-    if seg == NSEG - 1:
-        S_next = tl.load(FINAL + (b * H + h) * P * N + pn, mask=mpn, other=0.0)
-    else:  # the state entering the next segment's first chunk
-        S_next = _st_load(STH, STL, ((b * NC + c1) * H + h) * P * N + pn, mpn, PREC)
     for ci in range(c0, c1):
         c = c0 + c1 - 1 - ci
         st_off = ((b * NC + c) * H + h) * P * N
         _st_store(DSH, DSL, st_off + pn, dS, mpn, PREC)
-        tl.store(DCSL + ((b * H + h) * NC + c) * nblk + blk, tsum(tsum(dS * S_next, axis=1), axis=0))
         dbase = ((b * H + h) * NC + c) * T
+        decay = tl.exp(tl.load(CS + dbase + T - 1))
         if HAS_SEQ:
             sid_in = _seq_at(SEQ, b, c * T - 1, L, ssb, ssl)
+            last = tl.minimum(c * T + T, L) - 1
+            decay = tl.where(sid_in == _seq_at(SEQ, b, last, L, ssb, ssl), decay, 0.0)
+        S_in = _st_load(STH, STL, st_off + pn, mpn, PREC)
+        tl.store(DCSL + ((b * H + h) * NC + c) * nblk + blk, decay * tsum(tsum(dS * S_in, axis=1), axis=0))
         R = tl.full([BP, BN], 0.0, tl.float32)
         for t0 in range(0, T, BT):
             t = t0 + tl.arange(0, BT)
@@ -169,22 +170,18 @@ def _dstates_kernel(DY, Cp, CS, SEQ, STH, STL, FINAL, DFIN, DSH, DSL, DCSL, DINI
             row = tl.where(ok, row, 0.0)
             dys = dyv.to(tl.float32) * row[:, None]
             R += _mm_af(tl.trans(dys), cv, PREC)
-        decay = tl.exp(tl.load(CS + dbase + T - 1))
-        if HAS_SEQ:
-            last = tl.minimum(c * T + T, L) - 1
-            decay = tl.where(sid_in == _seq_at(SEQ, b, last, L, ssb, ssl), decay, 0.0)
         dS = R + decay * dS
-        S_next = _st_load(STH, STL, st_off + pn, mpn, PREC)
     if WANT_DINIT:
         tl.store(DINIT + ((b * NSEG + seg) * H + h) * P * N + pn, dS, mask=mpn)
 
 
 @triton.jit
-def _dstates_fix_kernel(DSH, DSL, STH, STL, GST, DPOST, DCSF, NC, H, CPS, NFIX, PN: tl.constexpr,
+def _dstates_fix_kernel(DSH, DSL, STH, STL, GST, DPOST, DEC, DCSF, NC, H, CPS, NFIX, PN: tl.constexpr,
                         BLK: tl.constexpr, PREC: tl.constexpr):
     """Completes dS_{c+1} for the chunks of every segment but the last: += DPOST[b, h, c] * GST[b, seg + 1, h]
     (the true gradient of the next segment's entering state, carried back to chunk c's end), and writes this
-    term's share of <dS_{c+1}, S_{c+1}> (the cs_last gradient) as partials DCSF[b, h, c, block]."""
+    term's share of decay_c <dS_{c+1}, S_c> (the cs_last gradient; DEC: the chunk decays) as partials
+    DCSF[b, h, c, block]."""
     blk = tl.program_id(2)
     j = blk * BLK + tl.arange(0, BLK)
     h = tl.program_id(1)
@@ -197,8 +194,9 @@ def _dstates_fix_kernel(DSH, DSL, STH, STL, GST, DPOST, DCSF, NC, H, CPS, NFIX, 
     gnext = w * tl.load(GST + ((b * nseg + seg + 1) * H + h) * PN + j, mask=m, other=0.0)
     off = ((b * NC + c) * H + h) * PN + j
     _st_store(DSH, DSL, off, _st_load(DSH, DSL, off, m, PREC) + gnext, m, PREC)
-    s_next = _st_load(STH, STL, off + H * PN, m, PREC)  # S_{c+1}: chunk c + 1 < NC always (c < NFIX)
-    tl.store(DCSF + ((b * H + h) * NFIX + c) * tl.num_programs(2) + blk, tsum(gnext * s_next, axis=0))
+    s_in = _st_load(STH, STL, off, m, PREC)  # S_c, the state entering chunk c
+    dec = tl.load(DEC + (b * H + h) * NC + c)
+    tl.store(DCSF + ((b * H + h) * NFIX + c) * tl.num_programs(2) + blk, dec * tsum(gnext * s_in, axis=0))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -322,7 +320,8 @@ def _states(x, B, dtp, cs, seq_idx, initial_states, T, nc):
 
 def _dstates(x, C, dy, cs, seq_idx, states, final, dfinal, initial_states, T, nc):
     """The reverse walk: (dS, the gradient of the state leaving every chunk, as _state_buffer arrays; the
-    gradient of each chunk's cs_last through <dS_{c+1}, S_{c+1}>, [B, H, nc] fp32; d initial_states in fp32 or
+    gradient of each chunk's cs_last through the entering state it carries, decay_c <dS_{c+1}, S_c>, [B, H, nc]
+    fp32; d initial_states in fp32 or
     None). In segments as _states: the true gradient entering each segment follows last to first, and
     _dstates_fix_kernel completes dS and the cs_last terms of every segment but the last."""
     bsz, seqlen, nheads, hdim = x.shape
@@ -348,7 +347,8 @@ def _dstates(x, C, dy, cs, seq_idx, states, final, dfinal, initial_states, T, nc
     )
     dcs_last = dcsl.sum(-1)
     if nseg > 1:
-        _, after, whole = _segment_decays(_chunk_decays(cs, seq_idx, T, seqlen), nseg, cps)
+        dec = _chunk_decays(cs, seq_idx, T, seqlen).contiguous()
+        _, after, whole = _segment_decays(dec, nseg, cps)
         for k in range(nseg - 2, -1, -1):
             gst[:, k] += whole[:, :, k, None, None] * gst[:, k + 1]
         nfix = (nseg - 1) * cps
@@ -356,7 +356,7 @@ def _dstates(x, C, dy, cs, seq_idx, states, final, dfinal, initial_states, T, nc
         nfb = triton.cdiv(hdim * dstate, BLK)
         dcsf = torch.empty(bsz, nheads, nfix, nfb, dtype=torch.float32, device=dev)
         _dstates_fix_kernel[(bsz * nfix, nheads, nfb)](
-            *dsn, *states, gst, after, dcsf, nc, nheads, cps, nfix, PN=hdim * dstate, BLK=BLK, PREC=prec,
+            *dsn, *states, gst, after, dec, dcsf, nc, nheads, cps, nfix, PN=hdim * dstate, BLK=BLK, PREC=prec,
         )
         dcs_last[:, :, :nfix] += dcsf.sum(-1)
     dinit = gst[:, 0].contiguous() if initial_states is not None else None
