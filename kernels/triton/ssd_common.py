@@ -53,6 +53,10 @@ class _Tuned:
         k = (tuple(named[n] for n in self.key) + tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
              + tuple(sorted((n, v) for n, v in kwargs.items() if isinstance(v, (bool, int, str)))))
         cfg = self.best.get(k)
+        if cfg is None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            # a capture cannot time configs (train.cuda_graph warms up first, so only a variant the warm-up
+            # never ran lands here): the first config, not remembered, so an eager call still tunes
+            return self._launch(grid, self.configs[0], args, kwargs)
         if cfg is None:
             cfg = self.configs[0]
             if len(self.configs) > 1:
