@@ -27,6 +27,10 @@ CASES_TP = [
     dict(model=dict(pattern="M*|M-", tie=False, ngroups=1), n_micro=3),
     dict(model=dict(pattern="MM*M", ngroups=2), sp=True, n_micro=4),
 ]
+CASES_PP4 = [  # four stages: two middle stages that neither embed nor compute the loss (a '|' cut must give 4)
+    dict(model=dict(pattern="MMMM"), n_micro=4),
+    dict(model=dict(pattern="M*|M-|MM|M-", tie=False), n_micro=4),
+]
 BIG = [dict(model=dict(pattern="M*M-", ngroups=1, n_kv_heads=4, big=True), n_micro=4, seqlen=256),
        dict(model=dict(pattern="MM|MM", ngroups=8, big=True), n_micro=2, seqlen=256)]
 LAYOUTS = {"pp2": (2, 1, 2), "pp2-tp2": (4, 2, 2), "pp2-dp2": (4, 1, 2), "pp4": (4, 1, 4)}  # world, tp, pp
@@ -44,7 +48,7 @@ def test_nccl_pp_exact_reference_kernels(tmp_path, monkeypatch, layout):
     _need(world)
     monkeypatch.setenv("MEGASSM_KERNELS", "torch")
     out = tmp_path / "r.json"
-    cases = CASES_TP if tp > 1 else CASES
+    cases = CASES_TP if tp > 1 else CASES_PP4 if pp == 4 else CASES
     spawn(pp_equivalence_worker, world, tp, pp, [dict(c) for c in cases], str(out), "cuda", backend="nccl")
     assert len(json.loads(out.read_text())) == len(cases)
 
