@@ -112,7 +112,6 @@ def _losses(run_dir):
         return {r["step"]: r["loss"] for r in map(json.loads, filter(str.strip, f)) if "loss" in r}
 
 
-@pytest.mark.slow
 def test_generated_script_trains_preempts_requeues_and_resumes(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

@@ -126,7 +126,6 @@ def test_zero1_composes_with_tp_and_pp(layout, single, tmp_path):
         assert _close(back, {s: ref[s] for s in (3, 4)}), (back, ref)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ddp", "fsdp2"])
 def test_bptt_windows_under_engine(name, tmp_path):
     """BPTT with two windows per backward: DDP falls back to the flat all-reduce (logged), FSDP2 takes the

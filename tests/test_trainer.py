@@ -132,7 +132,6 @@ def test_cli_dry_run_meta(tmp_path):
     assert "parameters:" in r.stdout
 
 
-@pytest.mark.slow
 def test_embedded_default_run_learns(tmp_path):
     """The README's main job, shortened: configs/tiny.yaml on the builtin stdlib corpus, through the
     console script; the loss must fall visibly."""
