@@ -51,6 +51,7 @@ from ._lang import tcumsum, tsigmoid
 from .ssd_common import (
     _autotune,
     _contig_last,
+    _dt_biased,
     _mm_a_st,
     _mm_af,
     _mm_raw,
@@ -78,9 +79,7 @@ def _dt_kernel(DT, DT_BIAS, A, DTP, CS, L, H, NC, sdb, sdl, sdh, dt_lo, dt_hi,
     mt = pos < L
     mh = h < H
     m = mt[:, None] & mh[None, :]
-    dt = tl.load(DT + b * sdb + pos[:, None] * sdl + h[None, :] * sdh, mask=m, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        dt += tl.load(DT_BIAS + h, mask=mh, other=0.0).to(tl.float32)[None, :]
+    dt = _dt_biased(DT, DT_BIAS, b, pos, h, m, mh, sdb, sdl, sdh, HAS_BIAS)
     if SOFTPLUS:
         dt = _softplus(dt)
     if HAS_LIMIT:

@@ -19,6 +19,7 @@ from .ssd import _prep, _scan
 from .ssd_common import (
     _autotune,
     _contig_last,
+    _dt_biased,
     _mm_a_st,
     _mm_af,
     _mm_ff,
@@ -346,9 +347,7 @@ def _dt_grad_kernel(DCSI, DCSR, DDTS, DCSL, DDTD, DTP, A, DT, DT_BIAS, DDT, DAP,
     tl.store(DAP + (b * NC + c) * H + h, tsum(tl.where(m, dtp * da, 0.0), axis=0), mask=mh)
     g = ddtd + Av[None, :] * da
     # through clamp, softplus and bias (the forward's _dt_kernel)
-    dtb = tl.load(DT + b * sdb + pos[:, None] * sdl + h[None, :] * sdh, mask=m, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        dtb += tl.load(DT_BIAS + h, mask=mh, other=0.0).to(tl.float32)[None, :]
+    dtb = _dt_biased(DT, DT_BIAS, b, pos, h, m, mh, sdb, sdl, sdh, HAS_BIAS)
     if HAS_LIMIT:
         if SOFTPLUS:
             sp = _softplus(dtb)
@@ -451,7 +450,7 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     dbp = torch.empty_like(dap)
     lo, hi = (float(dt_limit[0]), float(dt_limit[1])) if dt_limit is not None else (0.0, 0.0)
     _dt_grad_kernel[(bsz, nc, triton.cdiv(nheads, BH))](
-        dcsi, dcsr, ddt_state, dcs_last.contiguous(), ddt_direct, dtp, A, dt,
+        dcsi, dcsr, ddt_state, dcs_last, ddt_direct, dtp, A, dt,
         dt_bias if dt_bias is not None else dt, ddt, dap, dbp, seqlen, nheads, nc, *dt.stride(), lo, hi,
         T=T, BH=BH, NSB=nsb, NNB=nnb, HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
         HAS_LIMIT=dt_limit is not None, COLS=cols, num_warps=8,

@@ -181,6 +181,16 @@ def _mm_a_st(a, HI, LO, off, mask, A_F32: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def _dt_biased(DT, DT_BIAS, b, pos, h, m, mh, sdb, sdl, sdh, HAS_BIAS: tl.constexpr):
+    """dt + dt_bias in fp32, a [positions, heads] tile (0 outside m): the argument of the softplus, read by the
+    forward's _dt_kernel and the backward's _dt_grad_kernel alike."""
+    v = tl.load(DT + b * sdb + pos[:, None] * sdl + h[None, :] * sdh, mask=m, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        v += tl.load(DT_BIAS + h, mask=mh, other=0.0).to(tl.float32)[None, :]
+    return v
+
+
+@triton.jit
 def _softplus(x):
     # max(x, 0) + log1p(exp(-|x|)), log1p by Goldberg's trick (accurate for tiny arguments)
     u = tl.exp(-tl.abs(x))
