@@ -231,9 +231,10 @@ def test_ssd_fast_precision_mode(triton_mode, monkeypatch):
 
 @needs_triton
 def test_ssd_fast_precision_keeps_parameter_gradients(triton_mode, monkeypatch):
-    # dA and ddt_bias are sums over every position of cs gradients whose target- and source-side terms cancel;
-    # in the bf16 mode (_dx's products rounded once) they must come from terms that do not (the row minus column
-    # sums of _dcb's fp32 tiles), else their error grows far past the activations' (here 40x dx's instead of 0.7x)
+    # dA and ddt_bias are sums over every position of cs gradients whose target-side (_dcb's fp32 row sums) and
+    # source-side terms cancel; in the bf16 mode the source side must still come from accurate products (_dx's
+    # intra-chunk products stay split there), else their error grows far past the activations' (here 40x dx's
+    # with those products rounded once, instead of 0.7x)
     monkeypatch.setenv("MEGASSM_SSD_PRECISION", "bf16")
     low = cast_inputs(ssd_inputs(1, 128, 2, 32, 1, 32, d_mode=None, gate=False), lowp=torch.bfloat16)
     sid = seq_from_starts(reset_starts(128, 32, 1), 128)

@@ -55,7 +55,7 @@ def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSH, DSL, Dp, DX, DDT, DDTS, DDP, L,
                sxb, sxl, sxh, sxp, sdyb, sdyl, sdyh, sdyp, sbb, sbl, sbg, sbn, ssb, ssl,
                P: tl.constexpr, N: tl.constexpr, T: tl.constexpr, BPF: tl.constexpr, BS: tl.constexpr,
                BK: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
-               DY_F32: tl.constexpr, PREC: tl.constexpr):
+               DY_F32: tl.constexpr, PREC: tl.constexpr, IPREC: tl.constexpr):
     """Per head and block of source positions s: Q_s = sum_t L_ts CB_ts dy_t + exp(cs_last - cs_s) m'_s dS B_s;
     dx_s = dt_s Q_s + D dy_s; DDT_s = x_s . Q_s (the direct dt gradient) and DDTS_s = dt_s x_s . (the state
     part of Q_s) (the source-side cs_s gradient through the state leaving the chunk); with D, DDP = this
@@ -113,7 +113,7 @@ def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSH, DSL, Dp, DX, DDT, DDTS, DDP, L,
         if HAS_SEQ:
             wT = tl.where(seq_s[:, None] == _seq_at(SEQ, b, pt, L, ssb, ssl)[None, :], wT, 0.0)
         Q += _mm_w_dy(wT, DY + b * sdyb + pt[:, None] * sdyl + h * sdyh + p[None, :] * sdyp,
-                      mt[:, None] & mp[None, :], DY_F32, PREC)
+                      mt[:, None] & mp[None, :], DY_F32, IPREC)
     for t0 in range(sb * BS, sb * BS + BS, BS):  # one iteration: the diagonal block
         t = t0 + tl.arange(0, BS)
         pt = c * T + t
@@ -125,7 +125,7 @@ def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSH, DSL, Dp, DX, DDT, DDTS, DDP, L,
             ok = ok & (seq_s[:, None] == _seq_at(SEQ, b, pt, L, ssb, ssl)[None, :])
         wT = tl.where(ok, cbT * tl.exp(tl.where(ok, cs_t[None, :] - cs_s[:, None], 0.0)), 0.0)
         Q += _mm_w_dy(wT, DY + b * sdyb + pt[:, None] * sdyl + h * sdyh + p[None, :] * sdyp,
-                      mt[:, None] & mp[None, :], DY_F32, PREC)
+                      mt[:, None] & mp[None, :], DY_F32, IPREC)
     ddt = tsum(xf * Q, axis=1)
     dx = Q * dt_s[:, None]
     m = ms[:, None] & mp[None, :]
@@ -149,18 +149,16 @@ def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSH, DSL, Dp, DX, DDT, DDTS, DDP, L,
 def _dcb_kernel(X, DY, CB, DTP, CS, SEQ, DCB, DCSI, L, H, G, NC,
                 sxb, sxl, sxh, sxp, sdyb, sdyl, sdyh, sdyp, ssb, ssl,
                 P: tl.constexpr, T: tl.constexpr, BPF: tl.constexpr, BS: tl.constexpr, HAS_SEQ: tl.constexpr,
-                DY_F32: tl.constexpr, PREC: tl.constexpr, COLS: tl.constexpr):
+                DY_F32: tl.constexpr, PREC: tl.constexpr):
     """dCB[t, s] = sum over the group's heads of exp(cs_t - cs_s) dt_s (dy_t . x_s), t >= s in one document:
     the gradient of the chunk's C_t . B_s, shared by dB and dC so the per-head work is done once. One program
     per (group, t block, s block <= t block); upper blocks are never read and not written.
-    Per head it also stores, of M_ts = CB_ts dt_s exp(cs_t - cs_s) (dy_t . x_s), the row sums (the target-side
-    cs_t gradient: the intra-chunk part of dy_t . y_t; the forward output is never recomputed for it) into
-    DCSI[b, h, c, i, position]: block (tb, sb <= tb) at [sb, t]. With COLS (the bf16 mode) over the pairs
-    t > s only, minus the column sums (the source-side cs_s gradient) at [tb, s] (a diagonal block: their
-    difference at [sb, t]), so the sum over i is the whole intra-chunk cs gradient, from one fp32 tile whatever
-    precision _dx_kernel's products use (the pairs t = s carry no decay and are left out of both). Without
-    COLS over t >= s, zeros at [tb, s] (_dt_grad_kernel subtracts _dx_kernel's source side). Every entry is
-    written once."""
+    Per head it also stores, of M_ts = CB_ts dt_s exp(cs_t - cs_s) (dy_t . x_s), t >= s, the row sums (the
+    target-side cs_t gradient: the intra-chunk part of dy_t . y_t; the forward output is never recomputed for
+    it) into DCSI[b, h, c, i, position]: block (tb, sb <= tb) at [sb, t], and zeros at [tb, s] for sb < tb, so
+    every entry is written once (no zero fill). The source-side cs_s gradient, the column sums, is x_s . the
+    intra-chunk part of _dx_kernel's Q_s, whose products are split in both precision modes for it;
+    _dt_grad_kernel subtracts it."""
     bc = tl.program_id(1)
     b = (bc // NC).to(tl.int64)
     c = bc % NC
@@ -178,7 +176,6 @@ def _dcb_kernel(X, DY, CB, DTP, CS, SEQ, DCB, DCSI, L, H, G, NC,
         ok = (t[:, None] >= s[None, :]) & (pt < L)[:, None] & (ps < L)[None, :]
         if HAS_SEQ:
             ok = ok & (_seq_at(SEQ, b, pt, L, ssb, ssl)[:, None] == _seq_at(SEQ, b, ps, L, ssb, ssl)[None, :])
-        pair = ok & (t[:, None] > s[None, :])  # the cs gradient's pairs
         acc = tl.full([BS, BS], 0.0, tl.float32)
         cbv = tl.load(CB + ((b * NC + c) * G + g) * T * T + t[:, None] * T + s[None, :])
         rep = H // G
@@ -205,17 +202,12 @@ def _dcb_kernel(X, DY, CB, DTP, CS, SEQ, DCB, DCSI, L, H, G, NC,
             acc += wp
             # where, not a product with the mask: with blocks larger than _cb_kernel's, CB's upper blocks are
             # unwritten memory (possibly inf / NaN)
-            mts = tl.where(pair if COLS else ok, wp * cbv, 0.0)
+            mts = tl.where(ok, wp * cbv, 0.0)
             hbase = ((b * H + h) * NC + c) * T * nrb
             if sb < tb:
                 tl.store(DCSI + hbase + sb * T + t, tsum(mts, axis=1))
-                if COLS:
-                    tl.store(DCSI + hbase + tb * T + s, -tsum(mts, axis=0))
-                else:
-                    tl.store(DCSI + hbase + tb * T + s, tl.full([BS], 0.0, tl.float32))
-            elif COLS:  # t and s are the same positions
-                tl.store(DCSI + hbase + sb * T + t, tsum(mts, axis=1) - tsum(mts, axis=0))
-            else:
+                tl.store(DCSI + hbase + tb * T + s, tl.full([BS], 0.0, tl.float32))
+            else:  # (this layout of the stores measured 0.05 ms faster than one shared row store, H100 / H200)
                 tl.store(DCSI + hbase + sb * T + t, tsum(mts, axis=1))
         tl.store(DCB + ((b * NC + c) * G + g) * T * T + t[:, None] * T + s[None, :], acc)
 
@@ -310,13 +302,12 @@ def _dbc_kernel(X, DY, OTHER, CR, DCB, DTP, CS, SEQ, SVH, SVL, OUT, DCSR, L, H, 
 @triton.jit
 def _dt_grad_kernel(DCSI, DCSR, DDTS, DCSL, DDTD, DTP, A, DT, DT_BIAS, DDT, DAP, DBP, L, H, NC,
                     sdb, sdl, sdh, dt_lo, dt_hi, T: tl.constexpr, BH: tl.constexpr, NSB: tl.constexpr,
-                    NNB: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                    COLS: tl.constexpr):
+                    NNB: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr):
     """Per (row, chunk, block of heads): the gradient of a_j = dt_j A from its terms (docs/kernels.md, "the a
     gradient"):
-     - suffix sums over j of the intra-chunk cs gradient (DCSI: _dcb's row minus column sums with COLS, else
-       its row sums minus _dx's dt_s x_s . Q_s, both accurate in the split mode) and of the state read-out's
-       (DCSR, _dbc's dC pass);
+     - suffix sums over j of the intra-chunk cs gradient (DCSI, _dcb's row sums, minus the intra-chunk part of
+       _dx's dt_s x_s . Q_s: both from accurate products in either precision mode) and of the state
+       read-out's (DCSR, _dbc's dC pass);
      - the source-side terms of the positions before j only (DDTS, _dx: dt_s x_s . the state part of Q_s):
        the state leaving the chunk carries exp(cs_last - cs_s), in which a_j enters only for s < j;
      - exp(cs_last) <dS_out, S_in> (DCSL, _dstates), for every j.
@@ -340,8 +331,8 @@ def _dt_grad_kernel(DCSI, DCSR, DDTS, DCSL, DDTD, DTP, A, DT, DT_BIAS, DDT, DAP,
     src = tl.where(m, tl.load(DDTS + off, mask=mh[None, :], other=0.0), 0.0)
     dtp = tl.load(DTP + off, mask=m, other=0.0)
     ddtd = tl.load(DDTD + off, mask=m, other=0.0)
-    if not COLS:  # the intra-chunk source side: dt_s x_s . Q_s less its state part
-        target -= tl.where(m, dtp * ddtd - src, 0.0)
+    # the intra-chunk source side: dt_s x_s . Q_s less its state part
+    target -= tl.where(m, dtp * ddtd - src, 0.0)
     da = trevcumsum(target, 0) + (tcumsum(src, 0) - src) + tl.load(DCSL + row, mask=mh[None, :], other=0.0)
     Av = tl.load(A + h, mask=mh, other=0.0).to(tl.float32)
     tl.store(DAP + (b * NC + c) * H + h, tsum(tl.where(m, dtp * da, 0.0), axis=0), mask=mh)
@@ -359,6 +350,14 @@ def _dt_grad_kernel(DCSI, DCSR, DDTS, DCSL, DDTD, DTP, A, DT, DT_BIAS, DDT, DAP,
     g = tl.where(m, g, 0.0)
     tl.store(DDT + (b * L + pos[:, None]) * H + h[None, :], g.to(DDT.dtype.element_ty), mask=m)
     tl.store(DBP + (b * NC + c) * H + h, tsum(g, axis=0), mask=mh)
+
+
+def _intra_prec(prec):
+    """The precision of _dx_kernel's intra-chunk products: split (bf16 hi + lo of the decay-weighted CB) in the
+    bf16 mode too, because x_s . their sum is the source side of the intra-chunk cs gradient, which cancels
+    against _dcb's row sums (rounded once, dA / ddt_bias would carry ~1e-2 errors; session 11). The state
+    products stay rounded once in that mode."""
+    return "bf16" if prec == "bf16fast" else prec
 
 
 def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states, seq_idx,
@@ -408,6 +407,7 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
         seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(), *B.stride(), ssb, ssl,
         P=hdim, N=dstate, T=T, BPF=BPF, BS=BS, BK=_tile("dx_bk", dstate), HAS_SEQ=seq_idx is not None,
         HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2, DY_F32=dy_f32, PREC=prec,
+        IPREC=_intra_prec(prec),
     )
     dD = None
     if D is not None:
@@ -421,13 +421,10 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     # _dcb writes the blocks on and below the diagonal; _dbc reads whole blocks of its own size along the
     # diagonal, so with larger blocks than _dcb's it would read blocks _dcb never wrote: zero them first
     dcb = (torch.zeros if BSR > BSC else torch.empty)(bsz, nc, ngroups, T, T, dtype=torch.float32, device=dev)
-    # the intra-chunk cs gradient as row minus column sums of _dcb's fp32 tiles in the bf16 mode, whose _dx
-    # products are rounded once (the split mode's _dx products are accurate enough: columns from _dx, cheaper)
-    cols = prec == "bf16fast"
     dcsi = torch.empty(bsz, nheads, nc, nsb, T, dtype=torch.float32, device=dev)  # every entry written once
     _dcb_kernel[(ngroups * nsb ** 2, bsz * nc)](
         x, dy, cb, dtp, cs, seq, dcb, dcsi, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(), ssb, ssl,
-        P=hdim, T=T, BPF=BPF, BS=BSC, HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=prec, COLS=cols,
+        P=hdim, T=T, BPF=BPF, BS=BSC, HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=prec,
     )
     BNc = _tile("dbc_bn", dstate)
     nnb = triton.cdiv(dstate, BNc)
@@ -453,7 +450,7 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
         dcsi, dcsr, ddt_state, dcs_last, ddt_direct, dtp, A, dt,
         dt_bias if dt_bias is not None else dt, ddt, dap, dbp, seqlen, nheads, nc, *dt.stride(), lo, hi,
         T=T, BH=BH, NSB=nsb, NNB=nnb, HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
-        HAS_LIMIT=dt_limit is not None, COLS=cols, num_warps=8,
+        HAS_LIMIT=dt_limit is not None, num_warps=8,
     )
     dA = dap.sum(dim=(0, 1)).to(A.dtype)
     ddt_bias = dbp.sum(dim=(0, 1)).to(dt_bias.dtype) if dt_bias is not None else None

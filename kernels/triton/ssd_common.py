@@ -256,8 +256,8 @@ def _tile(name, limit):
 def _prec(x):
     """Product precision. bf16 inputs: "bf16" (default; derived fp32 operands as bf16 hi + lo pairs) or, with
     MEGASSM_SSD_PRECISION=bf16, "bf16fast" (derived operands rounded once to bf16, as mamba_ssm does: fewer
-    tensor-core products, mamba_ssm's error on every output; ssd_bwd then takes the a gradient from _dcb's
-    column sums). Other dtypes: fp32 products."""
+    tensor-core products, about mamba_ssm's error on y, dx, dB, dC; the backward keeps _dx_kernel's intra-chunk
+    products split, see ssd_bwd._intra_prec). Other dtypes: fp32 products."""
     if x.dtype != torch.bfloat16:
         return "ieee"
     return "bf16fast" if env.ssd_precision() == "bf16" else "bf16"
