@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -168,12 +169,9 @@ def _build_groups_torch(tp: int, cp: int, pp: int) -> ParallelGroups:
 
 
 def destroy() -> None:
-    try:
-        from megatron.core import parallel_state as ps
-
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
-    except ImportError:
-        pass
+    # megatron-core's groups exist only if build_groups imported it (importing it here costs seconds)
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is not None and ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
