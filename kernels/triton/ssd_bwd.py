@@ -353,10 +353,12 @@ def _dt_grad_kernel(DCSI, DCSR, DDTS, DCSL, DDTD, DTP, A, DT, DT_BIAS, DDT, DAP,
 
 
 def _intra_prec(prec):
-    """The precision of _dx_kernel's intra-chunk products: split (bf16 hi + lo of the decay-weighted CB) in the
-    bf16 mode too, because x_s . their sum is the source side of the intra-chunk cs gradient, which cancels
-    against _dcb's row sums (rounded once, dA / ddt_bias would carry ~1e-2 errors; session 11). The state
-    products stay rounded once in that mode."""
+    """The precision of the intra-chunk products of _dx_kernel and _dcb_kernel: split (bf16 hi + lo of the
+    derived operand: the decay-weighted CB in _dx, dy after the gate in _dcb) in the bf16 mode too. x_s . the
+    sum of _dx's is the source side of the intra-chunk cs gradient and _dcb's row sums its target side; they
+    cancel, so a rounding on either side leaves dA / ddt_bias with ~1e-2 .. 1 errors (session 11; with the gate,
+    session 17). Without the gate _dcb's operands are raw inputs and its products exact in either mode. The
+    state products stay rounded once in the bf16 mode."""
     return "bf16" if prec == "bf16fast" else prec
 
 
@@ -424,7 +426,7 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     dcsi = torch.empty(bsz, nheads, nc, nsb, T, dtype=torch.float32, device=dev)  # every entry written once
     _dcb_kernel[(ngroups * nsb ** 2, bsz * nc)](
         x, dy, cb, dtp, cs, seq, dcb, dcsi, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(), ssb, ssl,
-        P=hdim, T=T, BPF=BPF, BS=BSC, HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=prec,
+        P=hdim, T=T, BPF=BPF, BS=BSC, HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=_intra_prec(prec),
     )
     BNc = _tile("dbc_bn", dstate)
     nnb = triton.cdiv(dstate, BNc)
