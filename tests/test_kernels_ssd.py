@@ -229,25 +229,24 @@ def test_ssd_fast_precision_mode(triton_mode, monkeypatch):
 
 
 
-def _fast_mode_parameter_errors(monkeypatch, low, sid, **kw):
-    """Relative errors against fp64 of dA and ddt_bias in the bf16 mode and in the split mode, and dx's."""
-    oracle = run_ssd(R.ssd, cast_inputs(low, to=F64), sid, **kw)
-    e = {}
+def _by_mode(monkeypatch, low, sid, **kw):
+    """Outputs and gradients of the Triton SSD in the split and the bf16 precision modes."""
+    out = {}
     for mode in ("split", "bf16"):
         monkeypatch.setenv("MEGASSM_SSD_PRECISION", mode)
-        out = run_ssd(K.ssd, low, sid, **kw)
-        e.update({f"{mode}_{k}": rel(out[k], oracle[k]) for k in ("dx", "dA", "ddt_bias")})
-    return e
+        out[mode] = run_ssd(K.ssd, low, sid, **kw)
+    return out
 
 
-def _check_fast_mode_parameters(e):
+def _check_fast_mode_parameters(out, oracle):
     # dA and ddt_bias are sums over every position of cs gradients whose target-side (_dcb's row sums) and
     # source-side (_dx's x . Q) terms cancel: the bf16 mode keeps them as accurate as the split mode only while
     # both sides come from accurate products (_dx's intra-chunk products split; with the gate z, also _dcb's,
     # dy being an fp32 operand). Rounded once, dA's error was 40x dx's without the gate (CPU) and 90x the split
     # mode's with it (GPU, H 32 x 4K)
+    e = {(mode, k): rel(out[mode][k], oracle[k]) for mode in out for k in ("dA", "ddt_bias")}
     for k in ("dA", "ddt_bias"):
-        assert e[f"bf16_{k}"] <= 2 * e[f"split_{k}"] + 1e-4, e
+        assert e["bf16", k] <= 2 * e["split", k] + 1e-4, e
 
 
 @needs_triton
@@ -255,8 +254,9 @@ def _check_fast_mode_parameters(e):
 def test_ssd_fast_precision_keeps_parameter_gradients(triton_mode, monkeypatch, gate):
     low = cast_inputs(ssd_inputs(1, 128, 2, 32, 1, 32, d_mode=None, gate=gate), lowp=torch.bfloat16)
     sid = seq_from_starts(reset_starts(128, 32, 1), 128)
-    _check_fast_mode_parameters(_fast_mode_parameter_errors(monkeypatch, low, sid, chunk_size=32,
-                                                            dt_limit=(0.0, 3.0)))
+    kw = dict(chunk_size=32, dt_limit=(0.0, 3.0))
+    oracle = run_ssd(R.ssd, cast_inputs(low, to=F64), sid, **kw)
+    _check_fast_mode_parameters(_by_mode(monkeypatch, low, sid, **kw), oracle)
 
 # --------------------------------------------------------------------------------------------------------
 # GPU: the full grid of issue 4 (pytest -m gpu)
@@ -341,14 +341,14 @@ def test_gpu_ssd_bf16_mode(triton_mode, monkeypatch, case):
     cancel, within 2x of the split mode's error."""
     inp, sid, chunk = _gpu_case(case, seed=1)
     low = cast_inputs(inp, lowp=torch.bfloat16)
-    monkeypatch.setenv("MEGASSM_SSD_PRECISION", "bf16")
-    ours = run_ssd(K.ssd, low, sid, chunk_size=chunk)
+    out = _by_mode(monkeypatch, low, sid, chunk_size=chunk)
+    ours = out["bf16"]
     ref = run_ssd(R.ssd, low, sid, chunk_size=chunk)
     oracle = run_ssd(R.ssd, cast_inputs(low, to=F64), sid, chunk_size=chunk)
     acts = [k for k in oracle if k not in ("final", "dA", "ddt_bias")]
     check_lowp({k: ours[k] for k in acts}, ref, {k: oracle[k] for k in acts}, 2.0)
     assert rel(ours["final"], oracle["final"]) < 5e-3
-    _check_fast_mode_parameters(_fast_mode_parameter_errors(monkeypatch, low, sid, chunk_size=chunk))
+    _check_fast_mode_parameters(out, oracle)
 
 
 @gpu

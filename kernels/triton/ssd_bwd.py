@@ -395,6 +395,7 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
 
     seq, ssb, ssl = _seq_args(seq_idx, x)
     prec = _prec(x)
+    iprec = _intra_prec(prec)  # _dx's and _dcb's intra-chunk products
     dsn, dcs_last, dinit = _dstates(x, C, dy, cs, seq_idx, states, final, dfinal, initial_states, T, nc)
     # dx, the direct dt gradient, dD
     BS = _tile("dx_bs", T)
@@ -408,8 +409,7 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
         ddp if ddp is not None else dx,
         seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(), *B.stride(), ssb, ssl,
         P=hdim, N=dstate, T=T, BPF=BPF, BS=BS, BK=_tile("dx_bk", dstate), HAS_SEQ=seq_idx is not None,
-        HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2, DY_F32=dy_f32, PREC=prec,
-        IPREC=_intra_prec(prec),
+        HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2, DY_F32=dy_f32, PREC=prec, IPREC=iprec,
     )
     dD = None
     if D is not None:
@@ -426,7 +426,7 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     dcsi = torch.empty(bsz, nheads, nc, nsb, T, dtype=torch.float32, device=dev)  # every entry written once
     _dcb_kernel[(ngroups * nsb ** 2, bsz * nc)](
         x, dy, cb, dtp, cs, seq, dcb, dcsi, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(), ssb, ssl,
-        P=hdim, T=T, BPF=BPF, BS=BSC, HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=_intra_prec(prec),
+        P=hdim, T=T, BPF=BPF, BS=BSC, HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=iprec,
     )
     BNc = _tile("dbc_bn", dstate)
     nnb = triton.cdiv(dstate, BNc)
