@@ -129,11 +129,12 @@ def bench_ssd(row, B, L, H, P, N, G, chunk, impls):
     # megassm: the defaults (bf16 hi+lo products for derived operands, auto segments); megassm_bf16: one bf16
     # rounding, as mamba_ssm; megassm_keep / megassm_bf16_keep: the forward's states kept for the backward
     # (MEGASSM_SSD_SAVE_STATES);
-    # megassm_seg<k>: the chunk walks in k segments (the --segments sweep)
+    # megassm_seg<k> / megassm_bf16_seg<k>: the chunk walks in k segments (the --segments sweep)
     fns = {"megassm": with_precision("split"), "megassm_bf16": with_precision("bf16"),
            "megassm_keep": with_precision("split", keep="1"), "megassm_bf16_keep": with_precision("bf16", keep="1")}
     for k in SEGMENTS:  # one process for the whole sweep: same autotuned configs, same peer timing
         fns[f"megassm_seg{k}"] = with_precision("split", k)
+        fns[f"megassm_bf16_seg{k}"] = with_precision("bf16", k)
     mcs, why = _mamba()
     if mcs is not None:
         def peer():
@@ -145,7 +146,8 @@ def bench_ssd(row, B, L, H, P, N, G, chunk, impls):
         row["mamba_ssm"] = f"absent ({why})"
     outs = {}
     for name, f in fns.items():
-        if impls and name not in impls and not (name.startswith("megassm_seg") and "megassm_seg" in impls):
+        sweep = name.rstrip("0123456789") if "_seg" in name else None  # megassm_seg / megassm_bf16_seg
+        if impls and name not in impls and sweep not in impls:
             continue
         with torch.no_grad():
             y = f()
@@ -164,7 +166,7 @@ def bench_ssd(row, B, L, H, P, N, G, chunk, impls):
         g_peer = torch.autograd.grad(fns["mamba_ssm"](), [leaves[k] for k in names], gy)
         row["rel_diff_grads_vs_mamba"] = {k: round(rel(a, b), 6) for k, a, b in zip(names, g_ours, g_peer)}
         for ours_name in ("megassm", "megassm_bf16", "megassm_keep", "megassm_bf16_keep",
-                          *(f"megassm_seg{k}" for k in SEGMENTS)):
+                          *(f"megassm{m}_seg{k}" for k in SEGMENTS for m in ("", "_bf16"))):
             if row.get("mamba_ssm_fwdbwd_ms") and row.get(f"{ours_name}_fwdbwd_ms"):
                 row[f"speedup_fwdbwd_{ours_name}"] = round(row["mamba_ssm_fwdbwd_ms"] / row[f"{ours_name}_fwdbwd_ms"], 3)
                 row[f"speedup_fwd_{ours_name}"] = round(row["mamba_ssm_fwd_ms"] / row[f"{ours_name}_fwd_ms"], 3)
@@ -302,11 +304,11 @@ def main():
                     "(32K tokens each), no other shapes; e.g. 8192,32768 for the --segments sweep")
     ap.add_argument("--impls", default="",
                     help="comma list restricting SSD impls (megassm, megassm_bf16, megassm_keep, megassm_bf16_keep, "
-                    "megassm_seg, mamba_ssm)")
+                    "megassm_seg, megassm_bf16_seg, mamba_ssm)")
     ap.add_argument("--profile", action="store_true", help="SSD rows also list each kernel's GPU ms per fwd+bwd")
     ap.add_argument("--segments", default="",
-                    help="comma list of MEGASSM_SSD_STATE_SEGMENTS values, one megassm_seg<k> row each in every "
-                    "SSD shape; e.g. 1,2,4,8,16 (the megassm row is the default, auto)")
+                    help="comma list of MEGASSM_SSD_STATE_SEGMENTS values, one megassm_seg<k> row (split) and one "
+                    "megassm_bf16_seg<k> row (bf16 mode) each in every SSD shape, as --impls selects; e.g. 1,2,4,8,16 (the megassm row is the default, auto)")
     args = ap.parse_args()
     global PROFILE, SEGMENTS
     PROFILE = args.profile

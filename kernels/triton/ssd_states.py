@@ -1,8 +1,8 @@
 """The SSD's chunk walks: the entering state of every chunk (_states_kernel, forward) and the gradient of the
 state leaving every chunk (_dstates_kernel, backward). One program walks the chunks of its (row, head, P-block,
 N-block) in order, so the chunk states never round-trip through memory. With MEGASSM_SSD_STATE_SEGMENTS=k the
-chunks are walked as k segments in parallel (the later ones from zero); the true segment ends follow in torch,
-and _states_fix_kernel / _dstates_fix_kernel complete the later segments' chunks: parallelism for a few long
+chunks are walked as k segments in parallel (the later ones from zero); _segment_ends_kernel makes the segment ends
+true, and _states_fix_kernel / _dstates_fix_kernel complete the later segments' chunks: parallelism for a few long
 rows. The math is in ssd.py's docstring."""
 from __future__ import annotations
 
@@ -91,10 +91,51 @@ def _states_kernel(X, Bp, DTP, CS, SEQ, INIT, STH, STL, FINAL, L, H, G, NC, NSEG
 
 
 @triton.jit
-def _states_fix_kernel(STH, STL, ENDS, DPRE, NC, H, CPS, PN: tl.constexpr, BLK: tl.constexpr,
-                       PREC: tl.constexpr):
-    """Completes the entering states of the chunks of segments after the first: S_c += DPRE[b, h, c] *
-    ENDS[b, seg - 1, h] (the true end state of the previous segment, decayed to chunk c)."""
+def _decay_product(CS, SEQ, b, h, c0, c1, L, H, NC, ssb, ssl, T: tl.constexpr, CPB: tl.constexpr,
+                   HAS_SEQ: tl.constexpr):
+    """The product of the chunk decays of chunks [c0, c1) (c1 - c0 <= CPB; 1 when empty): exp of the sum of
+    their cs_last, 0 when a document starts inside one of them after its first position (the entering state
+    does not cross it; as _states_kernel's `decay`)."""
+    cc = c0 + tl.arange(0, CPB)
+    mc = cc < c1
+    w = tl.exp(tsum(tl.load(CS + ((b * H + h) * NC + cc) * T + T - 1, mask=mc, other=0.0), axis=0))
+    if HAS_SEQ:
+        first = _seq_at(SEQ, b, cc * T - 1, L, ssb, ssl)
+        last = _seq_at(SEQ, b, tl.minimum(cc * T + T, L) - 1, L, ssb, ssl)
+        w = tl.where(tsum(tl.where(mc & (first != last), 1, 0), axis=0) > 0, 0.0, w)
+    return w
+
+
+@triton.jit
+def _segment_ends_kernel(ENDS, CS, SEQ, L, H, NC, NSEG, CPS, ssb, ssl, PN: tl.constexpr, BLK: tl.constexpr,
+                         T: tl.constexpr, CPB: tl.constexpr, HAS_SEQ: tl.constexpr, REVERSE: tl.constexpr):
+    """In place, in segment order: ENDS[b, k] += (the decay across segment k) * ENDS[b, k -+ 1]. Forward
+    (REVERSE False): the segments' end states, from zero-started walks to true ones; backward: the gradients
+    of their entering states, last segment first. One program per (row, head, block of P x N)."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    j = tl.program_id(2) * BLK + tl.arange(0, BLK)
+    m = j < PN
+    k0 = 0
+    if REVERSE:
+        k0 = NSEG - 1
+    prev = tl.load(ENDS + ((b * NSEG + k0) * H + h) * PN + j, mask=m, other=0.0)
+    for i in range(1, NSEG):
+        k = i
+        if REVERSE:
+            k = NSEG - 1 - i
+        w = _decay_product(CS, SEQ, b, h, k * CPS, tl.minimum(k * CPS + CPS, NC), L, H, NC, ssb, ssl, T, CPB,
+                           HAS_SEQ)
+        off = ((b * NSEG + k) * H + h) * PN + j
+        prev = tl.load(ENDS + off, mask=m, other=0.0) + w * prev
+        tl.store(ENDS + off, prev, mask=m)
+
+
+@triton.jit
+def _states_fix_kernel(STH, STL, ENDS, CS, SEQ, L, NC, H, CPS, ssb, ssl, PN: tl.constexpr, BLK: tl.constexpr,
+                       T: tl.constexpr, CPB: tl.constexpr, HAS_SEQ: tl.constexpr, PREC: tl.constexpr):
+    """Completes the entering states of the chunks of segments after the first: S_c += (the decays of the
+    segment's chunks before c) * ENDS[b, seg - 1, h] (the true end state of the previous segment)."""
     j = tl.program_id(2) * BLK + tl.arange(0, BLK)
     h = tl.program_id(1)
     nfix = NC - CPS
@@ -103,7 +144,7 @@ def _states_fix_kernel(STH, STL, ENDS, DPRE, NC, H, CPS, PN: tl.constexpr, BLK: 
     seg = c // CPS
     nseg = (NC + CPS - 1) // CPS
     m = j < PN
-    w = tl.load(DPRE + (b * H + h) * NC + c)
+    w = _decay_product(CS, SEQ, b, h, seg * CPS, c, L, H, NC, ssb, ssl, T, CPB, HAS_SEQ)
     prev = tl.load(ENDS + ((b * nseg + seg - 1) * H + h) * PN + j, mask=m, other=0.0)
     off = ((b * NC + c) * H + h) * PN + j
     _st_store(STH, STL, off, _st_load(STH, STL, off, m, PREC) + w * prev, m, PREC)
@@ -176,12 +217,12 @@ def _dstates_kernel(DY, Cp, CS, SEQ, STH, STL, FINAL, DFIN, DSH, DSL, DCSL, DINI
 
 
 @triton.jit
-def _dstates_fix_kernel(DSH, DSL, STH, STL, GST, DPOST, DEC, DCSF, NC, H, CPS, NFIX, PN: tl.constexpr,
-                        BLK: tl.constexpr, PREC: tl.constexpr):
-    """Completes dS_{c+1} for the chunks of every segment but the last: += DPOST[b, h, c] * GST[b, seg + 1, h]
-    (the true gradient of the next segment's entering state, carried back to chunk c's end), and writes this
-    term's share of decay_c <dS_{c+1}, S_c> (the cs_last gradient; DEC: the chunk decays) as partials
-    DCSF[b, h, c, block]."""
+def _dstates_fix_kernel(DSH, DSL, STH, STL, GST, CS, SEQ, DCSF, L, NC, H, CPS, NFIX, ssb, ssl, PN: tl.constexpr,
+                        BLK: tl.constexpr, T: tl.constexpr, CPB: tl.constexpr, HAS_SEQ: tl.constexpr,
+                        PREC: tl.constexpr):
+    """Completes dS_{c+1} for the chunks of every segment but the last: += (the decays of the segment's chunks
+    after c) * GST[b, seg + 1, h] (the true gradient of the next segment's entering state), and writes this
+    term's share of decay_c <dS_{c+1}, S_c> (the cs_last gradient) as partials DCSF[b, h, c, block]."""
     blk = tl.program_id(2)
     j = blk * BLK + tl.arange(0, BLK)
     h = tl.program_id(1)
@@ -190,12 +231,12 @@ def _dstates_fix_kernel(DSH, DSL, STH, STL, GST, DPOST, DEC, DCSF, NC, H, CPS, N
     seg = c // CPS
     nseg = (NC + CPS - 1) // CPS
     m = j < PN
-    w = tl.load(DPOST + (b * H + h) * NC + c)
+    w = _decay_product(CS, SEQ, b, h, c + 1, seg * CPS + CPS, L, H, NC, ssb, ssl, T, CPB, HAS_SEQ)
     gnext = w * tl.load(GST + ((b * nseg + seg + 1) * H + h) * PN + j, mask=m, other=0.0)
     off = ((b * NC + c) * H + h) * PN + j
     _st_store(DSH, DSL, off, _st_load(DSH, DSL, off, m, PREC) + gnext, m, PREC)
     s_in = _st_load(STH, STL, off, m, PREC)  # S_c, the state entering chunk c
-    dec = tl.load(DEC + (b * H + h) * NC + c)
+    dec = _decay_product(CS, SEQ, b, h, c, c + 1, L, H, NC, ssb, ssl, T, 1, HAS_SEQ)
     tl.store(DCSF + ((b * H + h) * NFIX + c) * tl.num_programs(2) + blk, dec * tsum(gnext * s_in, axis=0))
 
 
@@ -231,14 +272,16 @@ def _states_step(BN, T):
     return max(16, min(bs, triton.next_power_of_2(T)))
 
 
-def _auto_segments(walks, nc, sms):
-    """The segment count of MEGASSM_SSD_STATE_SEGMENTS=auto: double k (up to 16 and nc / 2) while the walks
-    (rows x heads x P-blocks x N-blocks at 64 x 64) give fewer than two programs per multiprocessor. Tuned on
-    an H200 (docs/benchmarks.md, session 12): below that count the walks are latency-bound (one 32K row:
-    1 -> 6.8 ms fwd+bwd, 4 -> 5.2); above it the fix-up passes cost more than the extra programs give
-    (4 x 8K: 1 -> 4.7 ms, 2 -> 4.9)."""
+def _auto_segments(walks, nc, sms, full=2, target=6):
+    """The segment count of MEGASSM_SSD_STATE_SEGMENTS=auto. When the walks (rows x heads x P-blocks x N-blocks
+    at 64 x 64) already give `full` programs per multiprocessor, one walk: no fix-up passes. Otherwise, once the
+    fix-up passes are paid for, enough segments for `target` programs per multiprocessor: double k (up to 16 and
+    nc / 2) while below it. The H100 sweep (docs/benchmarks.md, session 18; fwd+bwd ms, split mode): 4 x 8K
+    (512 walks) k 1 4.62, 2 4.76; 2 x 16K k 2 5.07, 4 4.94, 8 5.07; 1 x 32K k 4 5.23, 8 5.00, 16 5.11."""
     k = 1
-    while k < 16 and 2 * k <= nc // 2 and walks * k < 2 * sms:
+    if walks >= full * sms:
+        return k
+    while k < 16 and 2 * k <= nc // 2 and walks * k < target * sms:
         k *= 2
     return k
 
@@ -258,31 +301,10 @@ def _state_segments(x, bsz, nheads, hdim, dstate, nc):
     return triton.cdiv(nc, cps), cps
 
 
-def _chunk_decays(cs, seq_idx, T, seqlen):
-    """exp(cs_last) per (row, head, chunk): the factor by which a chunk carries its entering state to its end;
-    0 where the entering state's document is not the chunk's last (as _states_kernel's `decay`)."""
-    dec = torch.exp(cs[..., T - 1])
-    if seq_idx is not None:
-        nc = cs.shape[2]
-        starts = torch.arange(nc, device=cs.device) * T
-        first = (starts - 1).clamp(0, seqlen - 1)
-        last = (starts + T).clamp(max=seqlen) - 1
-        keep = seq_idx[:, first] == seq_idx[:, last]
-        dec = dec * keep[:, None, :]
-    return dec
-
-
-def _segment_decays(dec, nseg, cps):
-    """For chunk decays [B, H, nc] grouped into segments of cps chunks: (before, after, whole), the products of
-    the decays of the segment's chunks before chunk c, after chunk c, and of the whole segment [B, H, nseg]."""
-    bsz, nheads, nc = dec.shape
-    d = torch.nn.functional.pad(dec, (0, nseg * cps - nc), value=1.0).view(bsz, nheads, nseg, cps)
-    one = torch.ones_like(d[..., :1])
-    inc = d.cumprod(-1)
-    before = torch.cat([one, inc[..., :-1]], -1)
-    after = torch.cat([d.flip(-1).cumprod(-1).flip(-1)[..., 1:], one], -1)
-    return (before.reshape(bsz, nheads, -1)[..., :nc].contiguous(),
-            after.reshape(bsz, nheads, -1)[..., :nc].contiguous(), inc[..., -1])
+def _segment_passes(cps, hdim, dstate):
+    """Launch parameters of the segment passes: (BLK, number of P x N blocks, CPB: the decay vectors' length)."""
+    BLK = _pow2_block(hdim * dstate, 1024)
+    return BLK, triton.cdiv(hdim * dstate, BLK), max(2, triton.next_power_of_2(cps))
 
 
 def _states(x, B, dtp, cs, seq_idx, initial_states, T, nc):
@@ -307,13 +329,15 @@ def _states(x, B, dtp, cs, seq_idx, initial_states, T, nc):
     )
     if nseg == 1:
         return states, ends[:, 0]
-    before, _, whole = _segment_decays(_chunk_decays(cs, seq_idx, T, seqlen), nseg, cps)
-    for k in range(1, nseg):
-        ends[:, k] += whole[:, :, k, None, None] * ends[:, k - 1]
-    BLK = _pow2_block(hdim * dstate, 1024)
+    # the true segment ends, then the later segments' chunks; the decays come from cs inside the kernels
+    # (the torch glue they replace was ~20 launches, which one 32K row's forward waited for)
+    BLK, npn, CPB = _segment_passes(cps, hdim, dstate)
+    common = dict(PN=hdim * dstate, BLK=BLK, T=T, CPB=CPB, HAS_SEQ=seq_idx is not None)
+    _segment_ends_kernel[(bsz, nheads, npn)](ends, cs, seq, seqlen, nheads, nc, nseg, cps, ssb, ssl,
+                                             REVERSE=False, **common)
     # rows x chunks on grid axis 0: CUDA caps axes 1 and 2 at 65535 programs
-    _states_fix_kernel[(bsz * (nc - cps), nheads, triton.cdiv(hdim * dstate, BLK))](
-        *states, ends, before, nc, nheads, cps, PN=hdim * dstate, BLK=BLK, PREC=_prec(x),
+    _states_fix_kernel[(bsz * (nc - cps), nheads, npn)](
+        *states, ends, cs, seq, seqlen, nc, nheads, cps, ssb, ssl, PREC=_prec(x), **common,
     )
     return states, ends[:, -1].contiguous()
 
@@ -347,16 +371,14 @@ def _dstates(x, C, dy, cs, seq_idx, states, final, dfinal, initial_states, T, nc
     )
     dcs_last = dcsl.sum(-1)
     if nseg > 1:
-        dec = _chunk_decays(cs, seq_idx, T, seqlen).contiguous()
-        _, after, whole = _segment_decays(dec, nseg, cps)
-        for k in range(nseg - 2, -1, -1):
-            gst[:, k] += whole[:, :, k, None, None] * gst[:, k + 1]
+        BLK, npn, CPB = _segment_passes(cps, hdim, dstate)
+        common = dict(PN=hdim * dstate, BLK=BLK, T=T, CPB=CPB, HAS_SEQ=seq_idx is not None)
+        _segment_ends_kernel[(bsz, nheads, npn)](gst, cs, seq, seqlen, nheads, nc, nseg, cps, ssb, ssl,
+                                                 REVERSE=True, **common)
         nfix = (nseg - 1) * cps
-        BLK = _pow2_block(hdim * dstate, 1024)
-        nfb = triton.cdiv(hdim * dstate, BLK)
-        dcsf = torch.empty(bsz, nheads, nfix, nfb, dtype=torch.float32, device=dev)
-        _dstates_fix_kernel[(bsz * nfix, nheads, nfb)](
-            *dsn, *states, gst, after, dec, dcsf, nc, nheads, cps, nfix, PN=hdim * dstate, BLK=BLK, PREC=prec,
+        dcsf = torch.empty(bsz, nheads, nfix, npn, dtype=torch.float32, device=dev)
+        _dstates_fix_kernel[(bsz * nfix, nheads, npn)](
+            *dsn, *states, gst, cs, seq, dcsf, seqlen, nc, nheads, cps, nfix, ssb, ssl, PREC=prec, **common,
         )
         dcs_last[:, :, :nfix] += dcsf.sum(-1)
     dinit = gst[:, 0].contiguous() if initial_states is not None else None
