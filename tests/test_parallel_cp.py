@@ -17,6 +17,7 @@ import torch
 from megassm.config import ConfigError, load_config
 from megassm.parallel.cp_testing import cp_equivalence_worker
 from megassm.parallel.testing import losses, run_train, spawn
+from conftest import use_megatron_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,7 +40,9 @@ def _check_counts(rec):
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-def test_cp_matches_single_device(tmp_path, cp):
+def test_cp_matches_single_device(tmp_path, monkeypatch, cp):
+    if cp == 2:
+        use_megatron_groups(monkeypatch)
     out = tmp_path / "report.json"
     spawn(cp_equivalence_worker, cp, cp, 1, CASES, str(out))
     report = json.loads(out.read_text())

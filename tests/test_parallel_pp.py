@@ -18,6 +18,7 @@ from megassm.models import build_model
 from megassm.parallel.pp import balance_stages, init_stage_weights, split_model, stage_layout
 from megassm.parallel.pp_testing import pp_equivalence_worker
 from megassm.parallel.testing import losses, run_train, spawn, tiny_model_config
+from conftest import use_megatron_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -149,7 +150,8 @@ def _check(out, n_cases, tol=1e-5):
     return report
 
 
-def test_pp2_matches_single_device(tmp_path):
+def test_pp2_matches_single_device(tmp_path, monkeypatch):
+    use_megatron_groups(monkeypatch)  # the pipeline and embedding groups from megatron-core (_check_layout)
     out = tmp_path / "pp2.json"
     spawn(pp_equivalence_worker, 2, 1, 2, CASES_PP2, str(out))
     report = _check(out, len(CASES_PP2))

@@ -2,6 +2,7 @@
 Mamba-2 (ngroups divisible by TP, and TP > ngroups) and the M*M- hybrid. Against the single-device model
 on the same canonical weights: logits, loss, every gradient (gathered to the canonical layout), the global
 grad norm, three clipped AdamW steps; and the collectives each layer's forward issues."""
+import importlib.util
 import json
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from megassm.config import load_config
 from megassm.config import ConfigError
 from megassm.parallel.testing import equivalence_worker, spawn
+from conftest import use_megatron_groups
 
 CASES = [
     dict(pattern="MM", ngroups=2),  # tp=2: ngroups % tp == 0 (fast path); tp=4: tp > ngroups > 1 (2 slots)
@@ -20,7 +22,9 @@ CASES = [
 # SP with K/V split (tp 2) and replicated K/V / tp > ngroups without SP (tp 4); plain TP 2 and SP at TP 4 run in
 # test_parallel_train.py and test_mixers_*.py (the suite's 20-minute budget on 2 cores)
 @pytest.mark.parametrize("tp,sp", [(2, True), (4, False)])
-def test_tp_matches_single_device(tmp_path, tp, sp):
+def test_tp_matches_single_device(tmp_path, monkeypatch, tp, sp):
+    if tp == 2:
+        use_megatron_groups(monkeypatch)
     out = tmp_path / "report.json"
     spawn(equivalence_worker, tp, tp, sp, [dict(c) for c in CASES], str(out))
     report = json.loads(out.read_text())
@@ -64,14 +68,24 @@ def test_check_supported_allows_tp_cp_pp(monkeypatch):
         check_supported(_cfg("parallel.sp=true"))
     with pytest.raises(ConfigError, match="torchrun"):
         check_supported(_cfg("parallel.tp=2", "parallel.world_size=2"))
+    monkeypatch.setenv("MEGASSM_PROCESS_GROUPS", "megatorch")  # before any process group exists
+    with pytest.raises(ConfigError, match="MEGASSM_PROCESS_GROUPS='megatorch': expected one of auto, megatron"):
+        check_supported(_cfg())
 
 
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
 def test_megatron_groups_on_gloo_match_layout(tmp_path):
-    """megatron-core parallel_state builds the groups over gloo (4 ranks: TP 2 x DP 2), laid out tp-cp-dp-pp
-    exactly like the plain-torch fallback used when megatron-core is absent."""
+    """megatron-core parallel_state builds every group over gloo (4 ranks), and for each layout they are the
+    groups of the plain builder (tp, dp, cp, pp and the embedding groups, ranks and indices), laid out
+    tp-cp-dp-pp. The rest of the CPU suite builds its groups with the plain builder (conftest.py); a few tests
+    go through megatron-core end to end (megatron_groups)."""
     from megassm.parallel.testing import layout_worker
 
     out = tmp_path / "layout.json"
-    spawn(layout_worker, 4, 2, str(out))
+    layouts = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4), (4, 1, 1)]
+    spawn(layout_worker, 4, layouts, str(out))
     rec = json.loads(out.read_text())
-    assert rec == {"tp": [0, 1], "dp": [0, 2], "backend": "gloo"}
+    assert rec["backend"] == "gloo" and [r["layout"] for r in rec["layouts"]] == [list(x) for x in layouts]
+    # rank 0's groups, by hand for two layouts: tp2 x dp2, and tp2 x pp2 (a pipeline is ranks {0, 2})
+    assert rec["layouts"][0]["tp"] == [0, 1] and rec["layouts"][0]["dp"] == [0, 2]
+    assert rec["layouts"][4]["pp"] == [0, 2] and rec["layouts"][4]["emb"] == [0, 2]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megassm.parallel.testing import losses, run_train
+from conftest import use_megatron_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [
@@ -66,7 +67,8 @@ def test_resume_tp2_checkpoint_at_other_tp(runs, tmp_path, nproc, extra):
     assert all(_close(resumed[s], single[s]) for s in resumed), (resumed, single)
 
 
-def test_torchrun_tp2_dp2_matches_single_process(runs, tmp_path):
+def test_torchrun_tp2_dp2_matches_single_process(runs, tmp_path, monkeypatch):
+    use_megatron_groups(monkeypatch)  # the trainer end to end with megatron-core's groups
     _, single, _ = runs
     both = _run(tmp_path / "tpdp", nproc=4, extra=["parallel.tp=2"])
     assert all(_close(both[s], single[s]) for s in single), (both, single)

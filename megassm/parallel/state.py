@@ -1,7 +1,7 @@
 """Process groups for tensor / context / data / pipeline parallelism (order tp-cp-dp-pp).
 
     init_distributed()                       # torch.distributed from the launcher's env (gloo CPU, nccl CUDA)
-    groups = build_groups(tp=2)              # megatron.core.parallel_state underneath
+    groups = build_groups(tp=2)              # megatron.core.parallel_state underneath (MEGASSM_PROCESS_GROUPS)
     groups.tp_group, groups.tp_rank, groups.cp_group, groups.cp_rank, groups.dp_group, groups.dp_rank, ...
 
 megatron-core's `parallel_state.initialize_model_parallel` only creates `torch.distributed.new_group`s and
@@ -15,6 +15,7 @@ docs/parallelism.md).
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import sys
 import warnings
@@ -23,7 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["ParallelGroups", "init_distributed", "build_groups", "destroy", "single_process_groups"]
+__all__ = ["ParallelGroups", "init_distributed", "build_groups", "destroy", "single_process_groups", "group_builder"]
+
+log = logging.getLogger("megassm.parallel")
 
 
 @dataclass
@@ -72,8 +75,24 @@ def init_distributed(device_type: str | None = None, timeout_s: float = 600.0) -
     return True
 
 
+GROUP_BUILDERS = ("auto", "megatron", "torch")
+
+
+def group_builder() -> str:
+    """MEGASSM_PROCESS_GROUPS: who creates the groups. `auto` (default): megatron-core's parallel_state when it
+    is installed, else plain torch.distributed groups of the same layout; `megatron`: megatron-core, an error
+    when it is missing; `torch`: the plain builder (no megatron-core import: ~2 s less per rank, which the CPU
+    test suite uses; tests/test_parallel_tp.py checks both builders give the same groups)."""
+    v = os.environ.get("MEGASSM_PROCESS_GROUPS", "auto").strip().lower()
+    if v not in GROUP_BUILDERS:
+        raise ValueError(f"MEGASSM_PROCESS_GROUPS={v!r}: expected one of {', '.join(GROUP_BUILDERS)}")
+    return v
+
+
 def build_groups(tp: int = 1, cp: int = 1, pp: int = 1) -> ParallelGroups:
-    """Create the groups with megatron.core.parallel_state (order tp-cp-dp-pp). Single process: trivial."""
+    """Create the groups (order tp-cp-dp-pp) with megatron.core.parallel_state or the plain builder, as
+    MEGASSM_PROCESS_GROUPS says (group_builder). Single process: trivial."""
+    builder = group_builder()  # a bad value fails in single-process runs too
     if not dist.is_initialized() or dist.get_world_size() == 1:
         if tp * cp * pp != 1:
             raise ValueError(f"tp={tp} cp={cp} pp={pp} needs a multi-process launch (torchrun)")
@@ -81,12 +100,17 @@ def build_groups(tp: int = 1, cp: int = 1, pp: int = 1) -> ParallelGroups:
     ws = dist.get_world_size()
     if ws % (tp * cp * pp):
         raise ValueError(f"world size {ws} is not divisible by tp*cp*pp = {tp * cp * pp}")
+    if builder == "torch":
+        return _log_builder(_build_groups_torch(tp, cp, pp), "torch.distributed (MEGASSM_PROCESS_GROUPS=torch)")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed" on CPU
             from megatron.core import parallel_state as ps
-    except ImportError:  # megatron-core not installed: the same layout with plain torch.distributed groups
-        return _build_groups_torch(tp, cp, pp)
+    except ImportError as e:
+        if builder == "megatron":
+            raise ImportError(f"MEGASSM_PROCESS_GROUPS=megatron, but megatron-core does not import: {e}") from e
+        return _log_builder(_build_groups_torch(tp, cp, pp),
+                            "torch.distributed (megatron-core is not installed; the same layout)")
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
@@ -96,7 +120,7 @@ def build_groups(tp: int = 1, cp: int = 1, pp: int = 1) -> ParallelGroups:
         order="tp-cp-ep-dp-pp",
         create_gloo_process_groups=False,
     )
-    return ParallelGroups(
+    return _log_builder(ParallelGroups(
         tp=tp, cp=cp, pp=pp, dp=ps.get_data_parallel_world_size(),
         tp_rank=ps.get_tensor_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank(),
         rank=dist.get_rank(), world_size=ws,
@@ -106,7 +130,13 @@ def build_groups(tp: int = 1, cp: int = 1, pp: int = 1) -> ParallelGroups:
         emb_group=(ps.get_embedding_group(check_initialized=False)
                    if pp > 1 and ps.is_rank_in_embedding_group() else None),
         megatron=True,
-    )
+    ), "megatron-core parallel_state")
+
+
+def _log_builder(groups: ParallelGroups, how: str) -> ParallelGroups:
+    if groups.rank == 0:
+        log.info("process groups: %s; tp %d x cp %d x dp %d x pp %d", how, groups.tp, groups.cp, groups.dp, groups.pp)
+    return groups
 
 
 def rank_layout(world: int, tp: int, cp: int = 1, pp: int = 1) -> tuple[list, list]:

@@ -223,20 +223,31 @@ def equivalence_worker(rank, world, tp, sp, cases, out_path, steps=3, device="cp
             json.dump(report, f, indent=1, default=str)
 
 
-def layout_worker(rank, world, tp, out_path):
-    """megatron-core's groups vs the plain-torch fallback layout (state.rank_layout)."""
-    import torch.distributed as dist
+def layout_worker(rank, world, layouts, out_path):
+    """For each (tp, cp, pp) in `layouts`: megatron-core's groups (MEGASSM_PROCESS_GROUPS=megatron) and the
+    plain builder's are the same groups (tp, dp, cp, pp, embedding: ranks and this rank's indices) and follow
+    state.rank_layout / cp_layout / pp_layout. What lets the CPU suite build its groups with the plain builder.
+    Rank 0 writes the megatron-core groups it saw, per layout, to out_path."""
+    from .state import _build_groups_torch, build_groups, cp_layout, pp_layout, rank_layout
 
-    from .state import build_groups, rank_layout
+    def ranks(g):
+        return dist.get_process_group_ranks(g) if g is not None else None
 
-    g = build_groups(tp=tp)
-    assert g.megatron
-    tp_ranks = dist.get_process_group_ranks(g.tp_group)
-    dp_ranks = dist.get_process_group_ranks(g.dp_group)
-    tp_groups, dp_groups = rank_layout(world, tp)
-    assert tp_ranks in tp_groups and rank in tp_ranks, (tp_ranks, tp_groups)
-    assert dp_ranks in dp_groups and rank in dp_ranks, (dp_ranks, dp_groups)
-    assert g.tp_rank == tp_ranks.index(rank) and g.dp_rank == dp_ranks.index(rank)
+    def described(g):
+        return dict(tp=ranks(g.tp_group), dp=ranks(g.dp_group), cp=ranks(g.cp_group), pp=ranks(g.pp_group),
+                    emb=ranks(g.emb_group), idx=[g.tp_rank, g.dp_rank, g.cp_rank, g.pp_rank, g.dp])
+
+    os.environ["MEGASSM_PROCESS_GROUPS"] = "megatron"
+    seen = []
+    for tp, cp, pp in layouts:
+        gm = build_groups(tp=tp, cp=cp, pp=pp)
+        assert gm.megatron
+        m, t = described(gm), described(_build_groups_torch(tp, cp, pp))
+        assert m == t, (tp, cp, pp, m, t)
+        tp_groups, dp_groups = rank_layout(world, tp, cp, pp)
+        assert m["tp"] in tp_groups and m["dp"] in dp_groups, m
+        assert m["cp"] in cp_layout(world, tp, cp, pp) and m["pp"] in pp_layout(world, tp, cp, pp), m
+        seen.append(dict(layout=[tp, cp, pp], **m))
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump(dict(tp=tp_ranks, dp=dp_ranks, backend=dist.get_backend(g.tp_group)), f)
+            json.dump(dict(layouts=seen, backend=dist.get_backend(gm.tp_group)), f)

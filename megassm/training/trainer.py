@@ -62,10 +62,27 @@ def check_supported(cfg: Config) -> None:
         )
     if cfg.train.cuda_graph:
         _check_cuda_graph(cfg)
+    _check_group_builder(cfg)
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda but no CUDA device is visible (use train.device=auto or cpu)")
     if cfg.train.precision == "bf16" and _pick_device(cfg).type == "cpu":
         log.warning("train.precision=bf16 on CPU: autocast to bf16 on CPU is slow; fp32 is the CPU default")
+
+
+def _check_group_builder(cfg: Config) -> None:
+    """MEGASSM_PROCESS_GROUPS (parallel/state.py): a known value, and megatron-core installed when it is asked
+    for by a multi-process run."""
+    import importlib.util
+
+    from megassm.parallel.state import group_builder
+
+    try:
+        builder = group_builder()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if builder == "megatron" and world_size(cfg) > 1 and importlib.util.find_spec("megatron") is None:
+        raise ConfigError("MEGASSM_PROCESS_GROUPS=megatron, but megatron-core is not installed "
+                          "(pip install megatron-core, or MEGASSM_PROCESS_GROUPS=auto)")
 
 
 def _check_cuda_graph(cfg: Config) -> None:
