@@ -153,10 +153,11 @@ def test_ssd_state_segments_setting(monkeypatch):
     assert _state_segments(x, 1, 64, 64, 128, 128) == (1, 128)  # auto is one walk off the GPU
     monkeypatch.delenv("MEGASSM_SSD_STATE_SEGMENTS")
     assert _state_segments(x, 1, 64, 64, 128, 128) == (1, 128)  # the default is auto
-    # auto on an H100/H200 (132 SMs), anchors shape H 64, P 64, N 128: 128 walks per row
-    assert _auto_segments(64 * 2, 128, 132) == 8  # 1 x 32K: 1024 programs
-    assert _auto_segments(2 * 64 * 2, 64, 132) == 4  # 2 x 16K
-    assert _auto_segments(4 * 64 * 2, 32, 132) == 1  # 4 x 8K already fills the GPU
+    # auto on an H100/H200 (132 SMs), anchors shape H 64, P 64, N 128: 64 walks (64 x 128 blocks) per row
+    assert _auto_segments(64, 128, 132) == 4  # 1 x 32K: 256 programs
+    assert _auto_segments(2 * 64, 64, 132) == 2  # 2 x 16K
+    assert _auto_segments(4 * 64, 32, 132) == 1  # 4 x 8K: 256 programs already
+    assert _auto_segments(64, 8, 132) == 4  # micro-batch 1 x 2K: 8 chunks, segments of 2
     assert _auto_segments(1, 6, 132) == 2  # never more than nc / 2 segments
     assert _auto_segments(1, 4096, 132) == 16  # nor more than 16
     for bad in ("0", "-2", "two"):

@@ -244,9 +244,11 @@ def _dstates_fix_kernel(DSH, DSL, STH, STL, GST, CS, SEQ, DCSF, L, NC, H, CPS, N
 # host side
 
 def _state_blocks(x, bsz, nheads, hdim, dstate, bn_tile):
-    """P/N blocks of the sequential (chunk-walking) kernels: P 64 and N TILES[bn_tile], halving N down to 64
-    while that leaves fewer than two programs per multiprocessor (e.g. micro-batch 4 x 64 heads); still too few
-    (one 32K-token row): 32 and 32."""
+    """P/N blocks of the sequential (chunk-walking) kernels: P 64 and N TILES[bn_tile] (all of N: x, or dy, is
+    read once). The segments (_state_segments) supply the parallelism; only where even they leave fewer programs
+    than multiprocessors (few heads or few chunks) is N halved down to 64, then 32 x 32. Narrowing where
+    segments do the job costs: 4 x 8K at 64 x 64 blocks 3.92 ms fwd+bwd against 3.59 at 64 x 128 (bf16 mode,
+    H100, session 18: x read twice, half the tile per step)."""
     BP, BN = _pow2_block(hdim, 64), _tile(bn_tile, dstate)
     if x.is_cuda:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
@@ -254,9 +256,9 @@ def _state_blocks(x, bsz, nheads, hdim, dstate, bn_tile):
         def programs(bp, bn):
             return bsz * nheads * triton.cdiv(hdim, bp) * triton.cdiv(dstate, bn)
 
-        while BN > 64 and programs(BP, BN) < 2 * sms:
+        while BN > 64 and programs(BP, BN) < sms:
             BN //= 2
-        if programs(BP, BN) < 2 * sms:
+        if programs(BP, BN) < sms:
             BP, BN = _pow2_block(hdim, 32), _pow2_block(dstate, 32)
     return BP, BN
 
@@ -272,16 +274,15 @@ def _states_step(BN, T):
     return max(16, min(bs, triton.next_power_of_2(T)))
 
 
-def _auto_segments(walks, nc, sms, full=2, target=6):
-    """The segment count of MEGASSM_SSD_STATE_SEGMENTS=auto. When the walks (rows x heads x P-blocks x N-blocks
-    at 64 x 64) already give `full` programs per multiprocessor, one walk: no fix-up passes. Otherwise, once the
-    fix-up passes are paid for, enough segments for `target` programs per multiprocessor: double k (up to 16 and
-    nc / 2) while below it. The H100 sweep (docs/benchmarks.md, session 18; fwd+bwd ms, split mode): 4 x 8K
-    (512 walks) k 1 4.62, 2 4.76; 2 x 16K k 2 5.07, 4 4.94, 8 5.07; 1 x 32K k 4 5.23, 8 5.00, 16 5.11."""
+def _auto_segments(walks, nc, sms):
+    """The segment count of MEGASSM_SSD_STATE_SEGMENTS=auto, for `walks` = rows x heads x P-blocks x N-blocks at
+    the walks' full blocks (64 x 128): double k (up to 16 and nc / 2) while the doubled count stays within two
+    programs per multiprocessor. One walk when the rows alone give that (no fix-up passes). The H100 sweep
+    (docs/benchmarks.md, session 18; fwd+bwd ms, bf16 mode / split): 4 x 8K (256 walks) k 1 3.59 / 4.31,
+    k 2 3.84 / 4.72; 2 x 16K (128) k 1 3.89 / 4.86, k 2 3.80 / 4.69, k 4 3.93 / 4.89; 1 x 32K (64) k 2
+    4.10 / 5.24, k 4 3.88 / 4.85, k 8 3.96 / 4.97."""
     k = 1
-    if walks >= full * sms:
-        return k
-    while k < 16 and 2 * k <= nc // 2 and walks * k < target * sms:
+    while k < 16 and 2 * k <= nc // 2 and walks * 2 * k <= 2 * sms:
         k *= 2
     return k
 
@@ -296,7 +297,8 @@ def _state_segments(x, bsz, nheads, hdim, dstate, nc):
         k = 1
         if x.is_cuda:
             sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-            k = _auto_segments(bsz * nheads * triton.cdiv(hdim, 64) * triton.cdiv(dstate, 64), nc, sms)
+            bn = _tile("states_bn", dstate)
+            k = _auto_segments(bsz * nheads * triton.cdiv(hdim, 64) * triton.cdiv(dstate, bn), nc, sms)
     cps = triton.cdiv(nc, min(k, nc))
     return triton.cdiv(nc, cps), cps
 
