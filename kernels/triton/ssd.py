@@ -320,7 +320,7 @@ def ssd_fwd(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states
     if initial_states is not None:
         initial_states = initial_states.contiguous()
     T, nc, dtp, cs, cb = _prep(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit, seq_idx, chunk_size)
-    states, final = _states(x, B, dtp, cs, seq_idx, initial_states, T, nc)
+    states, final = _states(x, B, dtp, cs, seq_idx, initial_states, T, nc, want_final=return_final_states)
     y = _scan(x, z, C, D, cb, dtp, cs, seq_idx, states, T, nc)
     return y, (final if return_final_states else None), (_state_base(states) if keep_states else None)
 

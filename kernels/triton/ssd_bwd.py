@@ -365,10 +365,10 @@ def _intra_prec(prec):
 def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states, seq_idx,
             chunk_size, kept=None):
     """Gradients (dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states) of ssd_fwd. `kept`: ssd_fwd's kept
-    (states buffer, final states), used instead of recomputing them when its layout matches this call's
-    precision mode (a switch of MEGASSM_SSD_PRECISION between forward and backward recomputes). The final
-    states may be None without `dfinal`: then the reverse walk starts from a zero gradient and its products
-    with them vanish."""
+    (states buffer, final states or None); its states buffer is used instead of recomputing the entering
+    states when its layout matches this call's precision mode (a switch of MEGASSM_SSD_PRECISION between
+    forward and backward recomputes). The final states themselves are not needed: the reverse walk starts
+    from `dfinal` (or zero)."""
     x, B, C, z = _contig_last(x), _contig_last(B), _contig_last(C), _contig_last(z)
     D_in = D
     D = D.contiguous() if D is not None else None
@@ -381,12 +381,10 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     dev = x.device
     T, nc, dtp, cs, cb = _prep(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit, seq_idx, chunk_size)
     shape = _state_buffer_shape(x, (bsz, nc, nheads, hdim, dstate))
-    if kept is not None and tuple(kept[0].shape) == shape and kept[0].dtype == _state_buffer_dtype(x) and (
-            kept[1] is not None or dfinal is None):
+    if kept is not None and tuple(kept[0].shape) == shape and kept[0].dtype == _state_buffer_dtype(x):
         states = _state_views(kept[0])
-        final = kept[1] if kept[1] is not None else x.new_zeros(bsz, nheads, hdim, dstate, dtype=torch.float32)
-    else:
-        states, final = _states(x, B, dtp, cs, seq_idx, initial_states, T, nc)
+    else:  # the reverse walk needs the entering states only, not the final ones
+        states, _ = _states(x, B, dtp, cs, seq_idx, initial_states, T, nc, want_final=False)
     if z is not None:  # the gate needs the forward output: recompute it, fused with dy = dout * silu(z) and dz
         dy, dz = _scan(x, z, C, D, cb, dtp, cs, seq_idx, states, T, nc, dout=dout)
     else:  # without a gate the output is never recomputed (the cs_t gradient comes from _dcb / _dbc)
@@ -396,7 +394,7 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     seq, ssb, ssl = _seq_args(seq_idx, x)
     prec = _prec(x)
     iprec = _intra_prec(prec)  # _dx's and _dcb's intra-chunk products
-    dsn, dcs_last, dinit = _dstates(x, C, dy, cs, seq_idx, states, final, dfinal, initial_states, T, nc)
+    dsn, dcs_last, dinit = _dstates(x, C, dy, cs, seq_idx, states, dfinal, initial_states, T, nc)
     # dx, the direct dt gradient, dD
     BS = _tile("dx_bs", T)
     BPF = _pow2_block(hdim, 256)

@@ -33,11 +33,12 @@ from .ssd_common import (
 def _states_kernel(X, Bp, DTP, CS, SEQ, INIT, STH, STL, FINAL, L, H, G, NC, NSEG, CPS,
                    sxb, sxl, sxh, sxp, sbb, sbl, sbg, sbn, ssb, ssl, sib, sih, sip, sin,
                    P: tl.constexpr, N: tl.constexpr, T: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                   BS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, PREC: tl.constexpr):
+                   BS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_FINAL: tl.constexpr,
+                   PREC: tl.constexpr):
     """Walks the chunks [seg * CPS, seg * CPS + CPS) of one (row, segment, head, P-block, N-block) in order:
-    stores each chunk's entering state, then the segment's end state into FINAL[b, seg]. Segments after the
-    first start from zero (their entering states are completed by _states_fix_kernel); with NSEG = 1 this is
-    the whole sequence and FINAL the final state."""
+    stores each chunk's entering state, then (HAS_FINAL) the segment's end state into FINAL[b, seg]. Segments
+    after the first start from zero (their entering states are completed by _states_fix_kernel); with NSEG = 1
+    this is the whole sequence and FINAL the final state."""
     b = (tl.program_id(0) // NSEG).to(tl.int64)
     seg = tl.program_id(0) % NSEG
     h = tl.program_id(1)
@@ -86,8 +87,9 @@ def _states_kernel(X, Bp, DTP, CS, SEQ, INIT, STH, STL, FINAL, L, H, G, NC, NSEG
             sid_in = _seq_at(SEQ, b, c * T - 1, L, ssb, ssl)  # clamps to position 0 for c = 0
             decay = tl.where(sid_in == seq_last, decay, 0.0)
         S = S * decay + acc
-    tl.store(FINAL + ((b * NSEG + seg) * H + h) * P * N + p[:, None] * N + n[None, :], S,
-             mask=mp[:, None] & mn[None, :])
+    if HAS_FINAL:
+        tl.store(FINAL + ((b * NSEG + seg) * H + h) * P * N + p[:, None] * N + n[None, :], S,
+                 mask=mp[:, None] & mn[None, :])
 
 
 @triton.jit
@@ -153,7 +155,7 @@ def _states_fix_kernel(STH, STL, ENDS, CS, SEQ, L, NC, H, CPS, ssb, ssl, PN: tl.
 @_autotune([triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=4, num_stages=2),
             triton.Config({}, num_warps=4, num_stages=3)], key=["T", "BP", "BN", "BT"])
 @triton.jit
-def _dstates_kernel(DY, Cp, CS, SEQ, STH, STL, FINAL, DFIN, DSH, DSL, DCSL, DINIT, L, H, G, NC, NSEG, CPS,
+def _dstates_kernel(DY, Cp, CS, SEQ, STH, STL, DFIN, DSH, DSL, DCSL, DINIT, L, H, G, NC, NSEG, CPS,
                     sdyb, sdyl, sdyh, sdyp, scb, scl, scg, scn, ssb, ssl,
                     P: tl.constexpr, N: tl.constexpr, T: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                     BT: tl.constexpr, HAS_DFIN: tl.constexpr, HAS_SEQ: tl.constexpr, WANT_DINIT: tl.constexpr,
@@ -309,8 +311,9 @@ def _segment_passes(cps, hdim, dstate):
     return BLK, triton.cdiv(hdim * dstate, BLK), max(2, triton.next_power_of_2(cps))
 
 
-def _states(x, B, dtp, cs, seq_idx, initial_states, T, nc):
-    """Entering state of every chunk ((hi, lo) arrays, _state_buffer) and the final states (fp32). With
+def _states(x, B, dtp, cs, seq_idx, initial_states, T, nc, want_final=True):
+    """Entering state of every chunk ((hi, lo) arrays, _state_buffer) and the final states (fp32; None when not
+    `want_final`: one fp32 state per row and head not written, 134 MB per call at 64 rows x 64 heads). With
     segments (_state_segments), each segment's walk starts from zero; the true segment ends follow in order
     (end_k += decay of segment k * end_{k-1}) and _states_fix_kernel adds the decayed previous end to the
     entering states of every later segment's chunks."""
@@ -318,19 +321,21 @@ def _states(x, B, dtp, cs, seq_idx, initial_states, T, nc):
     ngroups, dstate = B.shape[-2:]
     states = _state_buffer(x, (bsz, nc, nheads, hdim, dstate))
     nseg, cps = _state_segments(x, bsz, nheads, hdim, dstate, nc)
-    ends = torch.empty(bsz, nseg, nheads, hdim, dstate, dtype=torch.float32, device=x.device)
+    has_final = want_final or nseg > 1  # the segment ends feed the segment passes
+    ends = torch.empty(bsz, nseg, nheads, hdim, dstate, dtype=torch.float32, device=x.device) if has_final else None
     BP, BN = _state_blocks(x, bsz * nseg, nheads, hdim, dstate, "states_bn")
     seq, ssb, ssl = _seq_args(seq_idx, x)
     grid = (bsz * nseg, nheads, triton.cdiv(hdim, BP) * triton.cdiv(dstate, BN))
     _states_kernel[grid](
-        x, B, dtp, cs, seq, initial_states if initial_states is not None else x, *states, ends,
+        x, B, dtp, cs, seq, initial_states if initial_states is not None else x, *states,
+        ends if has_final else cs,
         seqlen, nheads, ngroups, nc, nseg, cps, *x.stride(), *B.stride(), ssb, ssl,
         *(initial_states.stride() if initial_states is not None else (0, 0, 0, 0)),
         P=hdim, N=dstate, T=T, BP=BP, BN=BN, BS=_states_step(BN, T), HAS_INIT=initial_states is not None,
-        HAS_SEQ=seq_idx is not None, PREC=_prec(x),
+        HAS_SEQ=seq_idx is not None, HAS_FINAL=has_final, PREC=_prec(x),
     )
     if nseg == 1:
-        return states, ends[:, 0]
+        return states, (ends[:, 0] if has_final else None)
     # the true segment ends, then the later segments' chunks; the decays come from cs inside the kernels
     # (the torch glue they replace was ~20 launches, which one 32K row's forward waited for)
     BLK, npn, CPB = _segment_passes(cps, hdim, dstate)
@@ -341,10 +346,10 @@ def _states(x, B, dtp, cs, seq_idx, initial_states, T, nc):
     _states_fix_kernel[(bsz * (nc - cps), nheads, npn)](
         *states, ends, cs, seq, seqlen, nc, nheads, cps, ssb, ssl, PREC=_prec(x), **common,
     )
-    return states, ends[:, -1].contiguous()
+    return states, (ends[:, -1].contiguous() if want_final else None)
 
 
-def _dstates(x, C, dy, cs, seq_idx, states, final, dfinal, initial_states, T, nc):
+def _dstates(x, C, dy, cs, seq_idx, states, dfinal, initial_states, T, nc):
     """The reverse walk: (dS, the gradient of the state leaving every chunk, as _state_buffer arrays; the
     gradient of each chunk's cs_last through the entering state it carries, decay_c <dS_{c+1}, S_c>, [B, H, nc]
     fp32; d initial_states in fp32 or
@@ -366,8 +371,8 @@ def _dstates(x, C, dy, cs, seq_idx, states, final, dfinal, initial_states, T, nc
     if dfinal is not None:
         dfinal = dfinal.contiguous()
     _dstates_kernel[(bsz * nseg, nheads, nblk)](
-        dy, C, cs, seq, *states, final, dfinal if dfinal is not None else final, *dsn, dcsl,
-        gst if gst is not None else final, seqlen, nheads, ngroups, nc, nseg, cps, *dy.stride(), *C.stride(),
+        dy, C, cs, seq, *states, dfinal if dfinal is not None else cs, *dsn, dcsl,
+        gst if gst is not None else cs, seqlen, nheads, ngroups, nc, nseg, cps, *dy.stride(), *C.stride(),
         ssb, ssl, P=hdim, N=dstate, T=T, BP=BP, BN=BN, BT=_tile("dstates_bt", T), HAS_DFIN=dfinal is not None,
         HAS_SEQ=seq_idx is not None, WANT_DINIT=gst is not None, PREC=prec,
     )
