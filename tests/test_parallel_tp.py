@@ -71,6 +71,16 @@ def test_check_supported_allows_tp_cp_pp(monkeypatch):
     monkeypatch.setenv("MEGASSM_PROCESS_GROUPS", "megatorch")  # before any process group exists
     with pytest.raises(ConfigError, match="MEGASSM_PROCESS_GROUPS='megatorch': expected one of auto, megatron"):
         check_supported(_cfg())
+    # megatron-core asked for by a multi-process run but not installed: refused up front, not a fallback
+    monkeypatch.setenv("MEGASSM_PROCESS_GROUPS", "megatron")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "megatron" else
+                        real_find_spec(name, *a))
+    with pytest.raises(ConfigError, match="MEGASSM_PROCESS_GROUPS=megatron, but megatron-core is not installed"):
+        check_supported(_cfg())
+    monkeypatch.setenv("MEGASSM_PROCESS_GROUPS", "auto")  # auto falls back to the plain builder: no error
+    check_supported(_cfg())
 
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
