@@ -151,7 +151,7 @@ def _check(out, n_cases, tol=1e-5):
 
 
 def test_pp2_matches_single_device(tmp_path, monkeypatch):
-    use_megatron_groups(monkeypatch)  # the pipeline and embedding groups from megatron-core (_check_layout)
+    use_megatron_groups(monkeypatch)  # the pipeline and embedding groups from megatron-core, end to end
     out = tmp_path / "pp2.json"
     spawn(pp_equivalence_worker, 2, 1, 2, CASES_PP2, str(out))
     report = _check(out, len(CASES_PP2))
