@@ -322,7 +322,7 @@ def ssd_fwd(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states
     T, nc, dtp, cs, cb = _prep(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit, seq_idx, chunk_size)
     states, final = _states(x, B, dtp, cs, seq_idx, initial_states, T, nc, want_final=return_final_states)
     y = _scan(x, z, C, D, cb, dtp, cs, seq_idx, states, T, nc)
-    return y, (final if return_final_states else None), (_state_base(states) if keep_states else None)
+    return y, final, (_state_base(states) if keep_states else None)  # final: None unless return_final_states
 
 
 def kept_state_shape(x, B, chunk_size):
