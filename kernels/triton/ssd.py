@@ -55,6 +55,7 @@ from .ssd_common import (
     _mm_a_st,
     _mm_af,
     _mm_raw,
+    _out_prec,
     _pow2_block,
     _prec,
     _seq_args,
@@ -303,7 +304,7 @@ def _scan(x, z, C, D, cb, dtp, cs, seq_idx, states, T, nc, dout=None):
         P=hdim, N=dstate, T=T, BP=BP, BT=BT, BS=_tile("scan_bs", T),
         BK=_tile("scan_bk", dstate), HAS_SEQ=seq_idx is not None,
         HAS_D=D is not None,
-        D_PER_CHANNEL=D is not None and D.dim() == 2, HAS_Z=z is not None, BWD=bwd, PREC=_prec(x),
+        D_PER_CHANNEL=D is not None and D.dim() == 2, HAS_Z=z is not None, BWD=bwd, PREC=_out_prec(x),
     )
     if bwd:
         return dy, dz

@@ -24,6 +24,7 @@ from .ssd_common import (
     _mm_af,
     _mm_ff,
     _mm_raw,
+    _out_prec,
     _pow2_block,
     _prec,
     _seq_args,
@@ -433,7 +434,7 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     _dbc_kernel[grid](
         x, dy, C, C, dcb, dtp, cs, seq, *dsn, dB, dcsr, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(),
         *C.stride(), *C.stride(), ssb, ssl, P=hdim, N=dstate, T=T, BPF=BPF, BS=BSR, BN=BNc, IS_DC=False,
-        HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=prec,
+        HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=_out_prec(x),
     )
     _dbc_kernel[grid](
         x, dy, B, C, dcb, dtp, cs, seq, *states, dC, dcsr, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(),
