@@ -321,7 +321,8 @@ def ssd_fwd(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states
     if initial_states is not None:
         initial_states = initial_states.contiguous()
     T, nc, dtp, cs, cb = _prep(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit, seq_idx, chunk_size)
-    states, final = _states(x, B, dtp, cs, seq_idx, initial_states, T, nc, want_final=return_final_states)
+    states, final = _states(x, B, dtp, cs, seq_idx, initial_states, T, nc, want_final=return_final_states,
+                            readout_only=not keep_states)
     y = _scan(x, z, C, D, cb, dtp, cs, seq_idx, states, T, nc)
     return y, final, (_state_base(states) if keep_states else None)  # final: None unless return_final_states
 

@@ -295,15 +295,17 @@ def _seq_args(seq_idx, x):
     return seq_idx, seq_idx.stride(0), seq_idx.stride(1)
 
 
-def _state_buffer(x, shape):
-    """(hi, lo) arrays for chunk states or their gradients, stored as _st_store writes them: fp32 (both names
-    one array) for fp32 inputs, bf16 hi + lo arrays by default for bf16 inputs, a bf16 hi array alone with
-    MEGASSM_SSD_PRECISION=bf16. Both views share one allocation (_state_base)."""
-    return _state_views(torch.empty(_state_buffer_shape(x, shape), dtype=_state_buffer_dtype(x), device=x.device))
+def _state_buffer(x, shape, prec=None):
+    """(hi, lo) arrays for chunk states or their gradients, stored as _st_store writes them at `prec` (default
+    _prec(x)): fp32 (both names one array) for fp32 inputs, bf16 hi + lo arrays by default for bf16 inputs, a
+    bf16 hi array alone with MEGASSM_SSD_PRECISION=bf16 (or for states only _scan reads, _out_prec). Both views
+    share one allocation (_state_base)."""
+    return _state_views(torch.empty(_state_buffer_shape(x, shape, prec), dtype=_state_buffer_dtype(x),
+                                    device=x.device))
 
 
-def _state_buffer_shape(x, shape):
-    prec = _prec(x)
+def _state_buffer_shape(x, shape, prec=None):
+    prec = prec or _prec(x)
     return tuple(shape) if prec == "ieee" else (2 if prec == "bf16" else 1,) + tuple(shape)
 
 

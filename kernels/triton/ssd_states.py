@@ -16,6 +16,7 @@ from ._lang import tsum
 from .ssd_common import (
     _autotune,
     _mm_af,
+    _out_prec,
     _pow2_block,
     _prec,
     _seq_args,
@@ -34,11 +35,12 @@ def _states_kernel(X, Bp, DTP, CS, SEQ, INIT, STH, STL, FINAL, L, H, G, NC, NSEG
                    sxb, sxl, sxh, sxp, sbb, sbl, sbg, sbn, ssb, ssl, sib, sih, sip, sin,
                    P: tl.constexpr, N: tl.constexpr, T: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                    BS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_FINAL: tl.constexpr,
-                   PREC: tl.constexpr):
+                   PREC: tl.constexpr, STORE: tl.constexpr):
     """Walks the chunks [seg * CPS, seg * CPS + CPS) of one (row, segment, head, P-block, N-block) in order:
     stores each chunk's entering state, then (HAS_FINAL) the segment's end state into FINAL[b, seg]. Segments
     after the first start from zero (their entering states are completed by _states_fix_kernel); with NSEG = 1
-    this is the whole sequence and FINAL the final state."""
+    this is the whole sequence and FINAL the final state. PREC: the products' precision; STORE: the stored
+    states' format (_st_store), PREC's or hi alone when only _scan reads them (_out_prec)."""
     b = (tl.program_id(0) // NSEG).to(tl.int64)
     seg = tl.program_id(0) % NSEG
     h = tl.program_id(1)
@@ -58,7 +60,7 @@ def _states_kernel(X, Bp, DTP, CS, SEQ, INIT, STH, STL, FINAL, L, H, G, NC, NSEG
     st_base = (b * NC * H + h) * P * N
     for c in range(seg * CPS, tl.minimum(seg * CPS + CPS, NC)):
         off = st_base + c * H * P * N + p[:, None] * N + n[None, :]
-        _st_store(STH, STL, off, S, mp[:, None] & mn[None, :], PREC)
+        _st_store(STH, STL, off, S, mp[:, None] & mn[None, :], STORE)
         dbase = ((b * H + h) * NC + c) * T
         cs_last = tl.load(CS + dbase + T - 1)
         last = tl.minimum(c * T + T, L) - 1
@@ -311,16 +313,20 @@ def _segment_passes(cps, hdim, dstate):
     return BLK, triton.cdiv(hdim * dstate, BLK), max(2, triton.next_power_of_2(cps))
 
 
-def _states(x, B, dtp, cs, seq_idx, initial_states, T, nc, want_final=True):
+def _states(x, B, dtp, cs, seq_idx, initial_states, T, nc, want_final=True, readout_only=False):
     """Entering state of every chunk ((hi, lo) arrays, _state_buffer) and the final states (fp32; None when not
-    `want_final`: one fp32 state per row and head not written, 134 MB per call at 64 rows x 64 heads). With
+    `want_final`: one fp32 state per row and head not written, 134 MB per call at 64 rows x 64 heads).
+    `readout_only`: the states feed _scan alone (the forward, states not kept), which rounds them once
+    (_out_prec): a walk in one segment stores the hi array only (the lo array would be written and never read;
+    segmented walks keep the mode's format, so the fix-up adds to unrounded partial states). With
     segments (_state_segments), each segment's walk starts from zero; the true segment ends follow in order
     (end_k += decay of segment k * end_{k-1}) and _states_fix_kernel adds the decayed previous end to the
     entering states of every later segment's chunks."""
     bsz, seqlen, nheads, hdim = x.shape
     ngroups, dstate = B.shape[-2:]
-    states = _state_buffer(x, (bsz, nc, nheads, hdim, dstate))
     nseg, cps = _state_segments(x, bsz, nheads, hdim, dstate, nc)
+    store = _out_prec(x) if readout_only and nseg == 1 else _prec(x)
+    states = _state_buffer(x, (bsz, nc, nheads, hdim, dstate), store)
     has_final = want_final or nseg > 1  # the segment ends feed the segment passes
     ends = torch.empty(bsz, nseg, nheads, hdim, dstate, dtype=torch.float32, device=x.device) if has_final else None
     BP, BN = _state_blocks(x, bsz * nseg, nheads, hdim, dstate, "states_bn")
@@ -332,7 +338,7 @@ def _states(x, B, dtp, cs, seq_idx, initial_states, T, nc, want_final=True):
         seqlen, nheads, ngroups, nc, nseg, cps, *x.stride(), *B.stride(), ssb, ssl,
         *(initial_states.stride() if initial_states is not None else (0, 0, 0, 0)),
         P=hdim, N=dstate, T=T, BP=BP, BN=BN, BS=_states_step(BN, T), HAS_INIT=initial_states is not None,
-        HAS_SEQ=seq_idx is not None, HAS_FINAL=has_final, PREC=_prec(x),
+        HAS_SEQ=seq_idx is not None, HAS_FINAL=has_final, PREC=_prec(x), STORE=store,
     )
     if nseg == 1:
         return states, (ends[:, 0] if has_final else None)
