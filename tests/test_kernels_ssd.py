@@ -11,8 +11,8 @@ import torch
 
 # kernel_cases sets TRITON_INTERPRET before kernels/triton is first imported
 from kernel_cases import (
-    DEV, F64, INTERP, K, R, TRITON_WARNINGS, cast_inputs, check_fp32, check_lowp, gpu, needs_cuda, needs_triton,
-    op_ssd, ops, rel, reset_starts, run_ssd, seq_from_starts, ssd_inputs,
+    DEV, F64, HAS_TRITON, INTERP, K, R, TRITON_WARNINGS, cast_inputs, check_fp32, check_lowp, gpu, needs_cuda,
+    needs_triton, op_ssd, ops, rel, reset_starts, run_ssd, seq_from_starts, ssd_inputs,
 )
 from kernel_cases import triton_mode  # noqa: F401  (fixtures)
 
@@ -213,6 +213,32 @@ def test_ssd_unsupported_chunk_falls_back(triton_mode):
     inp = ssd_inputs(1, 10, 2, 4, 1, 4)
     y = K.ssd(**inp, chunk_size=6)  # not a power of two: the reference runs
     torch.testing.assert_close(y, R.ssd(**inp, chunk_size=6))
+
+
+if HAS_TRITON:  # a module-level kernel: triton.jit resolves names in the module's globals
+    import triton
+    import triton.language as tl
+
+    from megassm.kernels.triton.ssd_common import _bf16
+
+    @triton.jit
+    def _round_kernel(X, Y, n: tl.constexpr):
+        i = tl.arange(0, n)
+        tl.store(Y + i, _bf16(tl.load(X + i)))
+
+
+@needs_triton
+def test_bf16_rounding_matches_torch(triton_mode):
+    """The kernels' fp32 -> bf16 operand rounding (_bf16) is torch's: nearest, ties to even, on a GPU and in the
+    interpreter (whose own cast truncates: the CPU tests of rounded-once products would measure that)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, generator=g) * torch.exp(3 * torch.randn(4096, generator=g))
+    # exact ties (to even, down and up), a carry into the exponent, negatives, a tiny value
+    x[:6] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 2 - 2 ** -9, -3.9999999, 1e-30])
+    x = x.to(DEV)
+    y = torch.empty(4096, dtype=torch.bfloat16, device=DEV)
+    _round_kernel[(1,)](x, y, 4096)
+    assert torch.equal(y, x.to(torch.bfloat16))
 
 
 @needs_triton
