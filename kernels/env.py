@@ -47,6 +47,12 @@ def ssd_save_states() -> bool:
     return _choice("MEGASSM_SSD_SAVE_STATES", "0", ("0", "1")) == "1"
 
 
+def ssd_streams() -> bool:
+    """MEGASSM_SSD_STREAMS=0|1 (default 1): run the SSD's kernels that do not depend on the chunk walks (C B^T,
+    the backward's dCB) on a second CUDA stream, beside the walks."""
+    return _choice("MEGASSM_SSD_STREAMS", "1", ("0", "1")) == "1"
+
+
 def check() -> None:
     """Parse every switch above; the first bad one raises. (MEGASSM_SSD_TILES is checked when the Triton SSD
     module is imported, against its table.)"""
@@ -54,3 +60,4 @@ def check() -> None:
     ssd_precision()
     ssd_state_segments()
     ssd_save_states()
+    ssd_streams()

@@ -167,6 +167,28 @@ def test_ssd_state_segments_setting(monkeypatch):
 
 
 @needs_triton
+def test_ssd_side_stream_setting(monkeypatch):
+    """MEGASSM_SSD_STREAMS: 1 (default) gives CUDA inputs a side stream, 0 none; never on the CPU; a bad value
+    fails naming the variable."""
+    from megassm.kernels import env
+    from megassm.kernels.triton.ssd_common import _Side
+
+    monkeypatch.delenv("MEGASSM_SSD_STREAMS", raising=False)
+    assert env.ssd_streams() is True
+    monkeypatch.setenv("MEGASSM_SSD_STREAMS", "0")
+    assert env.ssd_streams() is False
+    monkeypatch.setenv("MEGASSM_SSD_STREAMS", "1")
+    side = _Side(torch.zeros(1))
+    assert side.stream is None
+    ran = []
+    assert side.run(lambda: ran.append(1)) is None and ran == [1]  # in place, at once
+    side.wait(None)
+    monkeypatch.setenv("MEGASSM_SSD_STREAMS", "on")
+    with pytest.raises(ValueError, match="MEGASSM_SSD_STREAMS='on'"):
+        env.check()
+
+
+@needs_triton
 def test_ssd_tiles_env_override():
     from megassm.kernels.triton.ssd_common import _tiles_from_env
 
@@ -393,6 +415,23 @@ def test_gpu_ssd_saved_states_bitwise(triton_mode, monkeypatch):
         monkeypatch.setenv("MEGASSM_SSD_SAVE_STATES", "1")
         got = run_ssd(K.ssd, low, sid, chunk_size=chunk)
         assert all(torch.equal(got[k], want[k]) for k in want), segments
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("gate", [False, True], ids=["nogate", "gate"])
+def test_gpu_ssd_side_stream_bitwise(triton_mode, monkeypatch, gate):
+    """C B^T and dCB on the side stream (MEGASSM_SSD_STREAMS=1, the default) give the bits of the one-stream
+    order (2 x 4K, H 8, resets, an initial state, bf16; with the gate dCB forks after the output recompute)."""
+    inp = ssd_inputs(2, 4096, 8, 64, 1, 128, init=True, d_mode="head", gate=gate, seed=3, device="cuda")
+    sid = seq_from_starts(reset_starts(4096, 256, 2), 4096, device="cuda")
+    low = cast_inputs(inp, lowp=torch.bfloat16)
+    monkeypatch.setenv("MEGASSM_SSD_STREAMS", "0")
+    run_ssd(K.ssd, low, sid, chunk_size=256)  # the autotuner's first calls may time other configs
+    want = run_ssd(K.ssd, low, sid, chunk_size=256)
+    monkeypatch.setenv("MEGASSM_SSD_STREAMS", "1")
+    got = run_ssd(K.ssd, low, sid, chunk_size=256)
+    assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 @gpu

@@ -36,6 +36,10 @@ BWD mode, which writes dy = dout * silu(z) and dz; then):
 No atomics anywhere: every reduction is a loop inside one program or a torch sum over partials, so results
 are deterministic run to run.
 
+Streams: the kernels that do not depend on the chunk walks (_cb_kernel; in the backward also _dcb_kernel) are
+queued on a second CUDA stream beside them (ssd_common._Side, MEGASSM_SSD_STREAMS=1, the default), joined with
+events before their readers; the same kernels in the same per-stream order, so the same bits as one stream.
+
 The per-chunk states S and dS are stored as the dot operands their readers need (_st_store: fp32, or bf16
 hi + lo arrays, or bf16 alone in MEGASSM_SSD_PRECISION=bf16 mode). Intra-chunk tiles wholly below the diagonal
 factor the decay exp(cs_t - cs_s) = exp(cs_t - cs_r) exp(cs_r - cs_s) around a position r between them (both
@@ -59,6 +63,7 @@ from .ssd_common import (
     _pow2_block,
     _prec,
     _seq_args,
+    _Side,
     _seq_at,
     _softplus,
     _state_base,
@@ -252,7 +257,9 @@ def _chunk_len(seqlen, chunk_size):
     return max(16, min(chunk_size, triton.next_power_of_2(max(seqlen, 1))))
 
 
-def _prep(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit, seq_idx, chunk_size):
+def _prep(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit, seq_idx, chunk_size, side):
+    """dt / cs per chunk (on the current stream), then C B^T per chunk and group queued on `side` (_Side):
+    (T, nc, dtp, cs, cb, cb_ready); wait for cb_ready before reading cb."""
     bsz, seqlen, nheads, hdim = x.shape
     ngroups, dstate = B.shape[-2:]
     T = _chunk_len(seqlen, chunk_size)
@@ -270,10 +277,10 @@ def _prep(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit, seq_idx, chunk_size):
     cb = torch.empty(bsz, nc, ngroups, T, T, dtype=torch.float32, device=dev)
     BT = _tile("cb_bt", T)
     BK = _pow2_block(dstate, 64)
-    _cb_kernel[(bsz * nc, ngroups, (T // BT) ** 2)](
+    cb_ready = side.run(lambda: _cb_kernel[(bsz * nc, ngroups, (T // BT) ** 2)](
         C, B, cb, seqlen, ngroups, nc, *C.stride(), *B.stride(), N=dstate, T=T, BT=BT, BK=BK, PREC=_prec(x),
-    )
-    return T, nc, dtp, cs, cb
+    ))
+    return T, nc, dtp, cs, cb, cb_ready
 
 
 def _scan(x, z, C, D, cb, dtp, cs, seq_idx, states, T, nc, dout=None):
@@ -320,9 +327,11 @@ def ssd_fwd(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states
     A = A.contiguous()
     if initial_states is not None:
         initial_states = initial_states.contiguous()
-    T, nc, dtp, cs, cb = _prep(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit, seq_idx, chunk_size)
+    side = _Side(x)  # C B^T beside the chunk walk
+    T, nc, dtp, cs, cb, cb_ready = _prep(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit, seq_idx, chunk_size, side)
     states, final = _states(x, B, dtp, cs, seq_idx, initial_states, T, nc, want_final=return_final_states,
                             readout_only=not keep_states)
+    side.wait(cb_ready)
     y = _scan(x, z, C, D, cb, dtp, cs, seq_idx, states, T, nc)
     return y, final, (_state_base(states) if keep_states else None)  # final: None unless return_final_states
 

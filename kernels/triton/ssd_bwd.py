@@ -22,6 +22,8 @@ from .ssd_common import (
     _dt_biased,
     _mm_a_st,
     _mm_af,
+    _mma_a_st,
+    _mma_af,
     _mm_ff,
     _mm_raw,
     _out_prec,
@@ -29,6 +31,7 @@ from .ssd_common import (
     _prec,
     _seq_args,
     _seq_at,
+    _Side,
     _softplus,
     _state_buffer_dtype,
     _state_buffer_shape,
@@ -39,13 +42,13 @@ from .ssd_states import _dstates, _states
 
 
 @triton.jit
-def _mm_w_dy(w, DYP, mask, DY_F32: tl.constexpr, PREC: tl.constexpr):
-    """w (a derived fp32 decay-weighted tile) @ the dy tile at DYP (a raw input, or fp32 after the gate)."""
+def _mma_w_dy(acc, w, DYP, mask, DY_F32: tl.constexpr, PREC: tl.constexpr):
+    """acc + w (a derived fp32 decay-weighted tile) @ the dy tile at DYP (a raw input, or fp32 after the gate)."""
     dyv = tl.load(DYP, mask=mask, other=0.0)
     if DY_F32:
-        return _mm_ff(w, dyv, PREC)
+        return acc + _mm_ff(w, dyv, PREC)
     else:
-        return _mm_af(w, dyv, PREC)
+        return _mma_af(acc, w, dyv, PREC)
 
 
 @_autotune([triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=4, num_stages=2),
@@ -89,7 +92,7 @@ def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSH, DSL, Dp, DX, DDT, DDTS, DDP, L,
         mk = k < N
         bv = tl.load(Bp + b * sbb + ps[:, None] * sbl + g * sbg + k[None, :] * sbn, mask=ms[:, None] & mk[None, :],
                      other=0.0)
-        Q += _mm_a_st(bv, DSH, DSL, st_off + p[None, :] * N + k[:, None], mk[:, None] & mp[None, :], False, PREC)
+        Q = _mma_a_st(Q, bv, DSH, DSL, st_off + p[None, :] * N + k[:, None], mk[:, None] & mp[None, :], PREC)
     rs = tl.exp(tl.minimum(cs_last - cs_s, 0.0))
     ok_s = ms
     if HAS_SEQ:
@@ -113,7 +116,7 @@ def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSH, DSL, Dp, DX, DDT, DDTS, DDP, L,
         wT = cbT * f_s[:, None] * tl.exp(tl.load(CS + dbase + t) - cs_r)[None, :]
         if HAS_SEQ:
             wT = tl.where(seq_s[:, None] == _seq_at(SEQ, b, pt, L, ssb, ssl)[None, :], wT, 0.0)
-        Q += _mm_w_dy(wT, DY + b * sdyb + pt[:, None] * sdyl + h * sdyh + p[None, :] * sdyp,
+        Q = _mma_w_dy(Q, wT, DY + b * sdyb + pt[:, None] * sdyl + h * sdyh + p[None, :] * sdyp,
                       mt[:, None] & mp[None, :], DY_F32, IPREC)
     for t0 in range(sb * BS, sb * BS + BS, BS):  # one iteration: the diagonal block
         t = t0 + tl.arange(0, BS)
@@ -125,7 +128,7 @@ def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSH, DSL, Dp, DX, DDT, DDTS, DDP, L,
         if HAS_SEQ:
             ok = ok & (seq_s[:, None] == _seq_at(SEQ, b, pt, L, ssb, ssl)[None, :])
         wT = tl.where(ok, cbT * tl.exp(tl.where(ok, cs_t[None, :] - cs_s[:, None], 0.0)), 0.0)
-        Q += _mm_w_dy(wT, DY + b * sdyb + pt[:, None] * sdyl + h * sdyh + p[None, :] * sdyp,
+        Q = _mma_w_dy(Q, wT, DY + b * sdyb + pt[:, None] * sdyl + h * sdyh + p[None, :] * sdyp,
                       mt[:, None] & mp[None, :], DY_F32, IPREC)
     ddt = tsum(xf * Q, axis=1)
     dx = Q * dt_s[:, None]
@@ -380,29 +383,48 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     bsz, seqlen, nheads, hdim = x.shape
     ngroups, dstate = B.shape[-2:]
     dev = x.device
-    T, nc, dtp, cs, cb = _prep(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit, seq_idx, chunk_size)
+    # C B^T and dCB (_dcb_kernel: reads C B^T, dy, x, cs and dt only) run on a side stream beside the chunk walks
+    side = _Side(x)
+    T, nc, dtp, cs, cb, cb_ready = _prep(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit, seq_idx, chunk_size, side)
+    seq, ssb, ssl = _seq_args(seq_idx, x)
+    prec = _prec(x)
+    iprec = _intra_prec(prec)  # _dx's and _dcb's intra-chunk products
+    BPF = _pow2_block(hdim, 256)
+    BSC, BSR = _tile("dcb_bs", T), _tile("dbc_bs", T)
+    nsb = T // BSC
+    # _dcb writes the blocks on and below the diagonal; _dbc reads whole blocks of its own size along the
+    # diagonal, so with larger blocks than _dcb's it would read blocks _dcb never wrote: zero them first
+    dcb = (torch.zeros if BSR > BSC else torch.empty)(bsz, nc, ngroups, T, T, dtype=torch.float32, device=dev)
+    dcsi = torch.empty(bsz, nheads, nc, nsb, T, dtype=torch.float32, device=dev)  # every entry written once
+
+    def dcb_kernel(dy):
+        return lambda: _dcb_kernel[(ngroups * nsb ** 2, bsz * nc)](
+            x, dy, cb, dtp, cs, seq, dcb, dcsi, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(), ssb, ssl,
+            P=hdim, T=T, BPF=BPF, BS=BSC, HAS_SEQ=seq_idx is not None, DY_F32=dy.dtype == torch.float32,
+            PREC=iprec,
+        )
+
+    if z is None:  # without a gate dy = dout, and the output is never recomputed (cs_t gradient: _dcb / _dbc)
+        dy, dz = dout, None
+        dcb_ready = side.run(dcb_kernel(dy))
     shape = _state_buffer_shape(x, (bsz, nc, nheads, hdim, dstate))
     if kept is not None and tuple(kept[0].shape) == shape and kept[0].dtype == _state_buffer_dtype(x):
         states = _state_views(kept[0])
     else:  # the reverse walk needs the entering states only, not the final ones
         states, _ = _states(x, B, dtp, cs, seq_idx, initial_states, T, nc, want_final=False)
     if z is not None:  # the gate needs the forward output: recompute it, fused with dy = dout * silu(z) and dz
+        side.wait(cb_ready)
         dy, dz = _scan(x, z, C, D, cb, dtp, cs, seq_idx, states, T, nc, dout=dout)
-    else:  # without a gate the output is never recomputed (the cs_t gradient comes from _dcb / _dbc)
-        dy, dz = dout, None
+        dcb_ready = side.run(dcb_kernel(dy))
     dy_f32 = dy.dtype == torch.float32
-
-    seq, ssb, ssl = _seq_args(seq_idx, x)
-    prec = _prec(x)
-    iprec = _intra_prec(prec)  # _dx's and _dcb's intra-chunk products
     dsn, dcs_last, dinit = _dstates(x, C, dy, cs, seq_idx, states, dfinal, initial_states, T, nc)
     # dx, the direct dt gradient, dD
     BS = _tile("dx_bs", T)
-    BPF = _pow2_block(hdim, 256)
     dx = torch.empty(bsz, seqlen, nheads, hdim, dtype=x.dtype, device=dev)
     ddt_direct = torch.empty(bsz, nheads, nc, T, dtype=torch.float32, device=dev)
     ddt_state = torch.empty_like(ddt_direct)
     ddp = torch.empty(bsz * nc * (T // BS), nheads, hdim, dtype=torch.float32, device=dev) if D is not None else None
+    side.wait(cb_ready)
     _dx_kernel[(nheads * (T // BS), bsz * nc)](
         x, dy, B, cb, dtp, cs, seq, *dsn, D if D is not None else x, dx, ddt_direct, ddt_state,
         ddp if ddp is not None else dx,
@@ -417,16 +439,7 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     # dB, dC and the cs_t gradient (dy_t . y_t: intra-chunk part from _dcb, state read-out part from the dC pass)
     dB = torch.empty(bsz, seqlen, ngroups, dstate, dtype=B.dtype, device=dev)
     dC = torch.empty(bsz, seqlen, ngroups, dstate, dtype=C.dtype, device=dev)
-    BSC, BSR = _tile("dcb_bs", T), _tile("dbc_bs", T)
-    nsb = T // BSC
-    # _dcb writes the blocks on and below the diagonal; _dbc reads whole blocks of its own size along the
-    # diagonal, so with larger blocks than _dcb's it would read blocks _dcb never wrote: zero them first
-    dcb = (torch.zeros if BSR > BSC else torch.empty)(bsz, nc, ngroups, T, T, dtype=torch.float32, device=dev)
-    dcsi = torch.empty(bsz, nheads, nc, nsb, T, dtype=torch.float32, device=dev)  # every entry written once
-    _dcb_kernel[(ngroups * nsb ** 2, bsz * nc)](
-        x, dy, cb, dtp, cs, seq, dcb, dcsi, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(), ssb, ssl,
-        P=hdim, T=T, BPF=BPF, BS=BSC, HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=iprec,
-    )
+    side.wait(dcb_ready)
     BNc = _tile("dbc_bn", dstate)
     nnb = triton.cdiv(dstate, BNc)
     dcsr = torch.empty(bsz, nheads, nc, T, nnb, dtype=torch.float32, device=dev)

@@ -93,6 +93,15 @@ def _dot_lp(a, b):
         return tl.dot(a, b)
 
 
+@triton.jit
+def _dot_lp_acc(a, b, acc):
+    """acc + a @ b, both bf16, accumulated in the product's own accumulator (no separate fp32 tile)."""
+    if _UPCAST_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
 # The interpreter's fp32 -> bf16 cast truncates (the GPU rounds to nearest even): operands rounded once then
 # carried twice the GPU's error, biased, and the CPU tests of those products measured the interpreter.
 _ROUND_EMU = tl.constexpr(_INTERPRET)
@@ -135,6 +144,18 @@ def _mm_af(a, b, PREC: tl.constexpr):
         return _dot_lp(hi, b) + _dot_lp(lo, b)
     else:
         return tl.dot(a, b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def _mma_af(acc, a, b, PREC: tl.constexpr):
+    """acc + _mm_af(a, b), the products accumulated into acc."""
+    if PREC == "bf16fast":
+        return _dot_lp_acc(_bf16(a), b, acc)
+    elif PREC == "bf16":
+        hi, lo = _split(a)
+        return _dot_lp_acc(lo, b, _dot_lp_acc(hi, b, acc))
+    else:
+        return tl.dot(a, b.to(tl.float32), acc, input_precision="ieee")
 
 
 @triton.jit
@@ -193,6 +214,18 @@ def _mm_a_st(a, HI, LO, off, mask, A_F32: tl.constexpr, PREC: tl.constexpr):
             if PREC == "bf16":
                 r += _dot_lp(a, tl.load(LO + off, mask=mask, other=0.0))
             return r
+
+
+@triton.jit
+def _mma_a_st(acc, a, HI, LO, off, mask, PREC: tl.constexpr):
+    """acc + a @ (stored state tile at HI/LO + off), a a raw input: the products accumulated into acc."""
+    if PREC == "ieee":
+        return tl.dot(a.to(tl.float32), tl.load(HI + off, mask=mask, other=0.0), acc, input_precision="ieee")
+    else:
+        acc = _dot_lp_acc(a, tl.load(HI + off, mask=mask, other=0.0), acc)
+        if PREC == "bf16":
+            acc = _dot_lp_acc(a, tl.load(LO + off, mask=mask, other=0.0), acc)
+        return acc
 
 
 @triton.jit
@@ -324,6 +357,43 @@ def _state_base(arrays):
     states are saved)."""
     hi = arrays[0]
     return hi if hi._base is None else hi._base
+
+
+_SIDE_STREAMS: dict = {}
+
+
+class _Side:
+    """A second CUDA stream for kernels that do not depend on the chunk walks (C B^T; the backward's dCB): the
+    walks are sequential over chunks and leave SM time idle that these fill (MEGASSM_SSD_STREAMS, default on).
+    `run(fn)` queues fn's kernels on the side stream after all the current stream's work so far and returns a
+    marker; `wait(marker)` makes the current stream wait for them. Without a side stream (CPU, the interpreter,
+    the switch off) run calls fn in place. Every tensor the side kernels touch is allocated on the current
+    stream before the fork, and the caller waits for every marker before returning, so the caching allocator
+    never hands out memory a side kernel still uses (also under CUDA graph capture: fork and join are graph
+    edges)."""
+
+    def __init__(self, x):
+        self.stream = None
+        if x.is_cuda and not _INTERPRET and env.ssd_streams():
+            dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+            self.stream = _SIDE_STREAMS.get(dev)
+            if self.stream is None:
+                self.stream = _SIDE_STREAMS[dev] = torch.cuda.Stream(device=dev)
+
+    def run(self, fn):
+        if self.stream is None:
+            fn()
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            fn()
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        return done
+
+    def wait(self, marker):
+        if marker is not None:
+            torch.cuda.current_stream(self.stream.device).wait_event(marker)
 
 
 def _contig_last(t):

@@ -15,7 +15,7 @@ from . import ssd_common
 from ._lang import tsum
 from .ssd_common import (
     _autotune,
-    _mm_af,
+    _mma_af,
     _out_prec,
     _pow2_block,
     _prec,
@@ -66,7 +66,13 @@ def _states_kernel(X, Bp, DTP, CS, SEQ, INIT, STH, STL, FINAL, L, H, G, NC, NSEG
         last = tl.minimum(c * T + T, L) - 1
         if HAS_SEQ:
             seq_last = _seq_at(SEQ, b, last, L, ssb, ssl)
-        acc = tl.full([BP, BN], 0.0, tl.float32)
+        decay = tl.exp(cs_last)
+        if HAS_SEQ:
+            sid_in = _seq_at(SEQ, b, c * T - 1, L, ssb, ssl)  # clamps to position 0 for c = 0
+            decay = tl.where(sid_in == seq_last, decay, 0.0)
+        # S_{c+1} = decay S_c + the chunk's own contribution, accumulated into S in place (no second [BP, BN]
+        # fp32 accumulator: fewer registers per program)
+        S = S * decay
         for s0 in range(0, T, BS):
             s = s0 + tl.arange(0, BS)
             pos = c * T + s
@@ -83,12 +89,7 @@ def _states_kernel(X, Bp, DTP, CS, SEQ, INIT, STH, STL, FINAL, L, H, G, NC, NSEG
                 ok = ok & (_seq_at(SEQ, b, pos, L, ssb, ssl) == seq_last)
             scale = tl.where(ok, scale, 0.0)
             xs = xv.to(tl.float32) * scale[:, None]
-            acc += _mm_af(tl.trans(xs), bv, PREC)
-        decay = tl.exp(cs_last)
-        if HAS_SEQ:
-            sid_in = _seq_at(SEQ, b, c * T - 1, L, ssb, ssl)  # clamps to position 0 for c = 0
-            decay = tl.where(sid_in == seq_last, decay, 0.0)
-        S = S * decay + acc
+            S = _mma_af(S, tl.trans(xs), bv, PREC)
     if HAS_FINAL:
         tl.store(FINAL + ((b * NSEG + seg) * H + h) * P * N + p[:, None] * N + n[None, :], S,
                  mask=mp[:, None] & mn[None, :])
@@ -199,7 +200,7 @@ def _dstates_kernel(DY, Cp, CS, SEQ, STH, STL, DFIN, DSH, DSL, DCSL, DINIT, L, H
             decay = tl.where(sid_in == _seq_at(SEQ, b, last, L, ssb, ssl), decay, 0.0)
         S_in = _st_load(STH, STL, st_off + pn, mpn, PREC)
         tl.store(DCSL + ((b * H + h) * NC + c) * nblk + blk, decay * tsum(tsum(dS * S_in, axis=1), axis=0))
-        R = tl.full([BP, BN], 0.0, tl.float32)
+        dS = dS * decay  # then the chunk's own term, accumulated in place (as in _states_kernel)
         for t0 in range(0, T, BT):
             t = t0 + tl.arange(0, BT)
             pt = c * T + t
@@ -214,8 +215,7 @@ def _dstates_kernel(DY, Cp, CS, SEQ, STH, STL, DFIN, DSH, DSL, DCSL, DINIT, L, H
                 ok = ok & (_seq_at(SEQ, b, pt, L, ssb, ssl) == sid_in)
             row = tl.where(ok, row, 0.0)
             dys = dyv.to(tl.float32) * row[:, None]
-            R += _mm_af(tl.trans(dys), cv, PREC)
-        dS = R + decay * dS
+            dS = _mma_af(dS, tl.trans(dys), cv, PREC)
     if WANT_DINIT:
         tl.store(DINIT + ((b * NSEG + seg) * H + h) * P * N + pn, dS, mask=mpn)
 
