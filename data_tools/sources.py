@@ -83,16 +83,18 @@ def same_row_group(a: Task, b: Task) -> bool:
     return a.kind == b.kind == "strings" and a.is_range and b.is_range and a.path == b.path and a.group == b.group
 
 
-def runs_of_tasks(tasks: Iterable[Task], min_bytes: int) -> Iterator[list[Task]]:
+def runs_of_tasks(tasks: Iterable[Task], min_bytes: int, whole_row_groups: bool = True) -> Iterator[list[Task]]:
     """Consecutive tasks in runs of at least min_bytes input bytes (the last may be smaller): the work units
-    of one worker (a --shard-input-size group, a piece). A run ends between Parquet row groups, so that no
-    two workers decode the same one, unless it has reached 2 x min_bytes inside one row group: a row group
-    much larger than a run is still spread over the workers (a small input cut into a few runs per worker
-    must not leave one worker all the work)."""
+    of one worker (a --shard-input-size group, a piece). With whole_row_groups a run ends between Parquet row
+    groups, so that no two workers decode the same one, unless it has reached 2 x min_bytes inside one row
+    group: a row group much larger than a run is still spread over the workers (a small input cut into a few
+    runs per worker must not leave one worker all the work). Without, runs end at min_bytes wherever they are
+    (for tokenizers whose encoding costs far more than decoding a row group twice)."""
     run: list[Task] = []
     size = 0
     for t in tasks:
-        if size >= min_bytes and (size >= 2 * min_bytes or not same_row_group(run[-1], t)):
+        if size >= min_bytes and (size >= 2 * min_bytes or not whole_row_groups
+                                  or not same_row_group(run[-1], t)):
             yield run
             run, size = [], 0
         run.append(t)

@@ -273,6 +273,43 @@ def test_sentencepiece_mistral(tmp_path):
     assert all(r.document(i)[-1] == 2 for i in range(r.num_docs))
 
 
+def test_parquet_pieces_cut_inside_row_groups_for_slow_tokenizers(tmp_path, monkeypatch):
+    """With workers, pieces keep Parquet row groups whole for byte-level tokens only: a SentencePiece run cuts
+    them at the piece size (the workers stay even on a file of few row groups) and gives the bytes of one
+    worker."""
+    model = _mistral_model()
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr(sources, "TASK_DOCS", 4)
+    texts = [f"row {i}: " + "words and more words " * (i % 5 + 1) for i in range(60)]
+    src = str(tmp_path / "t.parquet")
+    pq.write_table(pa.table({"text": texts}), src, row_group_size=30)  # 2 row groups
+    monkeypatch.setattr(preprocess_mod, "PIECE_BYTES", 200)
+    seen = []
+    real = preprocess_mod.runs_of_tasks
+
+    def spy(tasks, min_bytes, whole_row_groups=True):
+        runs = list(real(tasks, min_bytes, whole_row_groups=whole_row_groups))
+        seen.append((whole_row_groups, min_bytes, runs))
+        return iter(runs)
+
+    def early_cuts(min_bytes, runs):  # runs ended inside a row group before reaching 2 x min_bytes
+        return [a for a, b in zip(runs, runs[1:])
+                if a[-1].group == b[0].group and sum(t.nbytes for t in a) < 2 * min_bytes]
+
+    monkeypatch.setattr(preprocess_mod, "runs_of_tasks", spy)
+    sp1 = preprocess([src], str(tmp_path / "sp1"), tokenizer=model, workers=1, quiet=True)
+    sp2 = preprocess([src], str(tmp_path / "sp2"), tokenizer=model, workers=2, quiet=True)
+    assert sp1["shards"][0]["bin"]["sha256"] == sp2["shards"][0]["bin"]["sha256"]
+    (whole, min_bytes, runs), = seen
+    assert not whole and early_cuts(min_bytes, runs)
+    seen.clear()
+    preprocess([src], str(tmp_path / "b2"), workers=2, quiet=True)
+    (whole, min_bytes, runs), = seen
+    assert whole and not early_cuts(min_bytes, runs)
+
+
 def test_hf_tokenizer_json(tmp_path):
     tk = pytest.importorskip("tokenizers")
     from tokenizers import models, pre_tokenizers, trainers
@@ -388,6 +425,12 @@ def test_runs_of_tasks_end_between_parquet_row_groups(tmp_path, monkeypatch):
     assert len(big) == 14 and all(len(r) <= 2 for r in big)
     lines = [sources.Task("json", "x", 0, nbytes=10, offset=10 * i, length=10) for i in range(5)]
     assert [len(r) for r in sources.runs_of_tasks(lines, 20)] == [2, 2, 1]  # line ranges cut anywhere
+    # without whole_row_groups a run ends as soon as it holds min_bytes, inside a row group too
+    free = list(sources.runs_of_tasks(tasks, per_group // 2 + 1, whole_row_groups=False))
+    assert [r for run in free for r in run] == tasks
+    assert all(sum(t.nbytes for t in r) >= per_group // 2 + 1 for r in free[:-1])
+    assert all(sum(t.nbytes for t in r[:-1]) < per_group // 2 + 1 for r in free)
+    assert any(a[-1].group == b[0].group for a, b in zip(free, free[1:])) and len(free) > len(runs)
 
     monkeypatch.setattr(preprocess_mod, "PIECE_BYTES", per_group // 2 + 1)
     src = str(tmp_path / "t.parquet")
