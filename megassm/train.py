@@ -176,8 +176,10 @@ def _train(config: str, overrides: list[str]) -> int:
     except ConfigError as e:
         print(f"megassm-train: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    finished = False
     try:
         trainer.fit()
+        finished = True  # every rank gets here (a preemption stop is agreed by all ranks)
     except NonFiniteLossError as e:
         print(f"megassm-train: {e}", file=sys.stderr)
         write_exit_status(cfg.run.dir, EXIT_NONFINITE, "non-finite loss", trainer)
@@ -185,7 +187,7 @@ def _train(config: str, overrides: list[str]) -> int:
     finally:
         from megassm.parallel.state import destroy
 
-        destroy()  # process groups of a torchrun launch (no-op for one process)
+        destroy(barrier=finished)  # process groups of a torchrun launch (no-op for one process)
     if trainer.preempted:
         write_exit_status(cfg.run.dir, EXIT_PREEMPTED, "preempted: checkpointed, requeue me", trainer)
         print(f"megassm-train: preempted ({preemption.reason() or 'signal on another rank'}) at step {trainer.step}, "

@@ -198,7 +198,14 @@ def _build_groups_torch(tp: int, cp: int, pp: int) -> ParallelGroups:
                           pp_rank=pp_ranks.index(rank), pp_group=my_pp, emb_group=my_emb, megatron=False)
 
 
-def destroy() -> None:
+def destroy(barrier: bool = False) -> None:
+    """Tear down the process groups. With `barrier` (a run that finished normally on every rank) the ranks
+    first wait for each other, so none tears down its groups while a peer's last pipeline sends and
+    collectives are still in flight: a 4-rank TP x PP run on CPU now and then lost a rank to an abort at
+    exit ("terminate called without an active exception") after it had finished. Never on an error path,
+    where a peer may not arrive."""
+    if barrier and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
     # megatron-core's groups exist only if build_groups imported it (importing it here costs seconds)
     ps = sys.modules.get("megatron.core.parallel_state")
     if ps is not None and ps.model_parallel_is_initialized():
