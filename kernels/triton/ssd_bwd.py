@@ -397,8 +397,8 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     dcb = (torch.zeros if BSR > BSC else torch.empty)(bsz, nc, ngroups, T, T, dtype=torch.float32, device=dev)
     dcsi = torch.empty(bsz, nheads, nc, nsb, T, dtype=torch.float32, device=dev)  # every entry written once
 
-    def dcb_kernel(dy):
-        return lambda: _dcb_kernel[(ngroups * nsb ** 2, bsz * nc)](
+    def launch_dcb():  # run at once by side.run, with the dy of the branch below
+        _dcb_kernel[(ngroups * nsb ** 2, bsz * nc)](
             x, dy, cb, dtp, cs, seq, dcb, dcsi, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(), ssb, ssl,
             P=hdim, T=T, BPF=BPF, BS=BSC, HAS_SEQ=seq_idx is not None, DY_F32=dy.dtype == torch.float32,
             PREC=iprec,
@@ -406,7 +406,7 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
 
     if z is None:  # without a gate dy = dout, and the output is never recomputed (cs_t gradient: _dcb / _dbc)
         dy, dz = dout, None
-        dcb_ready = side.run(dcb_kernel(dy))
+        dcb_ready = side.run(launch_dcb)
     shape = _state_buffer_shape(x, (bsz, nc, nheads, hdim, dstate))
     if kept is not None and tuple(kept[0].shape) == shape and kept[0].dtype == _state_buffer_dtype(x):
         states = _state_views(kept[0])
@@ -415,7 +415,7 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     if z is not None:  # the gate needs the forward output: recompute it, fused with dy = dout * silu(z) and dz
         side.wait(cb_ready)
         dy, dz = _scan(x, z, C, D, cb, dtp, cs, seq_idx, states, T, nc, dout=dout)
-        dcb_ready = side.run(dcb_kernel(dy))
+        dcb_ready = side.run(launch_dcb)
     dy_f32 = dy.dtype == torch.float32
     dsn, dcs_last, dinit = _dstates(x, C, dy, cs, seq_idx, states, dfinal, initial_states, T, nc)
     # dx, the direct dt gradient, dD
