@@ -51,8 +51,11 @@ def _mma_w_dy(acc, w, DYP, mask, DY_F32: tl.constexpr, PREC: tl.constexpr):
         return _mma_af(acc, w, dyv, PREC)
 
 
-@_autotune([triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=4, num_stages=2),
-            triton.Config({}, num_warps=8, num_stages=3), triton.Config({}, num_warps=8, num_stages=1)],
+# 4 warps capped at 168 registers (three programs per multiprocessor; uncapped ptxas takes 255) first: 1.24 ->
+# 1.07 ms at 16 x 2K; 8 warps (one program, 64-row tiles split over two warp groups) ran 2.2x slower there
+@_autotune([triton.Config({}, num_warps=4, num_stages=2, maxnreg=168),
+            triton.Config({}, num_warps=4, num_stages=1, maxnreg=168),
+            triton.Config({}, num_warps=4, num_stages=2), triton.Config({}, num_warps=8, num_stages=2)],
            key=["T", "P", "N", "BS", "BK"])
 @triton.jit
 def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSH, DSL, Dp, DX, DDT, DDTS, DDP, L, H, G, NC,
@@ -141,7 +144,8 @@ def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSH, DSL, Dp, DX, DDT, DDTS, DDP, L,
         else:
             dv = tl.load(Dp + h).to(tl.float32)
         dx += dys * dv
-        tl.store(DDP + (bc * nsb + sb) * H * P + h * P + p, tsum(dys * xf, axis=0), mask=mp)
+        # [H, P, programs] layout: the host's sum over programs is then over the contiguous last dimension
+        tl.store(DDP + (h * P + p) * (tl.num_programs(1) * nsb) + bc * nsb + sb, tsum(dys * xf, axis=0), mask=mp)
     tl.store(DX + ((b * L + ps[:, None]) * H + h) * P + p[None, :], dx.to(DX.dtype.element_ty), mask=m)
     tl.store(DDT + dbase + s, ddt)
 
@@ -152,11 +156,12 @@ def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSH, DSL, Dp, DX, DDT, DDTS, DDP, L,
 @triton.jit
 def _dcb_kernel(X, DY, CB, DTP, CS, SEQ, DCB, DCSI, L, H, G, NC,
                 sxb, sxl, sxh, sxp, sdyb, sdyl, sdyh, sdyp, ssb, ssl,
-                P: tl.constexpr, T: tl.constexpr, BPF: tl.constexpr, BS: tl.constexpr, HAS_SEQ: tl.constexpr,
-                DY_F32: tl.constexpr, PREC: tl.constexpr):
+                P: tl.constexpr, T: tl.constexpr, BPF: tl.constexpr, BS: tl.constexpr, ZB: tl.constexpr,
+                HAS_SEQ: tl.constexpr, DY_F32: tl.constexpr, PREC: tl.constexpr):
     """dCB[t, s] = sum over the group's heads of exp(cs_t - cs_s) dt_s (dy_t . x_s), t >= s in one document:
     the gradient of the chunk's C_t . B_s, shared by dB and dC so the per-head work is done once. One program
-    per (group, t block, s block <= t block); upper blocks are never read and not written.
+    per (group, t block, s block <= t block); the upper blocks are zeros where _dbc's larger diagonal blocks (ZB
+    positions) read them, and otherwise never read and not written.
     Per head it also stores, of M_ts = CB_ts dt_s exp(cs_t - cs_s) (dy_t . x_s), t >= s, the row sums (the
     target-side cs_t gradient: the intra-chunk part of dy_t . y_t; the forward output is never recomputed for
     it) into DCSI[b, h, c, i, position]: block (tb, sb <= tb) at [sb, t], and zeros at [tb, s] for sb < tb, so
@@ -214,6 +219,11 @@ def _dcb_kernel(X, DY, CB, DTP, CS, SEQ, DCB, DCSI, L, H, G, NC,
             else:  # (this layout of the stores measured 0.05 ms faster than one shared row store, H100 / H200)
                 tl.store(DCSI + hbase + sb * T + t, tsum(mts, axis=1))
         tl.store(DCB + ((b * NC + c) * G + g) * T * T + t[:, None] * T + s[None, :], acc)
+    elif (sb * BS) // ZB == (tb * BS) // ZB:  # above the diagonal but inside one of _dbc's diagonal blocks of ZB
+        t = tb * BS + tl.arange(0, BS)      # positions, which it reads whole: zeros (no separate fill)
+        s = sb * BS + tl.arange(0, BS)
+        tl.store(DCB + ((b * NC + c) * G + g) * T * T + t[:, None] * T + s[None, :],
+                 tl.full([BS, BS], 0.0, tl.float32))
 
 
 @_autotune([triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=4, num_stages=2),
@@ -392,15 +402,16 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     BPF = _pow2_block(hdim, 256)
     BSC, BSR = _tile("dcb_bs", T), _tile("dbc_bs", T)
     nsb = T // BSC
-    # _dcb writes the blocks on and below the diagonal; _dbc reads whole blocks of its own size along the
-    # diagonal, so with larger blocks than _dcb's it would read blocks _dcb never wrote: zero them first
-    dcb = (torch.zeros if BSR > BSC else torch.empty)(bsz, nc, ngroups, T, T, dtype=torch.float32, device=dev)
+    # _dcb writes the blocks on and below the diagonal, and zeros above it inside _dbc's diagonal blocks (read
+    # whole when they are larger than _dcb's)
+    dcb = torch.empty(bsz, nc, ngroups, T, T, dtype=torch.float32, device=dev)
     dcsi = torch.empty(bsz, nheads, nc, nsb, T, dtype=torch.float32, device=dev)  # every entry written once
 
     def launch_dcb():  # run at once by side.run, with the dy of the branch below
         _dcb_kernel[(ngroups * nsb ** 2, bsz * nc)](
             x, dy, cb, dtp, cs, seq, dcb, dcsi, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(), ssb, ssl,
-            P=hdim, T=T, BPF=BPF, BS=BSC, HAS_SEQ=seq_idx is not None, DY_F32=dy.dtype == torch.float32,
+            P=hdim, T=T, BPF=BPF, BS=BSC, ZB=max(BSR, BSC), HAS_SEQ=seq_idx is not None,
+            DY_F32=dy.dtype == torch.float32,
             PREC=iprec,
         )
 
@@ -423,7 +434,7 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     dx = torch.empty(bsz, seqlen, nheads, hdim, dtype=x.dtype, device=dev)
     ddt_direct = torch.empty(bsz, nheads, nc, T, dtype=torch.float32, device=dev)
     ddt_state = torch.empty_like(ddt_direct)
-    ddp = torch.empty(bsz * nc * (T // BS), nheads, hdim, dtype=torch.float32, device=dev) if D is not None else None
+    ddp = torch.empty(nheads, hdim, bsz * nc * (T // BS), dtype=torch.float32, device=dev) if D is not None else None
     side.wait(cb_ready)
     _dx_kernel[(nheads * (T // BS), bsz * nc)](
         x, dy, B, cb, dtp, cs, seq, *dsn, D if D is not None else x, dx, ddt_direct, ddt_state,
@@ -434,8 +445,8 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     )
     dD = None
     if D is not None:
-        dD = ddp.sum(0)
-        dD = (dD.sum(-1) if D.dim() == 1 else dD).to(D_in.dtype)
+        # sums over the contiguous last dimension (torch's sum over a leading one ran ~0.03 ms at 16 x 2K)
+        dD = (ddp.view(nheads, -1).sum(-1) if D.dim() == 1 else ddp.sum(-1)).to(D_in.dtype)
     # dB, dC and the cs_t gradient (dy_t . y_t: intra-chunk part from _dcb, state read-out part from the dC pass)
     dB = torch.empty(bsz, seqlen, ngroups, dstate, dtype=B.dtype, device=dev)
     dC = torch.empty(bsz, seqlen, ngroups, dstate, dtype=C.dtype, device=dev)

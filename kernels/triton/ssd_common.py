@@ -43,7 +43,10 @@ class _Tuned:
             return float("inf")
 
     def _launch(self, grid, cfg, args, kwargs):
-        return self.fn[grid](*args, **kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        # maxnreg caps the registers per thread so that more programs share a multiprocessor (ptxas otherwise
+        # takes up to 255 at 4 warps): 168 at 4 warps = 3 programs per multiprocessor, 128 = 4
+        extra = {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
+        return self.fn[grid](*args, **kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
 
     def _run(self, grid, args, kwargs):
         named = dict(zip(self.arg_names, args))
