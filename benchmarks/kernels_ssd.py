@@ -305,6 +305,9 @@ def main():
     ap.add_argument("--impls", default="",
                     help="comma list restricting SSD impls (megassm, megassm_bf16, megassm_keep, megassm_bf16_keep, "
                     "megassm_seg, megassm_bf16_seg, mamba_ssm)")
+    ap.add_argument("--chunks", default="256",
+                    help="comma list of chunk sizes for the anchors-shape rows (each impl at each; the SSD's result "
+                    "does not depend on the chunk size, only its speed), e.g. 128,256")
     ap.add_argument("--profile", action="store_true", help="SSD rows also list each kernel's GPU ms per fwd+bwd")
     ap.add_argument("--segments", default="",
                     help="comma list of MEGASSM_SSD_STATE_SEGMENTS values, one megassm_seg<k> row (split) and one "
@@ -325,6 +328,12 @@ def main():
         lens = [0]
     if any(v <= 0 or tokens % v for v in lens):
         ap.error(f"--lens {args.lens!r}: each length must be a positive divisor of {tokens}")
+    try:
+        chunks = [int(v) for v in args.chunks.split(",") if v.strip()]
+    except ValueError:
+        chunks = [0]
+    if not chunks or any(v < 16 or v & (v - 1) for v in chunks):
+        ap.error(f"--chunks {args.chunks!r}: expected a comma list of powers of two >= 16")
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     emit({"bench": "env", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
           "triton": __import__("triton").__version__, "MEGASSM_KERNELS": os.environ.get("MEGASSM_KERNELS"),
@@ -334,8 +343,9 @@ def main():
         for L in Ls:
             B = tokens // L
             if want("ssd"):
-                guarded("ssd", lambda r, B=B, L=L: bench_ssd(r, B, L, 64, 64, 128, 1, 256, impls),
-                        shape="anchors H64 P64 N128 G1", L=L, B=B, chunk=256)
+                for chunk in chunks:
+                    guarded("ssd", lambda r, B=B, L=L, c=chunk: bench_ssd(r, B, L, 64, 64, 128, 1, c, impls),
+                            shape="anchors H64 P64 N128 G1", L=L, B=B, chunk=chunk)
             if want("sdpa"):
                 guarded("sdpa", lambda r, B=B, L=L: bench_sdpa(r, B, L), shape="16 heads x 128", L=L, B=B)
         if want("ssd") and not args.quick and not lens:
@@ -363,7 +373,7 @@ def main():
         if r.get("bench") == "env":
             continue
         keys = [k for k in r if k.endswith("_ms") or k.startswith("speedup") or k == "error"]
-        print(f"{r['bench']:14s} {r.get('shape', ''):28s} L={r.get('L', '-')!s:6s} "
+        print(f"{r['bench']:14s} {r.get('shape', ''):28s} L={r.get('L', '-')!s:6s} chunk={r.get('chunk', '-')!s:4s} "
               + " ".join(f"{k}={r[k]}" for k in keys))
 
 
