@@ -48,7 +48,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "megassm-train=megassm.train:main",
+            "megassm-train=megassm.train:cli",
             "megassm-preprocess=megassm.data_tools.preprocess:main",
             "megassm-launch=megassm.launch.cli:main",
             "megassm-eval=megassm.evaluation.cli:main",

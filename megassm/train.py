@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import sys
+from types import SimpleNamespace
 
 from megassm.config import ConfigError, dump_config, load_config, world_size
 from megassm.training import preemption
@@ -187,6 +188,11 @@ def _train(config: str, overrides: list[str]) -> int:
     finally:
         from megassm.parallel.state import destroy
 
+        # what the exit needs, then the trainer goes: its model, pipeline stages, DDP reducer and optimizer hold
+        # process groups (some in reference cycles), and destroy() collects them before the groups themselves,
+        # instead of leaving them to interpreter exit
+        trainer = SimpleNamespace(preempted=getattr(trainer, "preempted", False), step=trainer.step,
+                                  last_checkpoint=getattr(trainer, "last_checkpoint", None))
         destroy(barrier=finished)  # process groups of a torchrun launch (no-op for one process)
     if trainer.preempted:
         write_exit_status(cfg.run.dir, EXIT_PREEMPTED, "preempted: checkpointed, requeue me", trainer)
@@ -199,5 +205,20 @@ def _train(config: str, overrides: list[str]) -> int:
     return EXIT_OK
 
 
+def cli() -> None:
+    """The `megassm-train` console script and `python -m megassm.train`: main(), then the exit. A rank of a
+    multi-process run leaves without interpreter finalization (os._exit after flushing logs and streams; its
+    files are closed and its process groups destroyed by then): the gloo teardown during finalization now and
+    then aborted a finished rank ("terminate called without an active exception", SIGABRT), which turned a run
+    that had completed, checkpoints and last_exit.json written, into a failed launch."""
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

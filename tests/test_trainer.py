@@ -114,6 +114,22 @@ def test_cli_bad_kernel_environment_exits_before_compute(tmp_path, monkeypatch, 
     assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "s")
 
 
+@pytest.mark.parametrize("world", ["1", "2"])
+def test_cli_rank_of_a_multi_process_run_exits_without_finalization(tmp_path, world):
+    """`python -m megassm.train` / megassm-train: main()'s exit code either way, its stderr flushed; a rank of a
+    multi-process run (WORLD_SIZE > 1) skips interpreter finalization (its atexit handlers never run), where
+    gloo's teardown now and then aborted a finished rank."""
+    code = ("import atexit, sys; atexit.register(lambda: print('ATEXIT', flush=True)); "
+            "sys.argv = ['megassm-train', '--config', 'configs/tiny.yaml', 'model.d_modle=3', "
+            f"'run.dir={tmp_path}/x']; from megassm.train import cli; cli()")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["WORLD_SIZE"] = world
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert r.returncode == 2 and "model.d_model" in r.stderr
+    assert ("ATEXIT" in r.stdout) == (world == "1")
+
+
 def test_cli_refuses_unbuilt_parallelism(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "megassm.train", "--config", "configs/tiny.yaml", "parallel.tp=2", "parallel.world_size=2",

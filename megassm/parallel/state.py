@@ -15,6 +15,7 @@ docs/parallelism.md).
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 import sys
@@ -203,9 +204,13 @@ def destroy(barrier: bool = False) -> None:
     first wait for each other, so none tears down its groups while a peer's last pipeline sends and
     collectives are still in flight: a 4-rank TP x PP run on CPU now and then lost a rank to an abort at
     exit ("terminate called without an active exception") after it had finished. Never on an error path,
-    where a peer may not arrive."""
+    where a peer may not arrive. Callers release what holds groups (the trainer) first: a garbage collection
+    here frees it before the groups go."""
     if barrier and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+    # objects that still hold a group (a released model's pipeline stages, DDP reducer, ... in reference
+    # cycles) are freed now, while the groups and the interpreter are intact, not by the collector at exit
+    gc.collect()
     # megatron-core's groups exist only if build_groups imported it (importing it here costs seconds)
     ps = sys.modules.get("megatron.core.parallel_state")
     if ps is not None and ps.model_parallel_is_initialized():
