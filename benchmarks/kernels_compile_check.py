@@ -5,8 +5,8 @@ sm_90 target, so every launch goes through Triton's own argument binder (the sam
 GPU: dtypes, strides equal to 1, 16-byte alignment) and is compiled, not run (Triton's ptxas builds the
 cubin). Prints per variant the registers per thread, spill bytes and shared memory from ptxas. Catches compile
 errors and register blow-ups (e.g. a reduction that costs 70 registers) before any device time is spent.
-Autotuned kernels (ssd_common._Tuned, triton.autotune) are compiled at their first config, or at every config
-with --all-configs (maxnreg included).
+Autotuned kernels (ssd_common._Tuned; no kernel here uses triton.autotune) are compiled at their first
+config, or at every config with --all-configs (maxnreg included).
 
     python benchmarks/kernels_compile_check.py                     # all variants, first autotune config
     python benchmarks/kernels_compile_check.py --all-configs --only _dx_kernel,_scan_kernel
@@ -29,7 +29,6 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
-from triton.runtime.autotuner import Autotuner  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 ROWS = {}  # variant key -> result row
@@ -100,18 +99,9 @@ def _tuned_run(self, grid, args, kwargs):
         self._launch(grid, cfg, args, kwargs)
 
 
-def _autotune_run(self, *args, **kwargs):
-    for cfg in self.configs if ALL_CONFIGS else self.configs[:1]:
-        kw = dict(kwargs, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        if cfg.maxnreg:
-            kw["maxnreg"] = cfg.maxnreg
-        self.fn.run(*args, grid=kwargs.get("grid"), warmup=True, **kw)
-
-
 def _install():
     driver.set_active(_Sm90Driver())
     JITFunction.run = _compile_only
-    Autotuner.run = _autotune_run
     from megassm.kernels.triton import ssd_common
     ssd_common._Tuned._run = _tuned_run
 
