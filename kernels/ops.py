@@ -207,9 +207,10 @@ def ssd_op(
     dt_bias: Optional[Tensor], dt_softplus: bool, dt_limit: Optional[Sequence[float]],
     initial_states: Optional[Tensor], seq_idx: Optional[Tensor], chunk_size: int, return_final_states: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(y, final states or empty, kept states buffer or empty): the last is for the backward only
-    (MEGASSM_SSD_SAVE_STATES), never returned by kernels.ssd. The backward needs the final states only when
-    they are returned (their gradient is the only way they enter it), and then the second output is them."""
+    """(y, final states or empty, kept buffer or empty): the last is for the backward only, never returned by
+    kernels.ssd: the states (MEGASSM_SSD_SAVE_STATES), or the true segment ends of a segmented chunk walk (the
+    backward's recompute starts from them). The backward needs the final states only when they are returned
+    (their gradient is the only way they enter it), and then the second output is them."""
     if _pick(x) and _ssd_triton_takes(x, chunk_size):
         y, fin, kept = triton_kernels().ssd_fwd(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit,
                                                 initial_states, seq_idx, chunk_size, return_final_states,
@@ -227,9 +228,10 @@ def _(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states, seq_
     n = B.shape[-1]
     fin = x.new_empty((b, h, p, n), dtype=_cdt(x)) if return_final_states else _empty_f32(x)
     kept = _empty_f32(x)
-    if use_triton(x) and _ssd_triton_takes(x, chunk_size) and env.ssd_save_states():
-        shape, dtype = triton_kernels().ssd_kept_state_shape(x, B, chunk_size)
-        kept = x.new_empty(shape, dtype=dtype)
+    saved = (triton_kernels().ssd_kept_state_shape(x, B, chunk_size, env.ssd_save_states())
+             if use_triton(x) and _ssd_triton_takes(x, chunk_size) else None)
+    if saved is not None:
+        kept = x.new_empty(saved[0], dtype=saved[1])
     return x.new_empty(x.shape), fin, kept
 
 

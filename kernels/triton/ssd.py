@@ -71,7 +71,7 @@ from .ssd_common import (
     _state_buffer_shape,
     _tile,
 )
-from .ssd_states import _states
+from .ssd_states import _state_segments, _states
 
 @triton.jit
 def _dt_kernel(DT, DT_BIAS, A, DTP, CS, L, H, NC, sdb, sdl, sdh, dt_lo, dt_hi,
@@ -323,8 +323,10 @@ def _scan(x, z, C, D, cb, dtp, cs, seq_idx, states, T, nc, dout=None):
 
 def ssd_fwd(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states, seq_idx, chunk_size,
             return_final_states, keep_states=False):
-    """(y, final states or None, kept states or None). With keep_states, the entering states of every chunk as
-    one buffer (_state_base): what ssd_bwd would otherwise recompute (MEGASSM_SSD_SAVE_STATES)."""
+    """(y, final states or None, what the backward keeps or None). With keep_states, the entering states of every
+    chunk as one buffer (_state_base): what ssd_bwd would otherwise recompute (MEGASSM_SSD_SAVE_STATES).
+    Otherwise, when the chunk walk ran in segments, their true end states (fp32, flattened; one state per row,
+    segment and head): ssd_bwd's recompute starts each segment from them instead of fixing up its states."""
     x, B, C, z = _contig_last(x), _contig_last(B), _contig_last(C), _contig_last(z)
     D = D.contiguous() if D is not None else None
     A = A.contiguous()
@@ -332,16 +334,20 @@ def ssd_fwd(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states
         initial_states = initial_states.contiguous()
     side = _Side(x)  # C B^T beside the chunk walk
     T, nc, dtp, cs, cb, cb_ready = _prep(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit, seq_idx, chunk_size, side)
-    states, final = _states(x, B, dtp, cs, seq_idx, initial_states, T, nc, want_final=return_final_states,
-                            readout_only=not keep_states)
+    states, final, ends = _states(x, B, dtp, cs, seq_idx, initial_states, T, nc, want_final=return_final_states,
+                                  readout_only=not keep_states)
     side.wait(cb_ready)
     y = _scan(x, z, C, D, cb, dtp, cs, seq_idx, states, T, nc)
-    return y, final, (_state_base(states) if keep_states else None)  # final: None unless return_final_states
+    return y, final, (_state_base(states) if keep_states else ends)  # final: None unless return_final_states
 
 
-def kept_state_shape(x, B, chunk_size):
-    """(shape, dtype) of the states buffer ssd_fwd keeps with keep_states: what the custom op's fake
-    implementation returns."""
+def kept_state_shape(x, B, chunk_size, keep_states):
+    """(shape, dtype) of what ssd_fwd returns for the backward (its third output), or None: what the custom op's
+    fake implementation returns."""
     bsz, seqlen, nheads, hdim = x.shape
+    dstate = B.shape[-1]
     nc = triton.cdiv(seqlen, _chunk_len(seqlen, chunk_size))
-    return _state_buffer_shape(x, (bsz, nc, nheads, hdim, B.shape[-1])), _state_buffer_dtype(x)
+    if keep_states:
+        return _state_buffer_shape(x, (bsz, nc, nheads, hdim, dstate)), _state_buffer_dtype(x)
+    nseg, _ = _state_segments(x, bsz, nheads, hdim, dstate, nc)
+    return ((bsz * nseg * nheads * hdim * dstate,), torch.float32) if nseg > 1 else None

@@ -378,11 +378,12 @@ def _intra_prec(prec):
 
 def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states, seq_idx,
             chunk_size, kept=None):
-    """Gradients (dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states) of ssd_fwd. `kept`: ssd_fwd's kept
-    (states buffer, final states or None); its states buffer is used instead of recomputing the entering
-    states when its layout matches this call's precision mode (a switch of MEGASSM_SSD_PRECISION between
-    forward and backward recomputes). The final states themselves are not needed: the reverse walk starts
-    from `dfinal` (or zero)."""
+    """Gradients (dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states) of ssd_fwd. `kept`: (ssd_fwd's third
+    output, final states or None). A states buffer is used instead of recomputing the entering states when its
+    layout matches this call's precision mode (a switch of MEGASSM_SSD_PRECISION between forward and backward
+    recomputes); the true segment ends of a segmented walk let the recompute start every segment true (no
+    fix-up pass), when the segments are this call's. The final states themselves are not needed: the reverse
+    walk starts from `dfinal` (or zero)."""
     x, B, C, z = _contig_last(x), _contig_last(B), _contig_last(C), _contig_last(z)
     D_in = D
     D = D.contiguous() if D is not None else None
@@ -421,8 +422,10 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     shape = _state_buffer_shape(x, (bsz, nc, nheads, hdim, dstate))
     if kept is not None and tuple(kept[0].shape) == shape and kept[0].dtype == _state_buffer_dtype(x):
         states = _state_views(kept[0])
-    else:  # the reverse walk needs the entering states only, not the final ones
-        states, _ = _states(x, B, dtp, cs, seq_idx, initial_states, T, nc, want_final=False)
+    else:  # the reverse walk needs the entering states only, not the final ones; a segmented walk starts each
+        # segment from the true end the forward kept (1-D fp32: never a states buffer), when it did
+        ends = kept[0] if kept is not None and kept[0].dim() == 1 and kept[0].dtype == torch.float32 else None
+        states, _, _ = _states(x, B, dtp, cs, seq_idx, initial_states, T, nc, want_final=False, seg_starts=ends)
     if z is not None:  # the gate needs the forward output: recompute it, fused with dy = dout * silu(z) and dz
         side.wait(cb_ready)
         dy, dz = _scan(x, z, C, D, cb, dtp, cs, seq_idx, states, T, nc, dout=dout)

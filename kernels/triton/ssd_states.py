@@ -31,16 +31,18 @@ from .ssd_common import (
 @_autotune([triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=4, num_stages=2),
             triton.Config({}, num_warps=4, num_stages=3)], key=["T", "BP", "BN", "BS"])
 @triton.jit
-def _states_kernel(X, Bp, DTP, CS, SEQ, INIT, STH, STL, FINAL, L, H, G, NC, NSEG, CPS,
+def _states_kernel(X, Bp, DTP, CS, SEQ, INIT, SEGI, STH, STL, FINAL, L, H, G, NC, NSEG, CPS,
                    sxb, sxl, sxh, sxp, sbb, sbl, sbg, sbn, ssb, ssl, sib, sih, sip, sin,
                    P: tl.constexpr, N: tl.constexpr, T: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                   BS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_FINAL: tl.constexpr,
-                   PREC: tl.constexpr, STORE: tl.constexpr):
+                   BS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEGI: tl.constexpr, HAS_SEQ: tl.constexpr,
+                   HAS_FINAL: tl.constexpr, PREC: tl.constexpr, STORE: tl.constexpr):
     """Walks the chunks [seg * CPS, seg * CPS + CPS) of one (row, segment, head, P-block, N-block) in order:
     stores each chunk's entering state, then (HAS_FINAL) the segment's end state into FINAL[b, seg]. Segments
-    after the first start from zero (their entering states are completed by _states_fix_kernel); with NSEG = 1
-    this is the whole sequence and FINAL the final state. PREC: the products' precision; STORE: the stored
-    states' format (_st_store), PREC's or hi alone when only _scan reads them (_out_prec)."""
+    after the first start from zero (their entering states are completed by _states_fix_kernel), or with
+    HAS_SEGI from their true entering states, SEGI[b, seg - 1] (the true segment ends of an earlier walk over
+    the same inputs: the backward's recompute); with NSEG = 1 this is the whole sequence and FINAL the final
+    state. PREC: the products' precision; STORE: the stored states' format (_st_store), PREC's or hi alone when
+    only _scan reads them (_out_prec)."""
     b = (tl.program_id(0) // NSEG).to(tl.int64)
     seg = tl.program_id(0) % NSEG
     h = tl.program_id(1)
@@ -57,6 +59,9 @@ def _states_kernel(X, Bp, DTP, CS, SEQ, INIT, STH, STL, FINAL, L, H, G, NC, NSEG
                     mask=mp[:, None] & mn[None, :] & (seg == 0), other=0.0).to(tl.float32)
     else:
         S = tl.full([BP, BN], 0.0, tl.float32)
+    if HAS_SEGI:  # the masks are disjoint: S is exactly one of the two
+        S += tl.load(SEGI + ((b * NSEG + seg - 1) * H + h) * P * N + p[:, None] * N + n[None, :],
+                     mask=mp[:, None] & mn[None, :] & (seg > 0), other=0.0)
     st_base = (b * NC * H + h) * P * N
     for c in range(seg * CPS, tl.minimum(seg * CPS + CPS, NC)):
         off = st_base + c * H * P * N + p[:, None] * N + n[None, :]
@@ -313,35 +318,43 @@ def _segment_passes(cps, hdim, dstate):
     return BLK, triton.cdiv(hdim * dstate, BLK), max(2, triton.next_power_of_2(cps))
 
 
-def _states(x, B, dtp, cs, seq_idx, initial_states, T, nc, want_final=True, readout_only=False):
-    """Entering state of every chunk ((hi, lo) arrays, _state_buffer) and the final states (fp32; None when not
-    `want_final`: one fp32 state per row and head not written, 134 MB per call at 64 rows x 64 heads).
-    `readout_only`: the states feed _scan alone (the forward, states not kept), which rounds them once
-    (_out_prec): a walk in one segment stores the hi array only (the lo array would be written and never read;
-    segmented walks keep the mode's format, so the fix-up adds to unrounded partial states). With
-    segments (_state_segments), each segment's walk starts from zero; the true segment ends follow in order
-    (end_k += decay of segment k * end_{k-1}) and _states_fix_kernel adds the decayed previous end to the
-    entering states of every later segment's chunks."""
+def _states(x, B, dtp, cs, seq_idx, initial_states, T, nc, want_final=True, readout_only=False, seg_starts=None):
+    """(entering state of every chunk as (hi, lo) arrays (_state_buffer), the final states (fp32; None when not
+    `want_final`: one fp32 state per row and head not written, 134 MB per call at 64 rows x 64 heads), the true
+    segment ends flattened (fp32; None for one walk)). `readout_only`: the states feed _scan alone (the forward,
+    states not kept), which rounds them once (_out_prec): a walk in one segment stores the hi array only (the lo
+    array would be written and never read; segmented walks keep the mode's format, so the fix-up adds to
+    unrounded partial states). With segments (_state_segments), each segment's walk starts from zero; the true
+    segment ends follow in order (end_k += decay of segment k * end_{k-1}) and _states_fix_kernel adds the decayed
+    previous end to the entering states of every later segment's chunks. `seg_starts`: the segment ends an
+    earlier call on the same inputs returned (the forward's, in the backward): each segment starts from its
+    true entering state, and neither pass runs."""
     bsz, seqlen, nheads, hdim = x.shape
     ngroups, dstate = B.shape[-2:]
     nseg, cps = _state_segments(x, bsz, nheads, hdim, dstate, nc)
+    if seg_starts is not None and (nseg == 1 or seg_starts.numel() != bsz * nseg * nheads * hdim * dstate):
+        seg_starts = None  # another segmentation (MEGASSM_SSD_STATE_SEGMENTS changed in between): fix up
     store = _out_prec(x) if readout_only and nseg == 1 else _prec(x)
     states = _state_buffer(x, (bsz, nc, nheads, hdim, dstate), store)
-    has_final = want_final or nseg > 1  # the segment ends feed the segment passes
+    # the segment ends feed the segment passes (not needed from true starts)
+    has_final = want_final or (nseg > 1 and seg_starts is None)
     ends = torch.empty(bsz, nseg, nheads, hdim, dstate, dtype=torch.float32, device=x.device) if has_final else None
     BP, BN = _state_blocks(x, bsz * nseg, nheads, hdim, dstate, "states_bn")
     seq, ssb, ssl = _seq_args(seq_idx, x)
     grid = (bsz * nseg, nheads, triton.cdiv(hdim, BP) * triton.cdiv(dstate, BN))
     _states_kernel[grid](
-        x, B, dtp, cs, seq, initial_states if initial_states is not None else x, *states,
-        ends if has_final else cs,
+        x, B, dtp, cs, seq, initial_states if initial_states is not None else x,
+        seg_starts if seg_starts is not None else cs, *states, ends if has_final else cs,
         seqlen, nheads, ngroups, nc, nseg, cps, *x.stride(), *B.stride(), ssb, ssl,
         *(initial_states.stride() if initial_states is not None else (0, 0, 0, 0)),
         P=hdim, N=dstate, T=T, BP=BP, BN=BN, BS=_states_step(BN, T), HAS_INIT=initial_states is not None,
-        HAS_SEQ=seq_idx is not None, HAS_FINAL=has_final, PREC=_prec(x), STORE=store,
+        HAS_SEGI=seg_starts is not None, HAS_SEQ=seq_idx is not None, HAS_FINAL=has_final, PREC=_prec(x),
+        STORE=store,
     )
     if nseg == 1:
-        return states, (ends[:, 0] if has_final else None)
+        return states, (ends[:, 0] if has_final else None), None
+    if seg_starts is not None:  # every segment started true: so are its states and the last segment's end
+        return states, (ends[:, -1].contiguous() if want_final else None), seg_starts
     # the true segment ends, then the later segments' chunks; the decays come from cs inside the kernels
     # (the torch glue they replace was ~20 launches, which one 32K row's forward waited for)
     BLK, npn, CPB = _segment_passes(cps, hdim, dstate)
@@ -352,7 +365,7 @@ def _states(x, B, dtp, cs, seq_idx, initial_states, T, nc, want_final=True, read
     _states_fix_kernel[(bsz * (nc - cps), nheads, npn)](
         *states, ends, cs, seq, seqlen, nc, nheads, cps, ssb, ssl, PREC=_prec(x), **common,
     )
-    return states, (ends[:, -1].contiguous() if want_final else None)
+    return states, (ends[:, -1].contiguous() if want_final else None), ends.view(-1)
 
 
 def _dstates(x, C, dy, cs, seq_idx, states, dfinal, initial_states, T, nc):
