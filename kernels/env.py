@@ -53,6 +53,12 @@ def ssd_streams() -> bool:
     return _choice("MEGASSM_SSD_STREAMS", "1", ("0", "1")) == "1"
 
 
+def triton_tune_log() -> bool:
+    """MEGASSM_TRITON_TUNE_LOG=0|1 (default 0): print every autotuning decision of the Triton SSD kernels (each
+    config's time and the pick, one JSON line on stderr)."""
+    return _choice("MEGASSM_TRITON_TUNE_LOG", "0", ("0", "1")) == "1"
+
+
 def check() -> None:
     """Parse every switch above; the first bad one raises. (MEGASSM_SSD_TILES is checked when the Triton SSD
     module is imported, against its table.)"""
@@ -61,3 +67,4 @@ def check() -> None:
     ssd_state_segments()
     ssd_save_states()
     ssd_streams()
+    triton_tune_log()

@@ -226,6 +226,45 @@ def test_ssd_side_stream_setting(monkeypatch):
 
 
 @needs_triton
+def test_ssd_tuner_logs_each_decision(monkeypatch, capsys):
+    """MEGASSM_TRITON_TUNE_LOG=1: the tuner prints one JSON line per decision (each config's time, the pick) and
+    launches the pick; a known key is launched without a new decision. A bad value fails naming the variable."""
+    import json
+
+    import triton
+    from megassm.kernels import env
+    from megassm.kernels.triton.ssd_common import _Tuned
+
+    def _probe_kernel():
+        pass
+
+    launched = []
+
+    class Kernel:  # the JITFunction surface _Tuned uses
+        fn = _probe_kernel
+        arg_names = ["X", "T"]
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: launched.append(k)
+
+    tuned = _Tuned(Kernel(), [triton.Config({}, num_warps=4, num_stages=2, maxnreg=168),
+                              triton.Config({}, num_warps=8, num_stages=2)], key=["T"])
+    times = iter([2.0, 1.5])
+    monkeypatch.setattr(tuned, "_time", lambda *a: next(times))
+    monkeypatch.setenv("MEGASSM_TRITON_TUNE_LOG", "1")
+    tuned[(1,)](torch.zeros(1), 64, PREC="bf16")
+    line = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+    assert line == {"tune": "_probe_kernel", "key": ["64", "torch.float32", "('PREC', 'bf16')"],
+                    "ms": {"w4s2r168": 2.0, "w8s2": 1.5}, "pick": "w8s2"}
+    assert launched[-1]["num_warps"] == 8 and "maxnreg" not in launched[-1]
+    tuned[(1,)](torch.zeros(1), 64, PREC="bf16")
+    assert capsys.readouterr().err == "" and launched[-1]["num_warps"] == 8
+    monkeypatch.setenv("MEGASSM_TRITON_TUNE_LOG", "yes")
+    with pytest.raises(ValueError, match="MEGASSM_TRITON_TUNE_LOG='yes'"):
+        env.check()
+
+
+@needs_triton
 def test_ssd_tiles_env_override():
     from megassm.kernels.triton.ssd_common import _tiles_from_env
 

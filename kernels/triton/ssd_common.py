@@ -3,7 +3,9 @@ per-shape autotuner, the precision-aware matrix products and the stored-state op
 and the host-side tile table, precision mode and buffers."""
 from __future__ import annotations
 
+import json
 import os
+import sys
 
 import torch
 import triton
@@ -48,6 +50,14 @@ class _Tuned:
         extra = {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
         return self.fn[grid](*args, **kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
 
+    def _log(self, key, times, cfg):
+        """One JSON line on stderr per tuning decision (MEGASSM_TRITON_TUNE_LOG=1): a process whose pick differs
+        from another's shows up here (a 15-30% slower run was seen at 64 x 512 and 2 x 16K, session 22)."""
+        name = getattr(getattr(self.fn, "fn", None), "__name__", str(self.fn))
+        print(json.dumps({"tune": name, "key": [str(v) for v in key],
+                          "ms": {_cfg_name(c): round(t, 4) for c, t in zip(self.configs, times)},
+                          "pick": _cfg_name(cfg)}), file=sys.stderr, flush=True)
+
     def _run(self, grid, args, kwargs):
         named = dict(zip(self.arg_names, args))
         named.update(kwargs)
@@ -67,8 +77,15 @@ class _Tuned:
                 if min(times) == float("inf"):  # none fits: launch the first again to raise its error
                     return self._launch(grid, cfg, args, kwargs)
                 cfg = self.configs[min(range(len(times)), key=times.__getitem__)]
+                if env.triton_tune_log():
+                    self._log(k, times, cfg)
             self.best[k] = cfg
         return self._launch(grid, cfg, args, kwargs)
+
+
+def _cfg_name(cfg):
+    """w{warps}s{stages}, r{maxnreg} appended when capped: as benchmarks/ssd_configs.py names them."""
+    return f"w{cfg.num_warps}s{cfg.num_stages}" + (f"r{cfg.maxnreg}" if cfg.maxnreg else "")
 
 
 def _autotune(configs, key):

@@ -141,7 +141,9 @@ def _mamba2_bytes(m, a: int) -> tuple[int, int]:
 def _ssd_kept_state_bytes(m, a: int) -> int:
     """Per token: the chunk states the SSD forward keeps for the backward under MEGASSM_SSD_SAVE_STATES=1
     (docs/kernels.md), H x P x N per chunk at 4 bytes (bf16 hi + lo planes, or fp32), 2 under
-    MEGASSM_SSD_PRECISION=bf16 with bf16 autocast; 0 by default (the backward recomputes them)."""
+    MEGASSM_SSD_PRECISION=bf16 with bf16 autocast; 0 by default (the backward recomputes them). Not priced: the
+    true segment ends a segmented chunk walk keeps (few long rows; segments x H x P x N x 4 bytes per row, ~1%
+    of a Mamba-2 layer's activations at 1 x 16K, where the GPU decides the segment count)."""
     from megassm.kernels import env
 
     if not env.ssd_save_states():
