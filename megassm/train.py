@@ -193,15 +193,23 @@ def _train(config: str, overrides: list[str]) -> int:
         # instead of leaving them to interpreter exit
         trainer = SimpleNamespace(preempted=getattr(trainer, "preempted", False), step=trainer.step,
                                   last_checkpoint=getattr(trainer, "last_checkpoint", None))
+        if finished:  # before the final barrier: once one rank has left with a non-zero code, torchrun SIGTERMs
+            code = _report_finish(cfg.run.dir, trainer)  # the others, so rank 0's last_exit.json is written first
         destroy(barrier=finished)  # process groups of a torchrun launch (no-op for one process)
+    return code
+
+
+def _report_finish(run_dir: str, trainer) -> int:
+    """The exit code of a run every rank finished (done, or stopped at an agreed preemption step), its
+    last_exit.json (rank 0) and its closing line."""
     if trainer.preempted:
-        write_exit_status(cfg.run.dir, EXIT_PREEMPTED, "preempted: checkpointed, requeue me", trainer)
+        write_exit_status(run_dir, EXIT_PREEMPTED, "preempted: checkpointed, requeue me", trainer)
         print(f"megassm-train: preempted ({preemption.reason() or 'signal on another rank'}) at step {trainer.step}, "
               f"checkpoint {trainer.last_checkpoint}; exit {EXIT_PREEMPTED}: resume with --resume auto",
               file=sys.stderr)
         return EXIT_PREEMPTED
-    write_exit_status(cfg.run.dir, EXIT_OK, "done", trainer)
-    print(f"megassm-train: done, {trainer.step} steps; run directory {cfg.run.dir}", file=sys.stderr)
+    write_exit_status(run_dir, EXIT_OK, "done", trainer)
+    print(f"megassm-train: done, {trainer.step} steps; run directory {run_dir}", file=sys.stderr)
     return EXIT_OK
 
 

@@ -130,6 +130,22 @@ def test_cli_rank_of_a_multi_process_run_exits_without_finalization(tmp_path, wo
     assert ("ATEXIT" in r.stdout) == (world == "1")
 
 
+def test_exit_status_is_written_before_the_final_barrier(tmp_path, monkeypatch):
+    """A finished run writes last_exit.json before destroy()'s barrier: a rank that leaves after the barrier
+    with a non-zero code (a preemption stop) gets torchrun to SIGTERM the rest, and rank 0 must have written
+    the file by then (otherwise it recorded the launcher's SIGTERM as the signal)."""
+    from megassm import train as T
+    from megassm.parallel import state
+
+    seen = []
+    real = state.destroy
+    monkeypatch.setattr(state, "destroy", lambda barrier=False: (
+        seen.append((barrier, os.path.exists(tmp_path / "x" / "last_exit.json"))), real(barrier=barrier))[1])
+    assert T.main(["--config", "configs/tiny.yaml", f"run.dir={tmp_path}/x", "train.steps=2"]) == 0
+    assert seen == [(True, True)]
+    assert json.load(open(tmp_path / "x" / "last_exit.json"))["exit_code"] == 0
+
+
 def test_cli_refuses_unbuilt_parallelism(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "megassm.train", "--config", "configs/tiny.yaml", "parallel.tp=2", "parallel.world_size=2",
