@@ -3,6 +3,7 @@
     python benchmarks/data_throughput.py [--tokenizers byte,mistral] [--workers 1,2] [--max-mb 16]
                                          [--source stdlib|site-packages] [--repeats N]
                                          [--shard-input-size 32M]   # one shard per 32 MB of input, per worker
+                                         [--fresh-process]          # each run in its own interpreter
 
 Corpus: the Python standard library's sources (one document per file), written once as JSONL and as
 Parquet. For each tokenizer x format x worker count: end-to-end `preprocess()` tokens/s (reading,
@@ -72,21 +73,53 @@ def _mistral_model() -> str | None:
     return path if os.path.exists(path) else None
 
 
+# One preprocess() call in a fresh interpreter, timed inside it after the imports (pyarrow included): what one
+# `megassm-preprocess` run costs beyond starting Python, with nothing warmed by an earlier call.
+_FRESH = """
+import json, sys, time
+import numpy, pyarrow, pyarrow.parquet  # noqa: F401  (imports are not the tool's work)
+from megassm.data_tools.preprocess import preprocess
+inp, out, tok, w, shard = sys.argv[1:6]
+t0 = time.perf_counter()
+m = preprocess([inp], out, tokenizer=tok, workers=int(w), overwrite=True, quiet=True, progress=False,
+               shard_input_size=shard or None)
+print(json.dumps({"seconds": time.perf_counter() - t0, "num_tokens": m["num_tokens"],
+                  "num_documents": m["num_documents"]}))
+"""
+
+
+def _preprocess_fresh(inp, out, tok, w, shard_input_size):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _FRESH, inp, out, tok, str(w), shard_input_size or ""],
+                          capture_output=True, text=True, check=True)
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    return r["seconds"], r
+
+
 def bench_preprocess(inp: str, tok: str, workers: list[int], tmp: str, repeats: int = 1,
-                     shard_input_size=None) -> dict[int, dict]:
+                     shard_input_size=None, fresh=False) -> dict[int, dict]:
     """Per worker count: best and median seconds over `repeats` runs. The worker counts alternate within
     each repeat (1, 2, 1, 2, ...), so a drift in the machine's speed (a 2-core VM's timings move by 20% from
-    minute to minute) falls on every count alike instead of on whichever ran last."""
+    minute to minute) falls on every count alike instead of on whichever ran last. `fresh`: every run in its
+    own interpreter (_FRESH), as a command-line run; otherwise all runs in this process, where one worker runs
+    in it warmed by the earlier runs (its allocators' memory already mapped) and more workers are new processes
+    every time."""
     from megassm.data_tools.preprocess import preprocess
 
     times: dict[int, list[float]] = {w: [] for w in workers}
     for _ in range(repeats):
         for w in workers:
             out = os.path.join(tmp, "out", "o")
-            t0 = time.perf_counter()
-            m = preprocess([inp], out, tokenizer=tok, workers=w, overwrite=True, quiet=True, progress=False,
-                           shard_input_size=shard_input_size)
-            times[w].append(time.perf_counter() - t0)
+            if fresh:
+                sec, m = _preprocess_fresh(inp, out, tok, w, shard_input_size)
+            else:
+                t0 = time.perf_counter()
+                m = preprocess([inp], out, tokenizer=tok, workers=w, overwrite=True, quiet=True, progress=False,
+                               shard_input_size=shard_input_size)
+                sec = time.perf_counter() - t0
+            times[w].append(sec)
             shutil.rmtree(os.path.dirname(out))
     runs = {}
     for w, ts in times.items():
@@ -127,6 +160,9 @@ def main() -> None:
                     help="corpus: the standard library's sources (12 MB) or the installed packages' (larger)")
     ap.add_argument("--shard-input-size", default=None,
                     help="preprocess into numbered shards cut by input size, each written by one worker")
+    ap.add_argument("--fresh-process", action="store_true",
+                    help="each preprocessing run in a fresh interpreter (timed after its imports), as one "
+                         "command-line run; default: all in this process")
     args = ap.parse_args()
     workers = [int(w) for w in args.workers.split(",")]
     tmp = tempfile.mkdtemp(prefix="megassm-bench-")
@@ -145,8 +181,10 @@ def main() -> None:
                 result["preprocess"].append({"tokenizer": name, "skipped": "mistral-common / sentencepiece not installed"})
                 continue
             for fmt, inp in (("jsonl", jsonl), ("parquet", parquet)):
-                runs = bench_preprocess(inp, tok, workers, tmp, args.repeats, args.shard_input_size)
+                runs = bench_preprocess(inp, tok, workers, tmp, args.repeats, args.shard_input_size,
+                                        fresh=args.fresh_process)
                 entry = {"tokenizer": name, "format": fmt, "shard_input_size": args.shard_input_size,
+                         "fresh_process": args.fresh_process,
                          "runs": {str(w): r for w, r in runs.items()}}
                 if 1 in runs and len(runs) > 1:  # on the best runs, and on the medians
                     top = max(workers)
