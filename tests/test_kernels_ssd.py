@@ -186,6 +186,13 @@ def test_ssd_state_segments_setting(monkeypatch):
     for text, nc, want in (("1", 10, (1, 10)), ("4", 10, (4, 3)), ("3", 7, (3, 3)), ("16", 3, (3, 1))):
         monkeypatch.setenv("MEGASSM_SSD_STATE_SEGMENTS", text)
         assert _state_segments(x, 1, 8, 64, 128, nc) == want, text
+    # the backward trusts the forward's segment ends when their count matches: a count must fix the length
+    for nc in range(1, 300):
+        lengths = {}
+        for k in range(1, nc + 1):
+            monkeypatch.setenv("MEGASSM_SSD_STATE_SEGMENTS", str(k))
+            nseg, cps = _state_segments(x, 1, 8, 64, 128, nc)
+            assert lengths.setdefault(nseg, cps) == cps, (nc, k)
     monkeypatch.setenv("MEGASSM_SSD_STATE_SEGMENTS", "auto")
     assert _state_segments(x, 1, 64, 64, 128, 128) == (1, 128)  # auto is one walk off the GPU
     monkeypatch.delenv("MEGASSM_SSD_STATE_SEGMENTS")

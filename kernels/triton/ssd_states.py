@@ -333,7 +333,9 @@ def _states(x, B, dtp, cs, seq_idx, initial_states, T, nc, want_final=True, read
     ngroups, dstate = B.shape[-2:]
     nseg, cps = _state_segments(x, bsz, nheads, hdim, dstate, nc)
     if seg_starts is not None and (nseg == 1 or seg_starts.numel() != bsz * nseg * nheads * hdim * dstate):
-        seg_starts = None  # another segmentation (MEGASSM_SSD_STATE_SEGMENTS changed in between): fix up
+        # another segmentation (MEGASSM_SSD_STATE_SEGMENTS changed in between): fix up. The segment count alone
+        # identifies a segmentation: for a given nc, _state_segments never gives one count two chunk lengths
+        seg_starts = None
     store = _out_prec(x) if readout_only and nseg == 1 else _prec(x)
     states = _state_buffer(x, (bsz, nc, nheads, hdim, dstate), store)
     # the segment ends feed the segment passes (not needed from true starts)
