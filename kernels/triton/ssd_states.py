@@ -35,14 +35,15 @@ def _states_kernel(X, Bp, DTP, CS, SEQ, INIT, SEGI, STH, STL, FINAL, L, H, G, NC
                    sxb, sxl, sxh, sxp, sbb, sbl, sbg, sbn, ssb, ssl, sib, sih, sip, sin,
                    P: tl.constexpr, N: tl.constexpr, T: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                    BS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEGI: tl.constexpr, HAS_SEQ: tl.constexpr,
-                   HAS_FINAL: tl.constexpr, PREC: tl.constexpr, STORE: tl.constexpr):
+                   HAS_FINAL: tl.constexpr, PREC: tl.constexpr, STORE: tl.constexpr, STORE0: tl.constexpr):
     """Walks the chunks [seg * CPS, seg * CPS + CPS) of one (row, segment, head, P-block, N-block) in order:
     stores each chunk's entering state, then (HAS_FINAL) the segment's end state into FINAL[b, seg]. Segments
     after the first start from zero (their entering states are completed by _states_fix_kernel), or with
     HAS_SEGI from their true entering states, SEGI[b, seg - 1] (the true segment ends of an earlier walk over
     the same inputs: the backward's recompute); with NSEG = 1 this is the whole sequence and FINAL the final
     state. PREC: the products' precision; STORE: the stored states' format (_st_store), PREC's or hi alone when
-    only _scan reads them (_out_prec)."""
+    only _scan reads them (_out_prec); STORE0: the first segment's (whose states are final as walked: hi alone
+    where only _scan reads them, while the later segments keep STORE for their fix-up)."""
     b = (tl.program_id(0) // NSEG).to(tl.int64)
     seg = tl.program_id(0) % NSEG
     h = tl.program_id(1)
@@ -65,7 +66,10 @@ def _states_kernel(X, Bp, DTP, CS, SEQ, INIT, SEGI, STH, STL, FINAL, L, H, G, NC
     st_base = (b * NC * H + h) * P * N
     for c in range(seg * CPS, tl.minimum(seg * CPS + CPS, NC)):
         off = st_base + c * H * P * N + p[:, None] * N + n[None, :]
-        _st_store(STH, STL, off, S, mp[:, None] & mn[None, :], STORE)
+        if seg == 0:
+            _st_store(STH, STL, off, S, mp[:, None] & mn[None, :], STORE0)
+        else:
+            _st_store(STH, STL, off, S, mp[:, None] & mn[None, :], STORE)
         dbase = ((b * H + h) * NC + c) * T
         cs_last = tl.load(CS + dbase + T - 1)
         last = tl.minimum(c * T + T, L) - 1
@@ -143,9 +147,11 @@ def _segment_ends_kernel(ENDS, CS, SEQ, L, H, NC, NSEG, CPS, ssb, ssl, PN: tl.co
 
 @triton.jit
 def _states_fix_kernel(STH, STL, ENDS, CS, SEQ, L, NC, H, CPS, ssb, ssl, PN: tl.constexpr, BLK: tl.constexpr,
-                       T: tl.constexpr, CPB: tl.constexpr, HAS_SEQ: tl.constexpr, PREC: tl.constexpr):
+                       T: tl.constexpr, CPB: tl.constexpr, HAS_SEQ: tl.constexpr, PREC: tl.constexpr,
+                       OUT: tl.constexpr):
     """Completes the entering states of the chunks of segments after the first: S_c += (the decays of the
-    segment's chunks before c) * ENDS[b, seg - 1, h] (the true end state of the previous segment)."""
+    segment's chunks before c) * ENDS[b, seg - 1, h] (the true end state of the previous segment). Reads the
+    walk's format (PREC), writes OUT (hi alone where only _scan reads the states)."""
     j = tl.program_id(2) * BLK + tl.arange(0, BLK)
     h = tl.program_id(1)
     nfix = NC - CPS
@@ -157,7 +163,7 @@ def _states_fix_kernel(STH, STL, ENDS, CS, SEQ, L, NC, H, CPS, ssb, ssl, PN: tl.
     w = _decay_product(CS, SEQ, b, h, seg * CPS, c, L, H, NC, ssb, ssl, T, CPB, HAS_SEQ)
     prev = tl.load(ENDS + ((b * nseg + seg - 1) * H + h) * PN + j, mask=m, other=0.0)
     off = ((b * NC + c) * H + h) * PN + j
-    _st_store(STH, STL, off, _st_load(STH, STL, off, m, PREC) + w * prev, m, PREC)
+    _st_store(STH, STL, off, _st_load(STH, STL, off, m, PREC) + w * prev, m, OUT)
 
 
 @_autotune([triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=4, num_stages=2),
@@ -336,7 +342,10 @@ def _states(x, B, dtp, cs, seq_idx, initial_states, T, nc, want_final=True, read
         # another segmentation (MEGASSM_SSD_STATE_SEGMENTS changed in between): fix up. The segment count alone
         # identifies a segmentation: for a given nc, _state_segments never gives one count two chunk lengths
         seg_starts = None
-    store = _out_prec(x) if readout_only and nseg == 1 else _prec(x)
+    # the format of the final states: hi alone where only _scan reads them; a segmented walk stores its later
+    # segments' partial states in the mode's format, which the fix-up reads and completes into that one
+    final_fmt = _out_prec(x) if readout_only else _prec(x)
+    store = final_fmt if nseg == 1 else _prec(x)
     states = _state_buffer(x, (bsz, nc, nheads, hdim, dstate), store)
     # the segment ends feed the segment passes (not needed from true starts)
     has_final = want_final or (nseg > 1 and seg_starts is None)
@@ -351,7 +360,7 @@ def _states(x, B, dtp, cs, seq_idx, initial_states, T, nc, want_final=True, read
         *(initial_states.stride() if initial_states is not None else (0, 0, 0, 0)),
         P=hdim, N=dstate, T=T, BP=BP, BN=BN, BS=_states_step(BN, T), HAS_INIT=initial_states is not None,
         HAS_SEGI=seg_starts is not None, HAS_SEQ=seq_idx is not None, HAS_FINAL=has_final, PREC=_prec(x),
-        STORE=store,
+        STORE=store, STORE0=final_fmt,
     )
     if nseg == 1:
         return states, (ends[:, 0] if has_final else None), None
@@ -365,7 +374,7 @@ def _states(x, B, dtp, cs, seq_idx, initial_states, T, nc, want_final=True, read
                                              REVERSE=False, **common)
     # rows x chunks on grid axis 0: CUDA caps axes 1 and 2 at 65535 programs
     _states_fix_kernel[(bsz * (nc - cps), nheads, npn)](
-        *states, ends, cs, seq, seqlen, nc, nheads, cps, ssb, ssl, PREC=_prec(x), **common,
+        *states, ends, cs, seq, seqlen, nc, nheads, cps, ssb, ssl, PREC=_prec(x), OUT=final_fmt, **common,
     )
     return states, (ends[:, -1].contiguous() if want_final else None), ends.view(-1)
 
