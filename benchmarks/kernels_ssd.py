@@ -300,6 +300,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="", help="comma list of: ssd, sdpa, conv, norm, step")
     ap.add_argument("--quick", action="store_true", help="only the 2K row of the anchors shape")
+    ap.add_argument("--variants", action="store_true",
+                    help="only the SSD's other shapes (N 64 / 256, H 128, G 8, chunk 64 / 128 at 16 x 2K), no anchors rows")
     ap.add_argument("--lens", default="", help="comma list of sequence lengths: only those anchors-shape rows "
                     "(32K tokens each), no other shapes; e.g. 8192,32768 for the --segments sweep")
     ap.add_argument("--impls", default="",
@@ -334,11 +336,13 @@ def main():
         chunks = [0]
     if not chunks or any(v < 16 or v & (v - 1) for v in chunks):
         ap.error(f"--chunks {args.chunks!r}: expected a comma list of powers of two >= 16")
+    if args.variants and (args.quick or lens):
+        ap.error("--variants runs the other shapes only: it takes neither --quick nor --lens")
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     emit({"bench": "env", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
           "triton": __import__("triton").__version__, "MEGASSM_KERNELS": os.environ.get("MEGASSM_KERNELS"),
           "mamba_ssm": "present" if _mamba()[0] is not None else f"absent ({_mamba()[1]})"})
-    Ls = lens or ([2048] if args.quick else [512, 2048, 8192, 32768])
+    Ls = [] if args.variants else (lens or ([2048] if args.quick else [512, 2048, 8192, 32768]))
     if want("ssd") or want("sdpa"):
         for L in Ls:
             B = tokens // L
