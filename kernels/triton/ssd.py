@@ -163,39 +163,42 @@ def _scan_kernel(X, Z, Cp, CB, DTP, CS, SEQ, STH, STL, Dp, Y, DOUT, DY, DZ, L, H
     cs_t = tl.load(CS + dbase + t)
     if HAS_SEQ:
         seq_t = _seq_at(SEQ, b, pt, L, ssb, ssl)
-    # read-out of the entering state: exp(cs_t) m_t C_t S^T
-    acc = tl.full([BT, BP], 0.0, tl.float32)
-    st_off = ((b * NC + c) * H + h) * P * N
-    for k0 in range(0, N, BK):
-        k = k0 + tl.arange(0, BK)
-        mk = k < N
-        cv = tl.load(Cp + b * scb + pt[:, None] * scl + g * scg + k[None, :] * scn,
-                     mask=mt[:, None] & mk[None, :], other=0.0)
-        acc += _mm_a_st(cv, STH, STL, st_off + p[None, :] * N + k[:, None], mk[:, None] & mp[None, :], False, PREC)
-    row = tl.exp(cs_t)
-    if HAS_SEQ:
-        sid_in = _seq_at(SEQ, b, c * T - 1, L, ssb, ssl)
-        row = tl.where(seq_t == sid_in, row, 0.0)
-    acc = acc * row[:, None]
     # intra-chunk: sum_s L_ts CB_ts dt_s x_s. Source blocks wholly before this target block (s < r <= t, r its
-    # first position) factor the decay as exp(cs_t - cs_r) exp(cs_r - cs_s), both <= 1 (A <= 0): two vectors
-    # instead of an exp and the causal mask per element; pad sources carry dt = 0 and CB = 0.
+    # first position) factor the decay as exp(cs_t - cs_r) exp(cs_r - cs_s), both <= 1 (A <= 0): the tiles take
+    # the second, a vector over s, and the first, over t, scales their sum once (no exp and causal mask per
+    # element); pad sources carry dt = 0 and CB = 0.
     cb_base = ((b * NC + c) * G + g) * T * T
     r = tb * BT
     cs_r = tl.load(CS + dbase + r)
-    e_t = tl.exp(cs_t - cs_r)
+    acc = tl.full([BT, BP], 0.0, tl.float32)
     s_mid = (r // BS) * BS
     for s0 in range(0, s_mid, BS):
         s = s0 + tl.arange(0, BS)
         ps = c * T + s
         cb = tl.load(CB + cb_base + t[:, None] * T + s[None, :])
         f_s = tl.exp(cs_r - tl.load(CS + dbase + s)) * tl.load(DTP + dbase + s)
-        w = cb * e_t[:, None] * f_s[None, :]
+        w = cb * f_s[None, :]
         if HAS_SEQ:
             w = tl.where(_seq_at(SEQ, b, ps, L, ssb, ssl)[None, :] == seq_t[:, None], w, 0.0)
         xv = tl.load(X + b * sxb + ps[:, None] * sxl + h * sxh + p[None, :] * sxp,
                      mask=(ps < L)[:, None] & mp[None, :], other=0.0)
         acc += _mm_af(w, xv, PREC)
+    acc = acc * tl.exp(cs_t - cs_r)[:, None]
+    # read-out of the entering state: exp(cs_t) m_t C_t S^T (its own accumulator, scaled per row)
+    acc_s = tl.full([BT, BP], 0.0, tl.float32)
+    st_off = ((b * NC + c) * H + h) * P * N
+    for k0 in range(0, N, BK):
+        k = k0 + tl.arange(0, BK)
+        mk = k < N
+        cv = tl.load(Cp + b * scb + pt[:, None] * scl + g * scg + k[None, :] * scn,
+                     mask=mt[:, None] & mk[None, :], other=0.0)
+        acc_s += _mm_a_st(cv, STH, STL, st_off + p[None, :] * N + k[:, None], mk[:, None] & mp[None, :], False,
+                          PREC)
+    row = tl.exp(cs_t)
+    if HAS_SEQ:
+        sid_in = _seq_at(SEQ, b, c * T - 1, L, ssb, ssl)
+        row = tl.where(seq_t == sid_in, row, 0.0)
+    acc += acc_s * row[:, None]
     for s0 in range(s_mid, r + BT, BS):
         s = s0 + tl.arange(0, BS)
         ps = c * T + s

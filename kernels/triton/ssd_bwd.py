@@ -87,40 +87,24 @@ def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSH, DSL, Dp, DX, DDT, DDTS, DDP, L,
         seq_s = _seq_at(SEQ, b, ps, L, ssb, ssl)
     xv = tl.load(X + b * sxb + ps[:, None] * sxl + h * sxh + p[None, :] * sxp, mask=ms[:, None] & mp[None, :],
                  other=0.0)
-    # state path: B_s dS^T, scaled
-    Q = tl.full([BS, BPF], 0.0, tl.float32)
-    st_off = ((b * NC + c) * H + h) * P * N
-    for k0 in range(0, N, BK):
-        k = k0 + tl.arange(0, BK)
-        mk = k < N
-        bv = tl.load(Bp + b * sbb + ps[:, None] * sbl + g * sbg + k[None, :] * sbn, mask=ms[:, None] & mk[None, :],
-                     other=0.0)
-        Q = _mma_a_st(Q, bv, DSH, DSL, st_off + p[None, :] * N + k[:, None], mk[:, None] & mp[None, :], PREC)
-    rs = tl.exp(tl.minimum(cs_last - cs_s, 0.0))
-    ok_s = ms
-    if HAS_SEQ:
-        last = tl.minimum(c * T + T, L) - 1
-        ok_s = ok_s & (seq_s == _seq_at(SEQ, b, last, L, ssb, ssl))
-    rs = tl.where(ok_s, rs, 0.0)
-    Q = Q * rs[:, None]
-    xf = xv.to(tl.float32)
-    tl.store(DDTS + dbase + s, dt_s * tsum(xf * Q, axis=1))
-    # intra-chunk: sum over t >= s of L_ts CB_ts dy_t. The diagonal block with the causal mask; the blocks after it
-    # (s <= r < t, r the block's last source) factor the decay as exp(cs_t - cs_r) exp(cs_r - cs_s), both <= 1
+    # intra-chunk: sum over t >= s of L_ts CB_ts dy_t. The blocks after the diagonal one (s <= r < t, r this
+    # block's last source) factor the decay as exp(cs_t - cs_r) exp(cs_r - cs_s), both <= 1: the tiles take
+    # the first, a vector over t, and the second, over s, scales their sum once
     cb_base = ((b * NC + c) * G + g) * T * T
     r = sb * BS + BS - 1
     cs_r = tl.load(CS + dbase + r)
-    f_s = tl.exp(cs_r - cs_s)
+    Q = tl.full([BS, BPF], 0.0, tl.float32)
     for t0 in range(sb * BS + BS, T, BS):
         t = t0 + tl.arange(0, BS)
         pt = c * T + t
         mt = pt < L
         cbT = tl.load(CB + cb_base + t[None, :] * T + s[:, None])  # [s, t]; 0 at pad s and pad t
-        wT = cbT * f_s[:, None] * tl.exp(tl.load(CS + dbase + t) - cs_r)[None, :]
+        wT = cbT * tl.exp(tl.load(CS + dbase + t) - cs_r)[None, :]
         if HAS_SEQ:
             wT = tl.where(seq_s[:, None] == _seq_at(SEQ, b, pt, L, ssb, ssl)[None, :], wT, 0.0)
         Q = _mma_w_dy(Q, wT, DY + b * sdyb + pt[:, None] * sdyl + h * sdyh + p[None, :] * sdyp,
                       mt[:, None] & mp[None, :], DY_F32, IPREC)
+    Q = Q * tl.exp(cs_r - cs_s)[:, None]
     for t0 in range(sb * BS, sb * BS + BS, BS):  # one iteration: the diagonal block
         t = t0 + tl.arange(0, BS)
         pt = c * T + t
@@ -133,6 +117,25 @@ def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSH, DSL, Dp, DX, DDT, DDTS, DDP, L,
         wT = tl.where(ok, cbT * tl.exp(tl.where(ok, cs_t[None, :] - cs_s[:, None], 0.0)), 0.0)
         Q = _mma_w_dy(Q, wT, DY + b * sdyb + pt[:, None] * sdyl + h * sdyh + p[None, :] * sdyp,
                       mt[:, None] & mp[None, :], DY_F32, IPREC)
+    # state path: B_s dS^T, scaled; its own accumulator, for its share of x_s . Q_s
+    Qs = tl.full([BS, BPF], 0.0, tl.float32)
+    st_off = ((b * NC + c) * H + h) * P * N
+    for k0 in range(0, N, BK):
+        k = k0 + tl.arange(0, BK)
+        mk = k < N
+        bv = tl.load(Bp + b * sbb + ps[:, None] * sbl + g * sbg + k[None, :] * sbn, mask=ms[:, None] & mk[None, :],
+                     other=0.0)
+        Qs = _mma_a_st(Qs, bv, DSH, DSL, st_off + p[None, :] * N + k[:, None], mk[:, None] & mp[None, :], PREC)
+    rs = tl.exp(tl.minimum(cs_last - cs_s, 0.0))
+    ok_s = ms
+    if HAS_SEQ:
+        last = tl.minimum(c * T + T, L) - 1
+        ok_s = ok_s & (seq_s == _seq_at(SEQ, b, last, L, ssb, ssl))
+    rs = tl.where(ok_s, rs, 0.0)
+    Qs = Qs * rs[:, None]
+    xf = xv.to(tl.float32)
+    tl.store(DDTS + dbase + s, dt_s * tsum(xf * Qs, axis=1))
+    Q += Qs
     ddt = tsum(xf * Q, axis=1)
     dx = Q * dt_s[:, None]
     m = ms[:, None] & mp[None, :]
