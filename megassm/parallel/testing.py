@@ -23,6 +23,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# free_port() releases the port before the launcher binds it, so a process beside this one (another pytest
+# worker's group) can take it first: the launcher's store then fails to listen (EADDRINUSE) before any worker
+# starts. Such a run is started again on a new port; any other failure is reported as it is.
+_PORT_TRIES = 3
+
+
+def _port_clash(text: str) -> bool:
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
+
+
 def run_train(cwd: str, args: list[str], nproc: int = 1, env: dict | None = None, timeout: int = 400) -> list[dict]:
     """Run `megassm.train` with `args` as one process (nproc 1) or under torchrun (nproc ranks on this host),
     one thread per process, in `cwd`; assert it succeeded (its stderr's tail as the message) and return the
@@ -30,12 +40,15 @@ def run_train(cwd: str, args: list[str], nproc: int = 1, env: dict | None = None
     run_dir = next((a.split("=", 1)[1] for a in args if a.startswith("run.dir=")), None)
     assert run_dir is not None, "run_train: args must set run.dir"
     full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "megassm.train", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port()), "-m", "megassm.train", *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=full_env, timeout=timeout)
+    for attempt in range(_PORT_TRIES):
+        if nproc == 1:
+            cmd = [sys.executable, "-m", "megassm.train", *args]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                   "--master_port", str(free_port()), "-m", "megassm.train", *args]
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=full_env, timeout=timeout)
+        if r.returncode == 0 or nproc == 1 or not _port_clash(r.stderr) or attempt == _PORT_TRIES - 1:
+            break
     assert r.returncode == 0, r.stderr[-5000:]
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -68,7 +81,13 @@ def _entry(rank, world, port, backend, fn, args):
 
 
 def spawn(fn, world: int, *args, backend: str = "gloo") -> None:
-    mp.spawn(_entry, args=(world, free_port(), backend, fn, args), nprocs=world, join=True)
+    for attempt in range(_PORT_TRIES):
+        try:
+            mp.spawn(_entry, args=(world, free_port(), backend, fn, args), nprocs=world, join=True)
+            return
+        except mp.ProcessRaisedException as e:  # a port taken between free_port() and the bind: a new port
+            if not _port_clash(str(e)) or attempt == _PORT_TRIES - 1:
+                raise
 
 
 def tiny_model_config(pattern: str, ngroups: int = 1, n_kv_heads: int = 2, tie: bool = True,

@@ -1,0 +1,76 @@
+"""The multi-process test helpers start a group again on a new port when the one free_port() picked was taken
+before the rendezvous bound it (seen in CI: two pytest workers' groups, EADDRINUSE), and report any other
+failure at once."""
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megassm.parallel import testing
+
+
+def sum_ranks_worker(rank, world, out):
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    if rank == 0:
+        with open(out, "w") as f:
+            f.write(str(t.item()))
+
+
+def failing_worker(rank, world):
+    raise ValueError("not a port clash")
+
+
+def _ports_from(monkeypatch, first):
+    """free_port() returns `first`, then real free ports; returns the list of ports handed out."""
+    handed = []
+    real = testing.free_port
+
+    def pick():
+        handed.append(first if not handed else real())
+        return handed[-1]
+
+    monkeypatch.setattr(testing, "free_port", pick)
+    return handed
+
+
+def test_spawn_retries_a_taken_port(tmp_path, monkeypatch):
+    with socket.socket() as held:  # a listening socket holds the first port for the whole launch
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        handed = _ports_from(monkeypatch, held.getsockname()[1])
+        out = tmp_path / "sum.txt"
+        testing.spawn(sum_ranks_worker, 2, str(out))
+    assert float(out.read_text()) == 3.0
+    assert len(handed) == 2 and handed[0] != handed[1]
+
+
+def test_spawn_reports_other_failures_without_retry(monkeypatch):
+    handed = _ports_from(monkeypatch, testing.free_port())
+    with pytest.raises(mp.ProcessExitedException):  # _entry prints the worker's error and exits 1
+        testing.spawn(failing_worker, 2)
+    assert len(handed) == 1
+
+
+def test_run_train_retries_a_taken_port_only(tmp_path, monkeypatch):
+    """run_train under torchrun: a launcher whose store could not listen is started again on a new port (the
+    launches are faked here: the real clash needs two launchers racing); a training failure is not."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    clash = "torch.distributed.DistNetworkError: The server socket has failed to listen ... EADDRINUSE"
+    for results, want_calls, ok in [([clash, ""], 2, True), (["ValueError: bad config", ""], 1, False)]:
+        calls = []
+
+        def fake_run(cmd, results=results, calls=calls, **kw):
+            calls.append(cmd[cmd.index("--master_port") + 1])
+            err = results[len(calls) - 1]
+            return testing.subprocess.CompletedProcess(cmd, 1 if err else 0, "", err)
+
+        monkeypatch.setattr(testing.subprocess, "run", fake_run)
+        if ok:
+            assert testing.run_train(str(tmp_path), [f"run.dir={tmp_path}"], nproc=2) == [{"step": 1, "loss": 2.0}]
+        else:
+            with pytest.raises(AssertionError, match="bad config"):
+                testing.run_train(str(tmp_path), [f"run.dir={tmp_path}"], nproc=2)
+        assert len(calls) == want_calls and len(set(calls)) == want_calls
