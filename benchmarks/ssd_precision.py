@@ -3,6 +3,8 @@ megassm's PyTorch reference run on the same bf16 inputs (fp32 math, outputs roun
 "within 2x of the reference's own bf16 error"). Prints one JSON line per implementation.
 
     PYTHONPATH=.peers python benchmarks/ssd_precision.py [--batch 2 --seqlen 2048 --heads 64 --dstate 128]
+    python benchmarks/ssd_precision.py --scales tests --same-gradient   # each implementation's own error at
+        # the tests' input scales (the oracle takes the same bf16 output gradient; adds megassm_fp32)
     TRITON_INTERPRET=1 python benchmarks/ssd_precision.py --device cpu --batch 1 --seqlen 256 --heads 4 \
         --headdim 16 --dstate 16 --chunk 64   # the Triton kernels on the CPU interpreter (small shapes only)
 
@@ -29,13 +31,21 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def make_inputs(bsz, seqlen, nheads, hdim, dstate, ngroups, seed, device="cuda"):
-    """bf16 activations and fp32 parameters, scaled as in benchmarks/kernels_ssd.py (dt ~ 0.02 .. 0.1)."""
+def make_inputs(bsz, seqlen, nheads, hdim, dstate, ngroups, seed, device="cuda", scales="bench"):
+    """bf16 activations and fp32 parameters. scales "bench": as benchmarks/kernels_ssd.py (dt ~ 0.02 .. 0.1,
+    A in [-5, -1]); "tests": as tests/kernel_cases.ssd_inputs (dt = softplus of N(0, 1) + N(0, 0.5) bias, ~0.1 .. 3,
+    A in [-2.1, -0.1]: decays of hundreds in the exponent across one chunk)."""
     g = torch.Generator(device=device).manual_seed(seed)
 
     def rn(*s, scale=1.0):
         return (torch.randn(*s, device=device, generator=g) * scale).to(torch.bfloat16)
 
+    if scales == "tests":
+        return dict(x=rn(bsz, seqlen, nheads, hdim), dt=rn(bsz, seqlen, nheads),
+                    A=-(torch.rand(nheads, device=device, generator=g) * 2 + 0.1),
+                    B=rn(bsz, seqlen, ngroups, dstate), C=rn(bsz, seqlen, ngroups, dstate),
+                    D=torch.randn(nheads, device=device, generator=g),
+                    dt_bias=torch.randn(nheads, device=device, generator=g) * 0.5)
     return dict(x=rn(bsz, seqlen, nheads, hdim), dt=rn(bsz, seqlen, nheads, scale=0.5),
                 A=-(torch.rand(nheads, device=device, generator=g) * 4 + 1),
                 B=rn(bsz, seqlen, ngroups, dstate), C=rn(bsz, seqlen, ngroups, dstate),
@@ -63,6 +73,12 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: the Triton kernels under TRITON_INTERPRET=1 (set it), for small shapes")
+    ap.add_argument("--scales", default="bench", choices=("bench", "tests"),
+                    help="input scales: the speed benchmark's (default) or the tests' (make_inputs)")
+    ap.add_argument("--same-gradient", action="store_true",
+                    help="the oracle takes the output gradient rounded to bf16, as the implementations do: each "
+                         "error is then the implementation's own arithmetic, without the gradient's rounding; "
+                         "adds megassm_fp32 (our kernels on the same values in fp32, fp32 products)")
     args = ap.parse_args()
     if args.device == "cuda":
         assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU (or --device cpu with TRITON_INTERPRET=1)"
@@ -72,11 +88,13 @@ def main():
     from megassm.kernels import reference as R
 
     dev = args.device
-    inp = make_inputs(args.batch, args.seqlen, args.heads, args.headdim, args.dstate, args.ngroups, args.seed, dev)
+    inp = make_inputs(args.batch, args.seqlen, args.heads, args.headdim, args.dstate, args.ngroups, args.seed, dev,
+                      args.scales)
     gy = torch.randn(args.batch, args.seqlen, args.heads, args.headdim, device=dev,
                      generator=torch.Generator(device=dev).manual_seed(args.seed + 1)).to(torch.bfloat16)
     kw = dict(dt_softplus=True, chunk_size=args.chunk)
-    shape = {k: getattr(args, k) for k in ("batch", "seqlen", "heads", "headdim", "dstate", "ngroups", "chunk")}
+    shape = {k: getattr(args, k) for k in ("batch", "seqlen", "heads", "headdim", "dstate", "ngroups", "chunk",
+                                           "seed", "scales", "same_gradient")}
 
     def ours(mode):
         def f(**t):
@@ -87,8 +105,14 @@ def main():
     def reference(**t):
         return R.ssd(t["x"], t["dt"], t["A"], t["B"], t["C"], D=t["D"], dt_bias=t["dt_bias"], **kw)
 
-    oracle = run(reference, inp, gy, cast=torch.float64)
+    # the output gradient: bf16 for the implementations; the oracle's is it unrounded (the default: the
+    # rounding is part of each implementation's bf16 error), or the same bf16 values (--same-gradient)
+    gy_oracle = gy if args.same_gradient else torch.randn(
+        gy.shape, device=dev, generator=torch.Generator(device=dev).manual_seed(args.seed + 1))
+    oracle = run(reference, inp, gy_oracle.double(), cast=torch.float64)
     impls = {"reference_bf16": reference, "megassm_split": ours("split"), "megassm_bf16": ours("bf16")}
+    if args.same_gradient:
+        impls["megassm_fp32"] = lambda **t: ours("split")(**{k: v.float() for k, v in t.items()})
     try:
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as mcs
 
