@@ -158,15 +158,16 @@ def check_fp32(ours, oracle, tol):
         assert torch.isfinite(v).all(), k
 
 
-def check_lowp(ours, ref, oracle, factor, fp32_floor=1e-4):
-    """bf16 errors within factor x the reference's; fp32 outputs (states) may add fp32_floor (see above)."""
+def check_lowp(ours, ref, oracle, factor, fp32_floor=1e-4, factors=None):
+    """bf16 errors within factor x the reference's (`factors`: {name: factor} for named exceptions); fp32 outputs
+    (states) may add fp32_floor (see above)."""
     bad = {}
     for k in oracle:
         e_ref, e_ours = rel(ref[k], oracle[k]), rel(ours[k], oracle[k])
         floor = fp32_floor if ours[k].dtype == torch.float32 else 2e-5
-        if not e_ours <= factor * e_ref + floor:
+        if not e_ours <= (factors or {}).get(k, factor) * e_ref + floor:
             bad[k] = (e_ours, e_ref)
-    assert not bad, f"(ours, reference) bf16 errors beyond {factor}x: {bad}"
+    assert not bad, f"(ours, reference) bf16 errors beyond {factor}x (exceptions {factors}): {bad}"
 
 
 def op_ssd(x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_limit=None, initial_states=None,
