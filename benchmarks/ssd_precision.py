@@ -57,8 +57,9 @@ def run(fn, inp, gy, cast=None):
     """y and the gradients of <y, gy> with respect to every input, through fn(**leaves)."""
     leaves = {k: (v.to(cast) if cast is not None else v).detach().clone().requires_grad_(True) for k, v in inp.items()}
     y = fn(**leaves)
-    grads = torch.autograd.grad(y, [leaves[k] for k in GRAD_KEYS], gy.to(y.dtype))
-    return {"y": y.detach(), **{"d" + k: gr for k, gr in zip(GRAD_KEYS, grads)}}
+    keys = [k for k in GRAD_KEYS + ("z",) if k in leaves]
+    grads = torch.autograd.grad(y, [leaves[k] for k in keys], gy.to(y.dtype))
+    return {"y": y.detach(), **{"d" + k: gr for k, gr in zip(keys, grads)}}
 
 
 def main():
@@ -75,6 +76,7 @@ def main():
                     help="cpu: the Triton kernels under TRITON_INTERPRET=1 (set it), for small shapes")
     ap.add_argument("--scales", default="bench", choices=("bench", "tests"),
                     help="input scales: the speed benchmark's (default) or the tests' (make_inputs)")
+    ap.add_argument("--gate", action="store_true", help="with the gate z (bf16, N(0, 1)); the model calls without")
     ap.add_argument("--same-gradient", action="store_true",
                     help="the oracle takes the output gradient rounded to bf16, as the implementations do: each "
                          "error is then the implementation's own arithmetic, without the gradient's rounding; "
@@ -90,20 +92,23 @@ def main():
     dev = args.device
     inp = make_inputs(args.batch, args.seqlen, args.heads, args.headdim, args.dstate, args.ngroups, args.seed, dev,
                       args.scales)
+    if args.gate:
+        inp["z"] = torch.randn(inp["x"].shape, device=dev,
+                               generator=torch.Generator(device=dev).manual_seed(args.seed + 2)).to(torch.bfloat16)
     gy = torch.randn(args.batch, args.seqlen, args.heads, args.headdim, device=dev,
                      generator=torch.Generator(device=dev).manual_seed(args.seed + 1)).to(torch.bfloat16)
     kw = dict(dt_softplus=True, chunk_size=args.chunk)
     shape = {k: getattr(args, k) for k in ("batch", "seqlen", "heads", "headdim", "dstate", "ngroups", "chunk",
-                                           "seed", "scales", "same_gradient")}
+                                           "seed", "scales", "gate", "same_gradient")}
 
     def ours(mode):
         def f(**t):
             os.environ["MEGASSM_SSD_PRECISION"] = mode
-            return K.ssd(t["x"], t["dt"], t["A"], t["B"], t["C"], D=t["D"], dt_bias=t["dt_bias"], **kw)
+            return K.ssd(t["x"], t["dt"], t["A"], t["B"], t["C"], D=t["D"], z=t.get("z"), dt_bias=t["dt_bias"], **kw)
         return f
 
     def reference(**t):
-        return R.ssd(t["x"], t["dt"], t["A"], t["B"], t["C"], D=t["D"], dt_bias=t["dt_bias"], **kw)
+        return R.ssd(t["x"], t["dt"], t["A"], t["B"], t["C"], D=t["D"], z=t.get("z"), dt_bias=t["dt_bias"], **kw)
 
     # the output gradient: bf16 for the implementations; the oracle's is it unrounded (the default: the
     # rounding is part of each implementation's bf16 error), or the same bf16 values (--same-gradient)
@@ -117,7 +122,7 @@ def main():
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as mcs
 
         impls["mamba_ssm"] = lambda **t: mcs(t["x"], t["dt"], t["A"], t["B"], t["C"], chunk_size=args.chunk,
-                                             D=t["D"], dt_bias=t["dt_bias"], dt_softplus=True)
+                                             D=t["D"], z=t.get("z"), dt_bias=t["dt_bias"], dt_softplus=True)
     except Exception as e:  # the peer is optional: say so
         print(json.dumps({"impl": "mamba_ssm", "absent": f"{type(e).__name__}: {e}"}), flush=True)
     ref_err = None
