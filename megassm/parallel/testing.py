@@ -40,14 +40,12 @@ def run_train(cwd: str, args: list[str], nproc: int = 1, env: dict | None = None
     run_dir = next((a.split("=", 1)[1] for a in args if a.startswith("run.dir=")), None)
     assert run_dir is not None, "run_train: args must set run.dir"
     full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    for attempt in range(_PORT_TRIES):
-        if nproc == 1:
-            cmd = [sys.executable, "-m", "megassm.train", *args]
-        else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                   "--master_port", str(free_port()), "-m", "megassm.train", *args]
+    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    for _ in range(_PORT_TRIES if launcher else 1):
+        port = ["--master_port", str(free_port())] if launcher else []
+        cmd = [sys.executable, *launcher, *port, "-m", "megassm.train", *args]
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=full_env, timeout=timeout)
-        if r.returncode == 0 or nproc == 1 or not _port_clash(r.stderr) or attempt == _PORT_TRIES - 1:
+        if r.returncode == 0 or not _port_clash(r.stderr):
             break
     assert r.returncode == 0, r.stderr[-5000:]
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
