@@ -19,6 +19,7 @@ from .ssd import _prep, _scan
 from .ssd_common import (
     _autotune,
     _contig_last,
+    _dot_lp_acc,
     _dt_biased,
     _mm_a_st,
     _mm_af,
@@ -33,6 +34,8 @@ from .ssd_common import (
     _seq_at,
     _Side,
     _softplus,
+    _split,
+    _split3,
     _state_buffer_dtype,
     _state_buffer_shape,
     _state_views,
@@ -42,10 +45,24 @@ from .ssd_states import _dstates, _states
 
 
 @triton.jit
-def _mma_w_dy(acc, w, DYP, mask, DY_F32: tl.constexpr, PREC: tl.constexpr):
-    """acc + w (a derived fp32 decay-weighted tile) @ the dy tile at DYP (a raw input, or fp32 after the gate)."""
+def _mma_w_dy(acc, w, DYP, mask, DY_F32: tl.constexpr, PREC: tl.constexpr, FULL: tl.constexpr = False):
+    """acc + w (a derived fp32 decay-weighted tile) @ the dy tile at DYP (a raw input, or fp32 after the gate).
+    FULL (PREC "bf16" only): w as bf16 hi + mid + lo, fp32's accuracy, and an fp32 dy as the same hi + lo pair
+    _dcb_kernel's products use, so x_s . the sum matches _dcb's row sums term by term (docs/kernels.md, "the a
+    gradient")."""
     dyv = tl.load(DYP, mask=mask, other=0.0)
-    if DY_F32:
+    if FULL and PREC == "bf16":
+        wh, wm, wl = _split3(w)
+        if DY_F32:
+            dh, dl = _split(dyv)
+            acc = _dot_lp_acc(wh, dh, acc)
+            acc = _dot_lp_acc(wh, dl, acc)
+            acc = _dot_lp_acc(wm, dh, acc)
+            acc = _dot_lp_acc(wm, dl, acc)
+            return _dot_lp_acc(wl, dh, acc)
+        else:
+            return _dot_lp_acc(wl, dyv, _dot_lp_acc(wm, dyv, _dot_lp_acc(wh, dyv, acc)))
+    elif DY_F32:
         return acc + _mm_ff(w, dyv, PREC)
     else:
         return _mma_af(acc, w, dyv, PREC)
@@ -105,7 +122,9 @@ def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSH, DSL, Dp, DX, DDT, DDTS, DDP, L,
         Q = _mma_w_dy(Q, wT, DY + b * sdyb + pt[:, None] * sdyl + h * sdyh + p[None, :] * sdyp,
                       mt[:, None] & mp[None, :], DY_F32, IPREC)
     Q = Q * tl.exp(cs_r - cs_s)[:, None]
-    for t0 in range(sb * BS, sb * BS + BS, BS):  # one iteration: the diagonal block
+    # the diagonal block (one iteration): its weights are the largest, so its products are fp32-accurate
+    # (three-way split, _intra_prec); the off-diagonal ones above stay two-way
+    for t0 in range(sb * BS, sb * BS + BS, BS):
         t = t0 + tl.arange(0, BS)
         pt = c * T + t
         mt = pt < L
@@ -116,7 +135,7 @@ def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSH, DSL, Dp, DX, DDT, DDTS, DDP, L,
             ok = ok & (seq_s[:, None] == _seq_at(SEQ, b, pt, L, ssb, ssl)[None, :])
         wT = tl.where(ok, cbT * tl.exp(tl.where(ok, cs_t[None, :] - cs_s[:, None], 0.0)), 0.0)
         Q = _mma_w_dy(Q, wT, DY + b * sdyb + pt[:, None] * sdyl + h * sdyh + p[None, :] * sdyp,
-                      mt[:, None] & mp[None, :], DY_F32, IPREC)
+                      mt[:, None] & mp[None, :], DY_F32, IPREC, True)
     # state path: B_s dS^T, scaled; its own accumulator, for its share of x_s . Q_s
     Qs = tl.full([BS, BPF], 0.0, tl.float32)
     st_off = ((b * NC + c) * H + h) * P * N
@@ -371,11 +390,15 @@ def _dt_grad_kernel(DCSI, DCSR, DDTS, DCSL, DDTD, DTP, A, DT, DT_BIAS, DDT, DAP,
 
 def _intra_prec(prec):
     """The precision of the intra-chunk products of _dx_kernel and _dcb_kernel: split (bf16 hi + lo of the
-    derived operand: the decay-weighted CB in _dx, dy after the gate in _dcb) in the bf16 mode too. x_s . the
-    sum of _dx's is the source side of the intra-chunk cs gradient and _dcb's row sums its target side; they
-    cancel, so a rounding on either side leaves dA / ddt_bias with ~1e-2 .. 1 errors (session 11; with the gate,
-    session 17). Without the gate _dcb's operands are raw inputs and its products exact in either mode. The
-    state products stay rounded once in the bf16 mode."""
+    derived operand: the decay-weighted CB in _dx, dy after the gate in _dcb) in the bf16 mode too, and on _dx's
+    diagonal tile (where the weights are largest) three ways (hi + mid + lo; with the gate, times _dcb's hi + lo
+    of dy). x_s . the sum of _dx's is the source side of the intra-chunk cs gradient and _dcb's row sums its
+    target side; they cancel, and dA / ddt_bias weight the difference by dt sums of up to a chunk, so a
+    rounding on either side leaves them with ~1e-2 .. 1 errors (session 11; with the gate, session 17), and the
+    two-way split on the diagonal tile with 1e-4 .. 2.6e-3 where the decays inside a chunk are large (session
+    24; three ways: the fp32-product error, at no measured cost, session 25). Without the gate _dcb's operands
+    are raw inputs and its products exact in either mode. The state products stay rounded once in the bf16
+    mode."""
     return "bf16" if prec == "bf16fast" else prec
 
 

@@ -143,6 +143,15 @@ def _split(a):
     return hi, _bf16(a - hi.to(tl.float32))
 
 
+@triton.jit
+def _split3(a):
+    """fp32 a as bf16 hi + mid + lo (about 24 mantissa bits: fp32's own)."""
+    hi = _bf16(a)
+    r = a - hi.to(tl.float32)
+    mid = _bf16(r)
+    return hi, mid, _bf16(r - mid.to(tl.float32))
+
+
 # Matrix products. PREC "bf16": the inputs are bf16; a raw input operand goes to the tensor cores as is, a
 # derived fp32 operand (decay-weighted, states, ...) as a bf16 hi + lo pair (about 16 mantissa bits: two bf16
 # products instead of one rounding to 8 bits). PREC "ieee": fp32 / fp16 inputs, fp32 products.
