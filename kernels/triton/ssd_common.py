@@ -147,9 +147,8 @@ def _split(a):
 def _split3(a):
     """fp32 a as bf16 hi + mid + lo (about 24 mantissa bits: fp32's own)."""
     hi = _bf16(a)
-    r = a - hi.to(tl.float32)
-    mid = _bf16(r)
-    return hi, mid, _bf16(r - mid.to(tl.float32))
+    mid, lo = _split(a - hi.to(tl.float32))
+    return hi, mid, lo
 
 
 # Matrix products. PREC "bf16": the inputs are bf16; a raw input operand goes to the tensor cores as is, a
