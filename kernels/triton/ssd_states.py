@@ -329,10 +329,11 @@ def _states(x, B, dtp, cs, seq_idx, initial_states, T, nc, want_final=True, read
     `want_final`: one fp32 state per row and head not written, 134 MB per call at 64 rows x 64 heads), the true
     segment ends flattened (fp32; None for one walk)). `readout_only`: the states feed _scan alone (the forward,
     states not kept), which rounds them once (_out_prec): they end as the hi array only (the lo array would be
-    written and never read). A segmented walk stores the first segment's so and the later segments' partial
-    states in the mode's format, so that the fix-up adds to unrounded values before it writes hi alone. With segments (_state_segments), each segment's walk starts from zero; the true
-    segment ends follow in order (end_k += decay of segment k * end_{k-1}) and _states_fix_kernel adds the decayed
-    previous end to the entering states of every later segment's chunks. `seg_starts`: the segment ends an
+    written and never read). A segmented walk stores the first segment's states so too, but the later segments'
+    partial states in the mode's format, so that the fix-up adds to unrounded values before it writes hi alone.
+    With segments (_state_segments), each segment's walk starts from zero; the true segment ends follow in order
+    (end_k += decay of segment k * end_{k-1}) and _states_fix_kernel adds the decayed previous end to the
+    entering states of every later segment's chunks. `seg_starts`: the segment ends an
     earlier call on the same inputs returned (the forward's, in the backward): each segment starts from its
     true entering state, and neither pass runs."""
     bsz, seqlen, nheads, hdim = x.shape
