@@ -107,9 +107,11 @@ def test_ssd_triton_state_segments(triton_mode, monkeypatch, dtype, segments, ga
 
 
 @needs_triton
-def test_ssd_triton_segments_changed_between_forward_and_backward(triton_mode, monkeypatch):
+@pytest.mark.parametrize("gate", [True, False])
+def test_ssd_triton_segments_changed_between_forward_and_backward(triton_mode, monkeypatch, gate):
     """The forward's segment ends fit only the same segmentation: when MEGASSM_SSD_STATE_SEGMENTS changes between
-    forward and backward, the backward's walk ignores them and fixes up its own segments (still exact)."""
+    forward and backward, the backward's walks ignore them and fix up their own segments (still exact), with
+    and without the gate (without it the backward starts from dout and never recomputes the output)."""
     tbwd = importlib.import_module("megassm.kernels.triton.ssd_bwd")
     real = tbwd._states
 
@@ -119,7 +121,7 @@ def test_ssd_triton_segments_changed_between_forward_and_backward(triton_mode, m
 
     monkeypatch.setattr(tbwd, "_states", switch_then_walk)
     monkeypatch.setenv("MEGASSM_SSD_STATE_SEGMENTS", "2")
-    inp = ssd_inputs(1, 100, 2, 16, 1, 32, d_mode="head", a_scale=0.01)
+    inp = ssd_inputs(1, 100, 2, 16, 1, 32, d_mode="head", a_scale=0.01, gate=gate)
     sid = seq_from_starts([[48, 53]], 100)
     ours = run_ssd(K.ssd, inp, sid, chunk_size=16)
     oracle = run_ssd(R.ssd_sequential, cast_inputs(inp, to=F64), sid)
