@@ -6,8 +6,12 @@ The instrument behind the `maxnreg` configs (docs/kernels.md, "Registers per thr
 
     python benchmarks/ssd_configs.py --kernel _dx_kernel --configs w4s2,w4s2r168,w4s1r168,w8s2
     python benchmarks/ssd_configs.py --kernel _scan_kernel --configs w4s3r128,w4s2 --batch 4 --seqlen 8192
+    MEGASSM_SSD_STATE_SEGMENTS=2 python benchmarks/ssd_configs.py --kernel _states_kernel,_dstates_kernel \
+        --configs w4s3,w8s2 --batch 1 --seqlen 32768
 
 A config is wWsS[rR]: W warps, S pipeline stages, R registers per thread at most (maxnreg; none if absent).
+With several kernels (comma list) each config is forced on all of them at once, and the row also gives each
+one's time (`kernels_ms`, with the segment passes of the chunk walks when they run).
 """
 from __future__ import annotations
 
@@ -47,7 +51,8 @@ def find_kernel(name):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernel", required=True, help="e.g. _dx_kernel, _scan_kernel, _dstates_kernel")
+    ap.add_argument("--kernel", required=True,
+                    help="e.g. _dx_kernel, _scan_kernel, or a comma list: _states_kernel,_dstates_kernel")
     ap.add_argument("--configs", required=True, help="comma list of wWsS[rR]")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seqlen", type=int, default=2048)
@@ -57,9 +62,10 @@ def main():
         configs = [parse_config(c) for c in args.configs.split(",") if c.strip()]
     except argparse.ArgumentTypeError as e:
         ap.error(str(e))
+    names = [k.strip() for k in args.kernel.split(",") if k.strip()]
+    kerns = [find_kernel(k) for k in names]  # a bad name fails here, before any GPU work
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     os.environ["MEGASSM_SSD_PRECISION"] = args.precision
-    kern = find_kernel(args.kernel)
     inp = ssd_inputs(args.batch, args.seqlen, 64, 64, 128, 1)
     leaves = {k: v.detach().clone().requires_grad_(True) for k, v in inp.items()}
     ws = list(leaves.values())
@@ -73,16 +79,21 @@ def main():
     def step():
         return torch.autograd.grad(fwd(), ws, gy)
 
-    short = args.kernel.strip("_")
     for cfg in configs:
-        kern.configs, kern.best = [cfg], {}
+        for kern in kerns:
+            kern.configs, kern.best = [cfg], {}
         row = {"bench": "ssd_configs", "kernel": args.kernel, "B": args.batch, "L": args.seqlen,
-               "precision": args.precision, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-               "maxnreg": cfg.maxnreg}
+               "precision": args.precision, "segments": os.environ.get("MEGASSM_SSD_STATE_SEGMENTS", "auto"),
+               "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "maxnreg": cfg.maxnreg}
         try:
             step()
             torch.cuda.synchronize()
-            row["kernel_ms"] = round(sum(v for k, v in kernel_profile(step).items() if short in k), 4)
+            prof = kernel_profile(step)
+            # exact names: "states_kernel" is also a substring of "_dstates_kernel"
+            row["kernel_ms"] = round(sum(v for k, v in prof.items() if k in names), 4)
+            if len(names) > 1:
+                row["kernels_ms"] = {k: round(v, 4) for k, v in prof.items()
+                                     if k in names or "_fix_kernel" in k or "_segment_" in k}
             row["fwdbwd_ms"] = round(bench(step), 4)
         except Exception as e:  # e.g. out of shared memory at this many stages: that config's result
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
