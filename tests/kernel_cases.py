@@ -138,12 +138,18 @@ def cast_inputs(inp, lowp=None, to=None):
     return out
 
 
-def run_ssd(fn, inp, seq_idx=None, seed=1, grad_via=None, **kw):
+def run_ssd(fn, inp, seq_idx=None, seed=1, grad_via=None, final=True, **kw):
     """Outputs and every gradient of sum(y*gy) + sum(final*gf), as a dict name -> tensor. grad_via: gy rounded
-    through that dtype first (an fp64 oracle then takes the bf16 run's own output gradient)."""
+    through that dtype first (an fp64 oracle then takes the bf16 run's own output gradient). final=False: the
+    call without final states (y and the gradients of sum(y*gy) only)."""
     leaves = {k: v.detach().clone().requires_grad_(True) for k, v in inp.items()}
-    y, fin = fn(**leaves, seq_idx=seq_idx, return_final_states=True, **kw)
     g = torch.Generator().manual_seed(seed)
+    if not final:
+        y = fn(**leaves, seq_idx=seq_idx, **kw)
+        gy = torch.randn(y.shape, generator=g).to(grad_via or y.dtype).to(y.device, y.dtype)
+        grads = torch.autograd.grad(y, list(leaves.values()), gy)
+        return {"y": y.detach(), **{"d" + k: gr for k, gr in zip(leaves, grads)}}
+    y, fin = fn(**leaves, seq_idx=seq_idx, return_final_states=True, **kw)
     gy = torch.randn(y.shape, generator=g).to(grad_via or y.dtype).to(y.device, y.dtype)
     gf = torch.randn(fin.shape, generator=g).to(fin.device, fin.dtype)
     grads = torch.autograd.grad((y, fin), list(leaves.values()), (gy, gf))

@@ -354,13 +354,17 @@ def _states(x, B, dtp, cs, seq_idx, initial_states, T, nc, want_final=True, read
     BP, BN = _state_blocks(x, bsz * nseg, nheads, hdim, dstate, "states_bn")
     seq, ssb, ssl = _seq_args(seq_idx, x)
     grid = (bsz * nseg, nheads, triton.cdiv(hdim, BP) * triton.cdiv(dstate, BN))
+    # the bf16 mode's products round x dt exp once, which leaves a returned final state (fp32) at bf16's error,
+    # beyond 2x the reference's own: when it is returned the walk takes the split products (its stored states
+    # keep the mode's format)
+    walk_prec = "bf16" if want_final and _prec(x) == "bf16fast" else _prec(x)
     _states_kernel[grid](
         x, B, dtp, cs, seq, initial_states if initial_states is not None else x,
         seg_starts if seg_starts is not None else cs, *states, ends if has_final else cs,
         seqlen, nheads, ngroups, nc, nseg, cps, *x.stride(), *B.stride(), ssb, ssl,
         *(initial_states.stride() if initial_states is not None else (0, 0, 0, 0)),
         P=hdim, N=dstate, T=T, BP=BP, BN=BN, BS=_states_step(BN, T), HAS_INIT=initial_states is not None,
-        HAS_SEGI=seg_starts is not None, HAS_SEQ=seq_idx is not None, HAS_FINAL=has_final, PREC=_prec(x),
+        HAS_SEGI=seg_starts is not None, HAS_SEQ=seq_idx is not None, HAS_FINAL=has_final, PREC=walk_prec,
         STORE=store, STORE0=final_fmt,
     )
     if nseg == 1:
