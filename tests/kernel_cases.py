@@ -143,17 +143,14 @@ def run_ssd(fn, inp, seq_idx=None, seed=1, grad_via=None, final=True, **kw):
     through that dtype first (an fp64 oracle then takes the bf16 run's own output gradient). final=False: the
     call without final states (y and the gradients of sum(y*gy) only)."""
     leaves = {k: v.detach().clone().requires_grad_(True) for k, v in inp.items()}
+    y, fin = fn(**leaves, seq_idx=seq_idx, return_final_states=True, **kw) if final else \
+        (fn(**leaves, seq_idx=seq_idx, **kw), None)
     g = torch.Generator().manual_seed(seed)
-    if not final:
-        y = fn(**leaves, seq_idx=seq_idx, **kw)
-        gy = torch.randn(y.shape, generator=g).to(grad_via or y.dtype).to(y.device, y.dtype)
-        grads = torch.autograd.grad(y, list(leaves.values()), gy)
-        return {"y": y.detach(), **{"d" + k: gr for k, gr in zip(leaves, grads)}}
-    y, fin = fn(**leaves, seq_idx=seq_idx, return_final_states=True, **kw)
-    gy = torch.randn(y.shape, generator=g).to(grad_via or y.dtype).to(y.device, y.dtype)
-    gf = torch.randn(fin.shape, generator=g).to(fin.device, fin.dtype)
-    grads = torch.autograd.grad((y, fin), list(leaves.values()), (gy, gf))
-    out = {"y": y.detach(), "final": fin.detach()}
+    outs = {"y": (y, torch.randn(y.shape, generator=g).to(grad_via or y.dtype).to(y.device, y.dtype))}
+    if fin is not None:
+        outs["final"] = (fin, torch.randn(fin.shape, generator=g).to(fin.device, fin.dtype))
+    grads = torch.autograd.grad([o for o, _ in outs.values()], list(leaves.values()), [go for _, go in outs.values()])
+    out = {k: o.detach() for k, (o, _) in outs.items()}
     out.update({"d" + k: gr for k, gr in zip(leaves, grads)})
     return out
 

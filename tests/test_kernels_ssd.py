@@ -390,7 +390,6 @@ def test_ssd_fast_precision_mode(triton_mode, monkeypatch):
         K.ssd(**low, chunk_size=16)
 
 
-
 @needs_triton
 @pytest.mark.parametrize("segments", ["1", "2"])
 def test_ssd_fast_precision_final_states(triton_mode, monkeypatch, segments):
