@@ -317,10 +317,11 @@ def _check_a_gradient_own_error(inp, sid, chunk, factor):
 
 @needs_triton
 @pytest.mark.parametrize("gate", [False, True], ids=["nogate", "gate"])
-def test_ssd_triton_bf16_a_gradient(triton_mode, gate):
+def test_ssd_triton_bf16_a_gradient(triton_mode, monkeypatch, gate):
     """The tests' scales (dt ~0.1 .. 3, A to -2.1: exponents of hundreds across a chunk), two 64-position tiles
     per chunk (_dx's off-diagonal tile too), resets. Session 25: 1.0-1.9x fp32's error; with _dx's diagonal-tile
     products split two ways instead of three, 12-39x (the GPU draws: 12-43x)."""
+    monkeypatch.setenv("MEGASSM_SSD_PRECISION", "split")  # the split mode's property (the bf16 mode's is ~20x)
     chunk, L = 128, 256
     inp = ssd_inputs(1, L, 4, 16, 1, 16, d_mode="head", gate=gate)
     _check_a_gradient_own_error(inp, seq_from_starts(reset_starts(L, chunk, 1), L), chunk, 4.0)
@@ -503,10 +504,11 @@ def _check_gpu_bf16(case, gate=True, seed=1):
 @needs_cuda
 @pytest.mark.parametrize("seed", [1, 2, 3])
 @pytest.mark.parametrize("gate", [False, True], ids=["nogate", "gate"])
-def test_gpu_ssd_bf16_a_gradient_draws(triton_mode, seed, gate):
+def test_gpu_ssd_bf16_a_gradient_draws(triton_mode, monkeypatch, seed, gate):
     """The grid's 4K case, three draws each way: issue 4's 2x on every output, and dA / ddt_bias's own error
     (the oracle given the same output gradient) within 4x fp32 products' (session 24's code: 12-43x, and 2.3x
     the reference on dA in one draw)."""
+    monkeypatch.setenv("MEGASSM_SSD_PRECISION", "split")  # the split mode's property, as above
     case = (1, 4096, 32, 64, 128, 1, 256, True, True)
     _check_gpu_bf16(case, gate, seed=seed)
     inp, sid, chunk = _gpu_case(case, seed=seed, gate=gate)

@@ -67,12 +67,17 @@ def test_parts_follow_the_model_and_the_layout():
 
 
 def test_saved_ssd_states_are_priced(monkeypatch):
-    """MEGASSM_SSD_SAVE_STATES=1 adds the kept chunk states, H x P x N x 4 bytes per chunk per Mamba-2 layer."""
+    """MEGASSM_SSD_SAVE_STATES=1 adds the kept chunk states, H x P x N x 4 bytes per chunk per Mamba-2 layer (the
+    split precision's hi + lo planes; 2 bytes, one plane, under MEGASSM_SSD_PRECISION=bf16)."""
+    monkeypatch.setenv("MEGASSM_SSD_PRECISION", "split")
     over = ("train.micro_batch=4", "train.seq_len=2048", "train.global_batch=4")
     base = memory.estimate(_cfg("configs/mamba2-1.3b.yaml", *over), bf16=True)["ranks"][0]["activations"]
     monkeypatch.setenv("MEGASSM_SSD_SAVE_STATES", "1")
     kept = memory.estimate(_cfg("configs/mamba2-1.3b.yaml", *over), bf16=True)["ranks"][0]["activations"]
     assert kept - base == 48 * 4 * 2048 * 64 * 64 * 128 * 4 // 256  # 3 GiB: 48 layers, 8K tokens, H 64, P 64, N 128
+    monkeypatch.setenv("MEGASSM_SSD_PRECISION", "bf16")
+    kept16 = memory.estimate(_cfg("configs/mamba2-1.3b.yaml", *over), bf16=True)["ranks"][0]["activations"]
+    assert kept16 - base == (kept - base) // 2
     monkeypatch.setenv("MEGASSM_SSD_SAVE_STATES", "maybe")
     with pytest.raises(ValueError, match="MEGASSM_SSD_SAVE_STATES='maybe'"):
         memory.estimate(_cfg("configs/mamba2-1.3b.yaml", *over), bf16=True)
