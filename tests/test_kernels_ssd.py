@@ -140,17 +140,20 @@ def _check_kept_matches_recompute(got, want, segments):
 
 
 @needs_triton
-@pytest.mark.parametrize("dtype,segments,path", [("fp32", "1", "eager"), ("bf16", "2", "op")])
+@pytest.mark.parametrize("dtype,segments,path", [("fp32", "1", "eager"), ("bf16", "2", "op"),
+                                                 ("bf16-mode", "1", "eager")])
 def test_ssd_triton_saved_states(triton_mode, monkeypatch, dtype, segments, path):
     """MEGASSM_SSD_SAVE_STATES=1: the backward reads the states the forward kept instead of recomputing them
     (the recompute is made to fail) and gives the recomputing backward's results (_check_kept_matches_recompute).
     fp32 through kernels.ssd (eager) with the final states returned (the backward reads them from that output); bf16 in
-    segments through the custom op without them (the backward needs none). The fake implementation promises
-    the kept buffer's real shape."""
+    segments through the custom op without them (the backward needs none); bf16 in MEGASSM_SSD_PRECISION=bf16
+    with the final states returned (the forward walk's split products, which the recompute must take too). The
+    fake implementation promises the kept buffer's real shape."""
     tbwd = importlib.import_module("megassm.kernels.triton.ssd_bwd")  # the module (the package exports the function)
     monkeypatch.setenv("MEGASSM_SSD_STATE_SEGMENTS", segments)
+    monkeypatch.setenv("MEGASSM_SSD_PRECISION", "bf16" if dtype == "bf16-mode" else "split")
     inp = ssd_inputs(2, 40, 2, 16, 1, 16, d_mode="head")
-    if dtype == "bf16":
+    if dtype != "fp32":
         inp = cast_inputs(inp, lowp=torch.bfloat16)
     sid = seq_from_starts([[16, 21], [3]], 40)
     if path == "eager":

@@ -451,7 +451,10 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     else:  # the reverse walk needs the entering states only, not the final ones; a segmented walk starts each
         # segment from the true end the forward kept (1-D fp32: never a states buffer), when it did
         ends = kept[0] if kept is not None and kept[0].dim() == 1 and kept[0].dtype == torch.float32 else None
-        states, _, _ = _states(x, B, dtp, cs, seq_idx, initial_states, T, nc, want_final=False, seg_starts=ends)
+        # dfinal is given exactly when the forward returned the final states (ops passes it only then): the same
+        # walk products as the forward's, so kept and recomputed states agree
+        states, _, _ = _states(x, B, dtp, cs, seq_idx, initial_states, T, nc, want_final=False, seg_starts=ends,
+                               final_returned=dfinal is not None)
     if z is not None:  # the gate needs the forward output: recompute it, fused with dy = dout * silu(z) and dz
         side.wait(cb_ready)
         dy, dz = _scan(x, z, C, D, cb, dtp, cs, seq_idx, states, T, nc, dout=dout)

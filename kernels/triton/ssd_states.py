@@ -324,7 +324,8 @@ def _segment_passes(cps, hdim, dstate):
     return BLK, triton.cdiv(hdim * dstate, BLK), max(2, triton.next_power_of_2(cps))
 
 
-def _states(x, B, dtp, cs, seq_idx, initial_states, T, nc, want_final=True, readout_only=False, seg_starts=None):
+def _states(x, B, dtp, cs, seq_idx, initial_states, T, nc, want_final=True, readout_only=False, seg_starts=None,
+            final_returned=None):
     """(entering state of every chunk as (hi, lo) arrays (_state_buffer), the final states (fp32; None when not
     `want_final`: one fp32 state per row and head not written, 134 MB per call at 64 rows x 64 heads), the true
     segment ends flattened (fp32; None for one walk)). `readout_only`: the states feed _scan alone (the forward,
@@ -335,7 +336,9 @@ def _states(x, B, dtp, cs, seq_idx, initial_states, T, nc, want_final=True, read
     (end_k += decay of segment k * end_{k-1}) and _states_fix_kernel adds the decayed previous end to the
     entering states of every later segment's chunks. `seg_starts`: the segment ends an
     earlier call on the same inputs returned (the forward's, in the backward): each segment starts from its
-    true entering state, and neither pass runs."""
+    true entering state, and neither pass runs. `final_returned`: whether the op returns the final states
+    (default `want_final`; the backward's recompute passes the forward's, so both walks take the same products).
+    """
     bsz, seqlen, nheads, hdim = x.shape
     ngroups, dstate = B.shape[-2:]
     nseg, cps = _state_segments(x, bsz, nheads, hdim, dstate, nc)
@@ -357,7 +360,8 @@ def _states(x, B, dtp, cs, seq_idx, initial_states, T, nc, want_final=True, read
     # the bf16 mode's products round x dt exp once, which leaves a returned final state (fp32) at bf16's error,
     # beyond 2x the reference's own: when it is returned the walk takes the split products (its stored states
     # keep the mode's format)
-    walk_prec = "bf16" if want_final and _prec(x) == "bf16fast" else _prec(x)
+    final_returned = want_final if final_returned is None else final_returned
+    walk_prec = "bf16" if final_returned and _prec(x) == "bf16fast" else _prec(x)
     _states_kernel[grid](
         x, B, dtp, cs, seq, initial_states if initial_states is not None else x,
         seg_starts if seg_starts is not None else cs, *states, ends if has_final else cs,
