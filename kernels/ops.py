@@ -91,8 +91,9 @@ def _announce(use: bool, x: Tensor) -> None:
         K._announced = name
         if use:
             logger.info(
-                "megassm.kernels: using Triton kernels (MEGASSM_KERNELS=%s, %s tensors%s)",
-                mode(), x.device.type, ", interpreter" if not x.is_cuda else "",
+                "megassm.kernels: using Triton kernels (MEGASSM_KERNELS=%s, %s tensors%s; SSD precision for bf16 "
+                "inputs: MEGASSM_SSD_PRECISION=%s)",
+                mode(), x.device.type, ", interpreter" if not x.is_cuda else "", env.ssd_precision(),
             )
         else:
             logger.info("megassm.kernels: using PyTorch reference ops (MEGASSM_KERNELS=%s, %s tensors)",

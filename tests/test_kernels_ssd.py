@@ -472,8 +472,11 @@ def test_gpu_ssd_fp32(triton_mode, case):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("mode", ["bf16", "split"])
 @pytest.mark.parametrize("case", GPU_GRID, ids=lambda c: "L{1}-H{2}-P{3}-N{4}-G{5}-c{6}".format(*c))
-def test_gpu_ssd_bf16(triton_mode, case):
+def test_gpu_ssd_bf16(triton_mode, monkeypatch, case, mode):
+    """bf16 inputs, in both precision modes (MEGASSM_SSD_PRECISION; bf16 is the default)."""
+    monkeypatch.setenv("MEGASSM_SSD_PRECISION", mode)
     _check_gpu_bf16(case, _grid_gate(case))
 
 
@@ -520,11 +523,13 @@ def test_gpu_ssd_bf16_a_gradient_draws(triton_mode, monkeypatch, seed, gate):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("segments,gate", [("4", True), ("4", False), ("auto", False)])
-def test_gpu_ssd_state_segments(triton_mode, monkeypatch, segments, gate):
+@pytest.mark.parametrize("segments,gate,mode", [("4", True, "bf16"), ("4", False, "bf16"), ("auto", False, "bf16"),
+                                               ("4", True, "split")])
+def test_gpu_ssd_state_segments(triton_mode, monkeypatch, segments, gate, mode):
     """One 16K row (the case the segmented chunk walks are for), with resets and an initial state, with and
     without the gate: fp32 against the fp64 reference, bf16 within 2x of the reference's own error."""
     monkeypatch.setenv("MEGASSM_SSD_STATE_SEGMENTS", segments)
+    monkeypatch.setenv("MEGASSM_SSD_PRECISION", mode)
     case = (1, 16384, 8, 64, 128, 1, 256, True, True)
     _check_gpu_fp32(case, gate)
     _check_gpu_bf16(case, gate)
@@ -555,9 +560,11 @@ def test_gpu_ssd_bf16_mode(triton_mode, monkeypatch, case):
 
 @gpu
 @needs_cuda
-def test_gpu_ssd_saved_states_match_recompute(triton_mode, monkeypatch):
+@pytest.mark.parametrize("mode", ["bf16", "split"])
+def test_gpu_ssd_saved_states_match_recompute(triton_mode, monkeypatch, mode):
     """MEGASSM_SSD_SAVE_STATES=1 at a real shape (2 x 4K, H 8, resets, an initial state; bf16 with segments 4
-    and one walk): the recomputing backward's results (_check_kept_matches_recompute)."""
+    and one walk, in both precision modes): the recomputing backward's results (_check_kept_matches_recompute)."""
+    monkeypatch.setenv("MEGASSM_SSD_PRECISION", mode)
     inp, sid, chunk = _gpu_case((2, 4096, 8, 64, 128, 1, 256, True, True))
     low = cast_inputs(inp, lowp=torch.bfloat16)
     for segments in ("1", "4"):

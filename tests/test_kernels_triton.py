@@ -115,6 +115,17 @@ def test_backend_logged_once(caplog, monkeypatch, torch_mode):
     assert len(msgs) == 1 and "reference" in msgs[0]
 
 
+@needs_triton
+def test_triton_backend_log_names_the_ssd_precision(caplog, monkeypatch, triton_mode):
+    """The one Triton announcement says which SSD precision mode bf16 inputs get (the default is bf16)."""
+    monkeypatch.setattr(K, "_announced", False)
+    monkeypatch.delenv("MEGASSM_SSD_PRECISION", raising=False)
+    with caplog.at_level(logging.INFO, logger="megassm.kernels"):
+        K.rmsnorm(torch.randn(2, 4), None)
+    msgs = [r.getMessage() for r in caplog.records if r.name == "megassm.kernels"]
+    assert len(msgs) == 1 and "Triton" in msgs[0] and "MEGASSM_SSD_PRECISION=bf16" in msgs[0], msgs
+
+
 def test_compile_sees_one_op(torch_mode):
     inp = ssd_inputs(1, 8, 2, 4, 1, 4, device="cpu")
 
