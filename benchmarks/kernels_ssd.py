@@ -5,6 +5,7 @@ measurement, then a short table.
     PYTHONPATH=.peers python benchmarks/kernels_ssd.py            # everything
     PYTHONPATH=.peers python benchmarks/kernels_ssd.py --only ssd  # ssd | conv | norm | step | sdpa
     python benchmarks/kernels_ssd.py --quick                       # only the 2K row of the anchors shape
+    PYTHONPATH=.peers python benchmarks/kernels_ssd.py --only ssd --repeat 3 --graph  # rounds; CUDA-graph replays
 
 mamba_ssm is imported from PYTHONPATH when present (peer code: measured, never copied); absent, its rows say
 so. Timings: triton.testing.do_bench, median, bf16, one GPU. Shapes of ../shared/anchors.md: H=64 heads, P=64,
@@ -35,6 +36,17 @@ def bench(fn, warmup=25, rep=100):
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def bench_graph(fn, rep=100):
+    """Median ms per call of fn replayed from a CUDA graph (triton's do_bench_cudagraph, on its own stream): the
+    host's launch time and its jitter left out. fn runs once first, so that autotuners pick their configs outside
+    the capture. No L2 flush between calls (do_bench's): at 32K tokens per call the inputs are 5x the L2."""
+    import triton.testing
+
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
 
 
 def rel(a, b):
@@ -101,6 +113,21 @@ def kernel_profile(fn, reps=5):
 
 PROFILE = False
 SEGMENTS = []  # MEGASSM_SSD_STATE_SEGMENTS values of the megassm_seg<k> rows (--segments)
+REPEAT = 1  # rounds over the impls (--repeat)
+GRAPH = False  # time CUDA-graph replays instead of eager calls (--graph)
+DEFAULT_PRECISION = "bf16"  # the megassm rows' precision mode: resolved in main, before the rows set the env
+
+
+def other_precision():
+    """The precision mode of the megassm_<mode> rows: the one the megassm rows do not use."""
+    return "split" if DEFAULT_PRECISION == "bf16" else "bf16"
+
+
+def ssd_impl_names():
+    """The --impls names this run accepts (the default mode has no megassm_<mode> name of its own)."""
+    other = other_precision()
+    return {"megassm", "megassm_keep", "megassm_seg", f"megassm_{other}", f"megassm_{other}_keep",
+            f"megassm_{other}_seg", "mamba_ssm"}
 
 
 def bench_ssd(row, B, L, H, P, N, G, chunk, impls):
@@ -126,15 +153,17 @@ def bench_ssd(row, B, L, H, P, N, G, chunk, impls):
 
         return f
 
-    # megassm: the defaults (bf16 hi+lo products for derived operands, auto segments); megassm_bf16: one bf16
-    # rounding, as mamba_ssm; megassm_keep / megassm_bf16_keep: the forward's states kept for the backward
-    # (MEGASSM_SSD_SAVE_STATES);
-    # megassm_seg<k> / megassm_bf16_seg<k>: the chunk walks in k segments (the --segments sweep)
-    fns = {"megassm": with_precision("split"), "megassm_bf16": with_precision("bf16"),
-           "megassm_keep": with_precision("split", keep="1"), "megassm_bf16_keep": with_precision("bf16", keep="1")}
+    # megassm: the library's defaults (DEFAULT_PRECISION: MEGASSM_SSD_PRECISION as given, else bf16 mode; auto
+    # segments); megassm_<other>: the other precision mode (split: bf16 hi+lo products for the derived operands);
+    # *_keep: the forward's states kept for the backward (MEGASSM_SSD_SAVE_STATES); *_seg<k>: the chunk walks in k
+    # segments (the --segments sweep)
+    mode, other = DEFAULT_PRECISION, other_precision()
+    fns = {"megassm": with_precision(mode), f"megassm_{other}": with_precision(other),
+           "megassm_keep": with_precision(mode, keep="1"), f"megassm_{other}_keep": with_precision(other, keep="1")}
     for k in SEGMENTS:  # one process for the whole sweep: same autotuned configs, same peer timing
-        fns[f"megassm_seg{k}"] = with_precision("split", k)
-        fns[f"megassm_bf16_seg{k}"] = with_precision("bf16", k)
+        fns[f"megassm_seg{k}"] = with_precision(mode, k)
+        fns[f"megassm_{other}_seg{k}"] = with_precision(other, k)
+    row["precision"] = mode
     mcs, why = _mamba()
     if mcs is not None:
         def peer():
@@ -144,20 +173,40 @@ def bench_ssd(row, B, L, H, P, N, G, chunk, impls):
         fns["mamba_ssm"] = peer
     else:
         row["mamba_ssm"] = f"absent ({why})"
-    outs = {}
+    outs, timed = {}, {}
     for name, f in fns.items():
-        sweep = name.rstrip("0123456789") if "_seg" in name else None  # megassm_seg / megassm_bf16_seg
+        sweep = name.rstrip("0123456789") if "_seg" in name else None  # megassm_seg / megassm_split_seg
         if impls and name not in impls and sweep not in impls:
             continue
         with torch.no_grad():
             y = f()
         outs[name] = y
         gy = torch.randn_like(y)
-        row[f"{name}_fwd_ms"] = round(bench(lambda: f()), 4)
-        row[f"{name}_fwdbwd_ms"] = round(bench(lambda: torch.autograd.grad(f(), [leaves[k] for k in names], gy)), 4)
+        timed[name] = (f, (lambda f=f, gy=gy: torch.autograd.grad(f(), [leaves[k] for k in names], gy)))
+    # REPEAT rounds, each timing every impl in turn: where eager timings drift for seconds at a time (session 28:
+    # the same impl 3.2 then 4.3 ms in one process, the GPU clock steady: host-side launch jitter; --graph removes
+    # it) the rounds' minimum is the comparable figure; every round's median is kept in *_rounds
+    rounds = {name: ([], []) for name in timed}
+    timer = bench_graph if GRAPH else bench
+    row["timing"] = "cuda_graph" if GRAPH else "eager"
+    for _ in range(REPEAT):
+        for name, (fwd, fwdbwd) in timed.items():
+            if f"{name}_error" in row:
+                continue
+            try:
+                rounds[name][0].append(round(timer(fwd), 4))
+                rounds[name][1].append(round(timer(fwdbwd), 4))
+            except Exception as e:  # e.g. an impl a CUDA graph cannot capture: the others' figures still count
+                row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                traceback.print_exc(file=sys.stderr)
+    for name, (fwd, fwdbwd) in rounds.items():
+        if not fwd or not fwdbwd:
+            continue
+        row[f"{name}_fwd_ms"], row[f"{name}_fwdbwd_ms"] = min(fwd), min(fwdbwd)
+        if REPEAT > 1:
+            row[f"{name}_fwdbwd_rounds"] = fwdbwd
         if PROFILE:
-            row[f"{name}_kernels_fwdbwd"] = kernel_profile(
-                lambda: torch.autograd.grad(f(), [leaves[k] for k in names], gy))
+            row[f"{name}_kernels_fwdbwd"] = kernel_profile(timed[name][1])
     if "megassm" in outs and "mamba_ssm" in outs:
         row["rel_diff_y_vs_mamba"] = rel(outs["megassm"], outs["mamba_ssm"])
         # gradients side by side (an independent check of our backward at the real shape)
@@ -165,8 +214,7 @@ def bench_ssd(row, B, L, H, P, N, G, chunk, impls):
         g_ours = torch.autograd.grad(fns["megassm"](), [leaves[k] for k in names], gy)
         g_peer = torch.autograd.grad(fns["mamba_ssm"](), [leaves[k] for k in names], gy)
         row["rel_diff_grads_vs_mamba"] = {k: round(rel(a, b), 6) for k, a, b in zip(names, g_ours, g_peer)}
-        for ours_name in ("megassm", "megassm_bf16", "megassm_keep", "megassm_bf16_keep",
-                          *(f"megassm{m}_seg{k}" for k in SEGMENTS for m in ("", "_bf16"))):
+        for ours_name in (n for n in fns if n.startswith("megassm")):
             if row.get("mamba_ssm_fwdbwd_ms") and row.get(f"{ours_name}_fwdbwd_ms"):
                 row[f"speedup_fwdbwd_{ours_name}"] = round(row["mamba_ssm_fwdbwd_ms"] / row[f"{ours_name}_fwdbwd_ms"], 3)
                 row[f"speedup_fwd_{ours_name}"] = round(row["mamba_ssm_fwd_ms"] / row[f"{ours_name}_fwd_ms"], 3)
@@ -305,23 +353,44 @@ def main():
     ap.add_argument("--lens", default="", help="comma list of sequence lengths: only those anchors-shape rows "
                     "(32K tokens each), no other shapes; e.g. 8192,32768 for the --segments sweep")
     ap.add_argument("--impls", default="",
-                    help="comma list restricting SSD impls (megassm, megassm_bf16, megassm_keep, megassm_bf16_keep, "
-                    "megassm_seg, megassm_bf16_seg, mamba_ssm)")
+                    help="comma list restricting SSD impls: megassm (the default precision mode), megassm_keep, "
+                    "megassm_seg, their megassm_<mode>* twins in the other mode (megassm_split* by default, "
+                    "megassm_bf16* under MEGASSM_SSD_PRECISION=split), mamba_ssm")
     ap.add_argument("--chunks", default="256",
                     help="comma list of chunk sizes for the anchors-shape rows (each impl at each; the SSD's result "
                     "does not depend on the chunk size, only its speed), e.g. 128,256")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds, each timing every SSD impl in turn; the figures are the rounds' minimum (the "
+                    "medians of every round in *_fwdbwd_rounds): for machines whose eager timings drift")
+    ap.add_argument("--graph", action="store_true",
+                    help="time the SSD impls as CUDA-graph replays (no host launch time or host jitter); the "
+                    "default times eager calls, as a training step without train.cuda_graph runs them")
     ap.add_argument("--profile", action="store_true", help="SSD rows also list each kernel's GPU ms per fwd+bwd")
     ap.add_argument("--segments", default="",
-                    help="comma list of MEGASSM_SSD_STATE_SEGMENTS values, one megassm_seg<k> row (split) and one "
-                    "megassm_bf16_seg<k> row (bf16 mode) each in every SSD shape, as --impls selects; e.g. 1,2,4,8,16 (the megassm row is the default, auto)")
+                    help="comma list of MEGASSM_SSD_STATE_SEGMENTS values, one megassm_seg<k> row (default mode) and "
+                    "one megassm_<other mode>_seg<k> row each in every SSD shape, as --impls selects; e.g. 1,2,4,8,16 "
+                    "(the megassm row is the default, auto)")
     args = ap.parse_args()
-    global PROFILE, SEGMENTS
+    global PROFILE, SEGMENTS, DEFAULT_PRECISION, REPEAT, GRAPH
     PROFILE = args.profile
+    REPEAT = args.repeat
+    GRAPH = args.graph
+    if REPEAT < 1:
+        ap.error(f"--repeat {REPEAT}: expected a positive integer")
+    from megassm.kernels import env as kernel_env
+
+    try:
+        DEFAULT_PRECISION = kernel_env.ssd_precision()
+    except ValueError as e:
+        ap.error(str(e))
     SEGMENTS = [v.strip().lower() for v in args.segments.split(",") if v.strip()]
     if any(v != "auto" and not (v.isdigit() and int(v) >= 1) for v in SEGMENTS):
         ap.error(f"--segments {args.segments!r}: expected a comma list of positive integers or auto")
     only = set(filter(None, args.only.split(",")))
     impls = set(filter(None, args.impls.split(",")))
+    if impls - ssd_impl_names():
+        ap.error(f"--impls: unknown {sorted(impls - ssd_impl_names())} (the megassm rows are in the "
+                 f"{DEFAULT_PRECISION} precision mode here); expected names among {sorted(ssd_impl_names())}")
     want = (lambda k: not only or k in only)
     tokens = 32768
     try:
