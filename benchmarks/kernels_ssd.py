@@ -120,7 +120,9 @@ DEFAULT_PRECISION = "bf16"  # the megassm rows' precision mode: resolved in main
 
 def other_precision():
     """The precision mode of the megassm_<mode> rows: the one the megassm rows do not use."""
-    return "split" if DEFAULT_PRECISION == "bf16" else "bf16"
+    from megassm.kernels.env import SSD_PRECISIONS
+
+    return next(m for m in SSD_PRECISIONS if m != DEFAULT_PRECISION)
 
 
 def ssd_impl_names():

@@ -28,6 +28,7 @@ import triton  # noqa: E402
 
 from kernels_ssd import bench, kernel_profile, ssd_inputs  # noqa: E402  (same directory)
 from megassm import kernels as K  # noqa: E402
+from megassm.kernels import env as kernel_env  # noqa: E402
 
 MODULES = ("ssd", "ssd_bwd", "ssd_states")
 
@@ -56,7 +57,8 @@ def main():
     ap.add_argument("--configs", required=True, help="comma list of wWsS[rR]")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seqlen", type=int, default=2048)
-    ap.add_argument("--precision", default="split", choices=["split", "bf16"])
+    ap.add_argument("--precision", default=kernel_env.ssd_precision(), choices=kernel_env.SSD_PRECISIONS,
+                    help="MEGASSM_SSD_PRECISION for the run (default: the variable as set, else the library's)")
     args = ap.parse_args()
     try:
         configs = [parse_config(c) for c in args.configs.split(",") if c.strip()]

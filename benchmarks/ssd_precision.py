@@ -8,8 +8,8 @@ megassm's PyTorch reference run on the same bf16 inputs (fp32 math, outputs roun
     TRITON_INTERPRET=1 python benchmarks/ssd_precision.py --device cpu --batch 1 --seqlen 256 --heads 4 \
         --headdim 16 --dstate 16 --chunk 64   # the Triton kernels on the CPU interpreter (small shapes only)
 
-Implementations: megassm at its default precision (bf16 hi + lo products for derived operands), megassm with
-MEGASSM_SSD_PRECISION=bf16 (one bf16 rounding, as mamba_ssm), and mamba_ssm's mamba_chunk_scan_combined when it
+Implementations: megassm in MEGASSM_SSD_PRECISION=split (bf16 hi + lo products for derived operands), megassm
+in the default MEGASSM_SSD_PRECISION=bf16 (one bf16 rounding, as mamba_ssm), and mamba_ssm's mamba_chunk_scan_combined when it
 imports (peer code from PYTHONPATH, measured, never copied). Errors are ||ours - oracle|| / ||oracle|| per output
 and per input gradient; `ratio` divides by the reference's error.
 """

@@ -21,6 +21,7 @@ import torch  # noqa: E402
 import triton.testing  # noqa: E402
 
 from megassm import kernels as K  # noqa: E402
+from megassm.kernels import env as kernel_env  # noqa: E402
 from megassm.kernels.triton import ssd_common as tssd  # noqa: E402
 
 # kernel -> the TILES entries it reads -> candidate values (tuples, in that order)
@@ -38,7 +39,8 @@ SWEEP = {
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--precision", default="split", choices=["split", "bf16"])
+    ap.add_argument("--precision", default=kernel_env.ssd_precision(), choices=kernel_env.SSD_PRECISIONS,
+                    help="MEGASSM_SSD_PRECISION for the run (default: the variable as set, else the library's)")
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seqlen", type=int, default=2048)

@@ -25,10 +25,13 @@ def kernels_mode() -> str:
     return _choice("MEGASSM_KERNELS", "auto", KERNEL_MODES + ("reference",)).replace("reference", "torch")
 
 
+SSD_PRECISIONS = ("bf16", "split")  # MEGASSM_SSD_PRECISION's values, the default first
+
+
 def ssd_precision() -> str:
     """MEGASSM_SSD_PRECISION=bf16|split (default bf16): the SSD's products for bf16 inputs (docs/kernels.md,
     "Precision": split keeps fp32-class parameter gradients at 1.11-1.17x the SSD time)."""
-    return _choice("MEGASSM_SSD_PRECISION", "bf16", ("bf16", "split"))
+    return _choice("MEGASSM_SSD_PRECISION", SSD_PRECISIONS[0], SSD_PRECISIONS)
 
 
 def ssd_state_segments():
