@@ -1,7 +1,7 @@
 """The trainer's side of parallelism, in one place so that trainer.py only calls these:
 
     groups, device = setup(cfg, device)          init torch.distributed from torchrun env + groups
-    model = init_model(model, groups, cfg)       canonical weights (PP: this rank's stages of a meta model)
+    model = init_model(model, groups, cfg, dev)  canonical weights of a meta model on the device (PP: its stages)
     model = prepare_model(model, groups, cfg)    TP/SP plan, CP plan, PP stages, activation checkpointing
     loss_sum = pipeline_step(model, batches, autocast)   PP: one step's forward + backward (schedule)
     batch = local_batch(batch, groups)           CP: this rank's contiguous slice of every row
@@ -43,17 +43,18 @@ def setup(cfg, device: torch.device) -> tuple[ParallelGroups, torch.device]:
     return build_groups(tp=p.tp, cp=p.cp, pp=p.pp), device
 
 
-def init_model(model, groups: ParallelGroups, cfg):
-    """Canonical weights for `model`. PP: `model` is built on the meta device; this rank keeps its
-    stages only (parallel/pp.py), materialized on the CPU, each parameter initialized by its global name."""
+def init_model(model, groups: ParallelGroups, cfg, device):
+    """Canonical weights for `model`, built on the meta device, materialized on `device` (parallel/materialize.py:
+    the draws dealt out over the job's ranks and broadcast). PP: this rank keeps its stages only
+    (parallel/pp.py) and draws them itself, each parameter by its global name."""
+    from .materialize import materialize
+
     if groups.pp == 1:
-        model.init_weights(cfg.train.seed)
-        return model
+        return materialize(model, device, cfg.train.seed)
     ppl.split_model(model, groups.pp, groups.pp_rank, virtual=cfg.parallel.pp_virtual, group=groups.pp_group,
                     emb_group=groups.emb_group)
-    model.to_empty(device="cpu")
-    ppl.init_stage_weights(model, cfg.train.seed)
-    return model
+    # the other ranks of this stage hold the same parameters, but no group of exactly them exists: draw locally
+    return materialize(model, device, cfg.train.seed, collective=False, name_of=ppl.pp_plan_of(model).global_name)
 
 
 def prepare_model(model, groups: ParallelGroups, cfg):
