@@ -215,6 +215,14 @@ class ParallelConfig:
     zero_stage: int = 0  # engine=deepspeed: ZeRO stage 0-3
     deepspeed_config: str | None = None  # engine=deepspeed: JSON partial merged into the derived config
     bucket_mb: float = 25.0  # engine=ddp: gradient bucket size (MB) of DistributedDataParallel
+    # engine=fsdp2 (parallel/engines.py FSDP2Engine, docs/parallelism.md "Engines")
+    fsdp_param_dtype: str = "auto"  # auto | bf16 | fp32: dtype the matmul weights are all-gathered in (auto: bf16
+    #                                 under bf16 training, no autocast weight casts)
+    fsdp_reduce_dtype: str = "fp32"  # fp32 | bf16: dtype of the gradient reduce-scatter
+    fsdp_reshard: str = "step"  # when gathered weights are freed: block (after each block's forward and backward:
+    #                             ZeRO-3, least memory) | micro_batch (after its backward) | step (after the step's
+    #                             last backward: one all-gather per optimizer step)
+    fsdp_prefetch: int = 1  # blocks all-gathered ahead in forward and backward (0: FSDP2's implicit prefetch)
     world_size: int | None = None  # None = from the launcher's environment (WORLD_SIZE), else 1
 
 
@@ -227,6 +235,8 @@ class RunConfig:
     resume: str = "none"  # none | auto | path of a checkpoint directory
     tensorboard: bool = True
     progress: bool = True
+    profile_step: int = 0  # > 0: profile that step (GPU runs): RUN_DIR/profile/*.json (training/profiling.py)
+    profile_trace: bool = False  # with profile_step: also write the Chrome trace
 
 
 @dataclass
@@ -611,6 +621,13 @@ def validate(cfg: Config) -> None:
     need(p.engine in ("ddp", "fsdp2", "deepspeed"), f"parallel.engine must be ddp, fsdp2 or deepspeed, got '{p.engine}'")
     need(p.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage must be 0..3, got {p.zero_stage}")
     need(p.bucket_mb > 0, f"parallel.bucket_mb must be > 0, got {p.bucket_mb}")
+    need(p.fsdp_param_dtype in ("auto", "bf16", "fp32"),
+         f"parallel.fsdp_param_dtype must be auto, bf16 or fp32, got '{p.fsdp_param_dtype}'")
+    need(p.fsdp_reduce_dtype in ("fp32", "bf16"), f"parallel.fsdp_reduce_dtype must be fp32 or bf16, got '{p.fsdp_reduce_dtype}'")
+    need(cfg.run.profile_step >= 0, f"run.profile_step must be >= 0, got {cfg.run.profile_step}")
+    need(p.fsdp_reshard in ("block", "micro_batch", "step"),
+         f"parallel.fsdp_reshard must be block, micro_batch or step, got '{p.fsdp_reshard}'")
+    need(p.fsdp_prefetch >= 0, f"parallel.fsdp_prefetch must be >= 0, got {p.fsdp_prefetch}")
     ws = world_size(cfg)
     model_par = p.tp * p.cp * p.pp
     need(ws % model_par == 0,
