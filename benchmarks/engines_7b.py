@@ -1,67 +1,171 @@
-"""Data-parallel engines on a ~7B hybrid: `megassm-train` itself under torchrun, one run per layout, each
-printed as one JSON line (step time, tokens/s per GPU, MFU, peak memory, from the run's metrics.jsonl).
+"""Training layouts of a ~7B model side by side: `megassm-train` itself under torchrun, one run per layout, each
+printed as one JSON line (tokens/s per GPU, MFU from counted FLOPs and from 6PT, steady-state peak memory
+allocated and reserved, headroom, share of the step in communication and exposed communication, start-up).
 
     source benchmarks/device_env.sh
-    python benchmarks/engines_7b.py --nproc 2 --layouts "tp=2" "engine=fsdp2" "engine=deepspeed,zero_stage=3"
+    python benchmarks/engines_7b.py --nproc 4 --accum 8 --layouts "engine=fsdp2" "tp=2,zero_stage=1" "tp=4" \
+        "pp=2" "engine=deepspeed,zero_stage=1" --out /tmp/layouts.jsonl
 
-A layout is comma-separated parallel.* keys. The run: configs/hybrid-7b.yaml, random-free builtin data (the
-byte-level stdlib corpus), micro-batch 1 x seq 4096, bf16, Triton kernels, --steps optimizer steps of
---accum micro-batches per GPU; the last --timed steps are timed (the first ones include autotuning).
+A layout is comma-separated keys: `tp=2` means parallel.tp=2; a dotted key (`train.micro_batch=2`) is passed as
+it is. The run: --config (configs/hybrid-7b.yaml), the byte-level stdlib corpus, micro-batch 1 x seq 4096 unless
+the layout says otherwise, bf16, Triton kernels, --steps optimizer steps of --accum micro-batches per
+data-parallel rank. The figures: tokens/s over the last --timed steps (the first ones include autotuning),
+memory peaks after the first optimizer step (the trainer resets the peak there: AdamW states exist), the
+communication shares from `run.profile_step` (rank 0's GPU kernels of one profiled step; rank 0 and the
+largest over ranks). Start-up: process start to a ready model (`time/startup_s`), and the first step.
 """
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import subprocess
 import sys
+import signal
 import tempfile
 import time
 
+H100_BF16_PEAK = 989.4e12  # dense bf16 FLOP/s per H100 / H200 SXM (training/flops.py peak_flops_for)
 
-def run_layout(layout: str, nproc: int, steps: int, timed: int, accum: int, config: str, extra: list[str]) -> dict:
-    keys = [f"parallel.{kv.strip()}" for kv in layout.split(",") if kv.strip()]
-    tp = next((int(k.split("=")[1]) for k in keys if k.startswith("parallel.tp=")), 1)
-    pp = next((int(k.split("=")[1]) for k in keys if k.startswith("parallel.pp=")), 1)
-    dp = nproc // (tp * pp)
+
+def layout_args(layout: str) -> list[str]:
+    out = []
+    for kv in layout.split(","):
+        kv = kv.strip()
+        if kv:
+            key = kv.split("=", 1)[0]
+            out.append(kv if "." in key else f"parallel.{kv}")
+    return out
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants (torchrun starts its workers in sessions of their own)."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        try:
+            kids = subprocess.run(["ps", "-o", "pid=", "--ppid", str(p)], capture_output=True, text=True).stdout
+        except OSError:
+            kids = ""
+        todo += [int(k) for k in kids.split()]
+    for p in found:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _steps_done(run_dir: str) -> int:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return 0
+    return max((json.loads(line).get("step", 0) for line in open(path) if '"loss"' in line), default=0)
+
+
+def run_layout(layout: str, nproc: int, steps: int, timed: int, accum: int, config: str, extra: list[str],
+               profile_step: int, timeout: int) -> dict:
+    from megassm.config import data_parallel_size, load_config
+    from megassm.models import build_model
+    from megassm.training.flops import flops_per_sequence
+
+    keys = layout_args(layout)
+    probe = load_config(config, ["data.builtin=stdlib", f"parallel.world_size={nproc}", *keys, *extra],
+                        validate_config=False)
+    dp = nproc // (probe.parallel.tp * probe.parallel.pp * probe.parallel.cp)
+    micro = probe.train.micro_batch
     run_dir = tempfile.mkdtemp(prefix="engines7b-")
-    args = ["--config", config, "data.builtin=stdlib", "train.micro_batch=1", f"train.global_batch={accum * dp}",
+    args = ["--config", config, "data.builtin=stdlib", f"train.global_batch={accum * dp * micro}",
             f"train.steps={steps}", f"train.log_interval={timed}", "train.eval_interval=0", "optim.warmup_steps=2",
             "run.save_final=false", "run.save_interval=0", "run.progress=false", "run.tensorboard=false",
-            f"run.dir={run_dir}", *keys, *extra]
+            f"run.profile_step={profile_step}", f"run.dir={run_dir}", *keys, *extra]
+    cfg = load_config(config, ["data.builtin=stdlib", f"parallel.world_size={nproc}", *args[2:]])
+    assert data_parallel_size(cfg) == dp
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "-m", "megassm.train", *args]
     t0 = time.time()
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    out = {"layout": layout, "nproc": nproc, "dp": dp, "accum": accum, "wall_s": round(time.time() - t0, 1)}
-    if r.returncode != 0:
-        tail = r.stderr[-1500:]
-        out["error"] = "out of memory" if "out of memory" in tail.lower() else tail
+    out = {"layout": layout, "nproc": nproc, "dp": dp, "micro_batch": micro, "accum": accum,
+           "global_batch_tokens": accum * dp * micro * cfg.train.seq_len}
+    # a layout that runs out of time is killed with all its ranks (a surviving rank would hold its GPU's memory
+    # through the next layouts)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "8")})
+    try:
+        _, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc.pid)
+        time.sleep(1)  # a rank spawned while the tree was walked: every process naming this run's directory
+        subprocess.run(["pkill", "-9", "-f", f"run.dir={run_dir}"], check=False)
+        _, stderr = proc.communicate()
+        out.update(wall_s=round(time.time() - t0, 1), error=f"timed out after {timeout}s", tail=stderr[-800:],
+                   steps_done=_steps_done(run_dir))
         return out
-    recs = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    r = subprocess.CompletedProcess(cmd, proc.returncode, "", stderr)
+    out["wall_s"] = round(time.time() - t0, 1)
+    recs = []
+    if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+        recs = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    if r.returncode != 0:
+        err = r.stderr
+        out["error"] = "out of memory" if "out of memory" in err.lower() else f"exit {r.returncode}"
+        # the exception lines of the ranks' tracebacks (the tail is torchrun's summary)
+        raised = [ln for ln in err.splitlines() if "Error" in ln and ":" in ln and "elastic" not in ln]
+        out["raised"] = list(dict.fromkeys(raised))[:6]
+        out["tail"] = err[-600:]
+        out["steps_done"] = _steps_done(run_dir)
+        return out
     last = [d for d in recs if "tokens_per_s" in d][-1]
+    start = next((d for d in recs if "time_startup_s" in d), {})
+    model = build_model(cfg.model, vocab_size=cfg.model.vocab_size or 257, device="meta")
+    n_params = model.num_parameters()
+    fl = flops_per_sequence(cfg.model, model.vocab_size_padded, cfg.train.seq_len)
     tps = last["tokens_per_s"]
-    from megassm.config import load_config
-
-    seq = load_config(config, ["data.builtin=stdlib", *extra]).train.seq_len
     out.update(step=last["step"], loss=round(last["loss"], 4), tokens_per_s=round(tps),
-               tokens_per_s_per_gpu=round(tps / nproc), step_s=round(accum * dp * seq / tps, 3),
+               tokens_per_s_per_gpu=round(tps / nproc), step_s=round(out["global_batch_tokens"] / tps, 3),
                mfu=round(last.get("mfu", float("nan")), 4),
-               peak_gib=round(last.get("memory_max_allocated_gib", float("nan")), 1))
+               mfu_6pt=round(6 * n_params * tps / (H100_BF16_PEAK * nproc), 4),
+               train_flops_per_token=round(3 * fl["total"] / cfg.train.seq_len),
+               peak_allocated_gib=round(last.get("memory_max_allocated_gib", float("nan")), 2),
+               peak_reserved_gib=round(last.get("memory_max_reserved_gib", float("nan")), 2),
+               startup_s=round(start.get("time_startup_s") or float("nan"), 1),
+               first_step_s=round(start.get("time_first_step_s") or float("nan"), 1))
+    profs = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(run_dir, "profile", "*.json")))]
+    if profs:
+        r0 = next((p for p in profs if p["rank"] == 0), profs[0])
+        out.update(profiled_step_ms=r0["step_ms"], comm_share=r0["comm_share"],
+                   comm_exposed_share=r0["comm_exposed_share"], idle_share=r0["idle_share"],
+                   comm_exposed_share_max=max(p["comm_exposed_share"] for p in profs), families_ms=r0["families"])
+    try:
+        import torch
+
+        total = torch.cuda.get_device_properties(0).total_memory / 2**30
+        out["headroom_gib"] = round(total - out["peak_reserved_gib"], 2)
+    except Exception:  # no GPU here (CPU smoke runs)
+        pass
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--layouts", nargs="+", required=True)
     ap.add_argument("--config", default="configs/hybrid-7b.yaml")
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--timed", type=int, default=3)
-    ap.add_argument("--accum", type=int, default=4)
+    ap.add_argument("--timed", type=int, default=2)
+    ap.add_argument("--accum", type=int, default=8, help="micro-batches per data-parallel rank per step")
+    ap.add_argument("--profile-step", type=int, default=0, help="profile this step (0: none; steps - timed is "
+                    "a good one: after warm-up, before the timed window)")
+    ap.add_argument("--timeout", type=int, default=300, help="seconds per layout")
+    ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
     ap.add_argument("extra", nargs="*", help="more key=value overrides for every run")
     a = ap.parse_args()
     for layout in a.layouts:
-        print(json.dumps(run_layout(layout, a.nproc, a.steps, a.timed, a.accum, a.config, a.extra)), flush=True)
+        res = run_layout(layout, a.nproc, a.steps, a.timed, a.accum, a.config, a.extra, a.profile_step, a.timeout)
+        line = json.dumps(res)
+        print(line, flush=True)
+        if a.out:
+            with open(a.out, "a") as f:
+                f.write(line + "\n")
 
 
 if __name__ == "__main__":

@@ -283,8 +283,11 @@ def peak_memory_gib(device: torch.device | str) -> float:
 
 
 def memory_scalars(device: torch.device | str) -> dict[str, float]:
-    """Peak memory under a tag that says what was measured: memory/max_allocated_gib (CUDA tensors) or
-    memory/host_max_rss_gib (process resident set, on CPU)."""
+    """Peak memory under a tag that says what was measured: memory/max_allocated_gib and
+    memory/max_reserved_gib (CUDA) or memory/host_max_rss_gib (process resident set, on CPU)."""
     dev = torch.device(device)
-    key = "memory/max_allocated_gib" if dev.type == "cuda" else "memory/host_max_rss_gib"
-    return {key: peak_memory_gib(dev)}
+    if dev.type != "cuda":
+        return {"memory/host_max_rss_gib": peak_memory_gib(dev)}
+    # reserved: what the caching allocator holds (allocated + its slack), the figure an out-of-memory meets
+    return {"memory/max_allocated_gib": peak_memory_gib(dev),
+            "memory/max_reserved_gib": torch.cuda.max_memory_reserved(dev) / 2**30}

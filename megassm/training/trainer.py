@@ -34,6 +34,18 @@ from megassm.training.optim import LRScheduler, build_optimizer, clip_grad_norm
 log = logging.getLogger("megassm.train")
 
 
+def _process_age() -> float | None:
+    """Seconds since this process started (Linux /proc), or None where that is not known."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return time.time() - (boot + start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
 class NonFiniteLossError(RuntimeError):
     """Training produced a NaN/inf loss or gradient norm; the message names the last good checkpoint."""
 
@@ -193,11 +205,12 @@ class Trainer:
                 f"model.vocab_size={cfg.model.vocab_size} is smaller than the data's vocabulary "
                 f"({self.data.vocab_size}, from its tokenizer): token ids would fall outside the embedding"
             )
-        # PP: shapes only (meta), then each rank materializes its own stages (parallel/pp.py)
-        model = build_model(cfg.model, vocab_size=self.data.vocab_size, device="meta" if self.groups.pp > 1 else "cpu")
+        # shapes only (meta), then the canonical weights on the device, drawn across the ranks (PP: each rank
+        # its own stages); parallel/materialize.py
+        model = build_model(cfg.model, vocab_size=self.data.vocab_size, device="meta")
         n_params = model.num_parameters()  # canonical count, before any sharding or pipeline split
-        model = prt.init_model(model, self.groups, cfg)  # canonical weights
-        self.model = prt.prepare_model(model.to(self.device), self.groups, cfg)  # TP/SP plan (no-op at tp=1)
+        model = prt.init_model(model, self.groups, cfg, self.device)
+        self.model = prt.prepare_model(model, self.groups, cfg)  # TP/SP, CP, PP plans, activation checkpointing
         if cfg.train.loss_chunk_tokens:  # head + loss in checkpointed chunks (models/lm.py head_loss)
             self.model.loss_chunk_tokens = cfg.train.loss_chunk_tokens
         # the data-parallel engine last (DDP / FSDP2 / DeepSpeed ZeRO); it owns the optimizer step
@@ -240,6 +253,7 @@ class Trainer:
             self.device, "bf16 autocast" if self.amp_dtype else "fp32", cfg.train.global_batch,
             cfg.train.micro_batch, self.accum, self.dp, self.train_flops_per_token,
         )
+        self.startup_s = _process_age()  # launch to a ready model (logged with the first step)
 
     # ------------------------------------------------------------------------------------------------
     def _autocast(self):
@@ -333,6 +347,7 @@ class Trainer:
                 total += out.loss.item()
                 n += 1
         self.model.train()
+        self.engine.release()  # FSDP2: weights the evaluation gathered (parallel/engines.py)
         if n == 0:
             return {}
         val = float(prt.mean_over_dp(torch.tensor(total / n, device=self.device), self.groups))
@@ -417,7 +432,14 @@ class Trainer:
                 if preemption.agreed_stop(self.device):  # SIGUSR1/SIGTERM on any rank: every rank stops here
                     self._preempt()
                     break
-                r = self.train_step()
+                if self.step + 1 == cfg.run.profile_step:  # where the step's GPU time goes (training/profiling.py)
+                    from megassm.training.profiling import StepProfiler
+
+                    with StepProfiler(self.run_dir, self.step + 1, self.groups.rank, cfg.run.profile_trace) as sp:
+                        r = self.train_step()
+                    sp.write(r.step_time)
+                else:
+                    r = self.train_step()
                 self.step += 1
                 losses.append(r.loss)
                 window_tokens += r.tokens
@@ -425,6 +447,10 @@ class Trainer:
                 window_data += r.data_time
                 tps = r.tokens / r.step_time
                 bar.update(self.step, loss=r.loss, tokens_per_s=tps)
+                if len(losses) == 1:  # start-up cost of this invocation: process start to model ready, step 1
+                    self.metrics.log(self.step, {"time/startup_s": self.startup_s, "time/first_step_s": r.step_time})
+                    if self.device.type == "cuda":  # the peaks logged from now on are the steady state's
+                        torch.cuda.reset_peak_memory_stats(self.device)
 
                 if self.step % cfg.train.log_interval == 0 or self.step == cfg.train.steps:
                     w_tps = window_tokens / max(window_time, 1e-9)
