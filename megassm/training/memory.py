@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from megassm.config import Config, blocks_of, data_parallel_size, world_size
 
-__all__ = ["ENGINE_BYTES", "engine_bytes", "block_bytes", "head_bytes", "checkpointed_bytes", "inflight_microbatches",
+__all__ = ["ENGINE_BYTES", "engine_bytes", "fsdp2_terms", "block_bytes", "head_bytes", "checkpointed_bytes", "inflight_microbatches",
            "rank_models", "estimate", "layout_warnings", "format_table", "to_json", "GiB", "GPU_MEMORY_GIB"]
 
 GiB = float(2 ** 30)
@@ -45,9 +45,12 @@ GiB = float(2 ** 30)
 #             per-step bf16 copies of the matmul weights (counted as "weight copies")
 #   deepspeed ZeRO's mixed precision: bf16 weights and grads, fp32 master copy + m + v in the optimizer
 #             (2 + 2 + 12; the ZeRO paper's K = 12); no autocast copies (the weights are bf16 already)
-#   fsdp2     fp32 sharded weights, grads and AdamW states (always fully sharded, like ZeRO-3), bf16
-#             compute through FSDP2's mixed-precision policy: unsharded bf16 weights of the blocks being
-#             gathered (two at a time: the current one and the prefetched one)
+#   fsdp2     the matmul weights (nn.Linear / nn.Embedding): fp32 shards, fp32 gradient shards and AdamW
+#             states over dp (ZeRO-3); the small per-channel parameters: fp32 replicas with their own grads and
+#             states (parallel/engines.py FSDP2Engine; `fsdp2_terms`). Gathered weights in the all-gather dtype
+#             (bf16 under bf16 training): the block being computed plus the prefetched ones (fsdp_reshard=block),
+#             or the whole model (micro_batch, step: kept from the forward to the backward); with fp32
+#             all-gathers under bf16 autocast, autocast's bf16 copies as under DDP
 ENGINE_BYTES = {
     "ddp": {"weights": 4, "grads": 4, "optimizer": 8},
     "deepspeed": {"weights": 2, "grads": 2, "optimizer": 12},
@@ -68,6 +71,38 @@ def engine_bytes(engine: str, zero_stage: int, bf16: bool, dp: int) -> dict:
     if stage >= 3:
         b["weights"] /= dp
     return b
+
+
+def fsdp2_terms(model, dp: int, gather_bytes: int, reshard: str, prefetch: int) -> dict:
+    """Bytes per GPU of the fsdp2 engine's states for `model` (a meta model as the engine sees it): the matmul
+    weights sharded over dp (fp32 weights and gradients, AdamW m + v), the other parameters whole on every
+    rank; `gather`: the weights all-gathered at once (gather_bytes each), the blocks in flight under
+    reshard=block (the current one plus `prefetch`, the last block kept, the head with the root), the whole
+    model under micro_batch / step."""
+    from torch import nn
+
+    def matmul_numel(mod) -> int:
+        return sum(q.numel() for m in mod.modules() if isinstance(m, (nn.Linear, nn.Embedding))
+                   for q in m.parameters(recurse=False))
+
+    total = sum(q.numel() for q in model.parameters())
+    sharded = matmul_numel(model)
+    replicated = total - sharded
+    shard = -(-sharded // dp)
+    per_block = [matmul_numel(layer) for layer in model.layers]
+    head = matmul_numel(model.lm_head) if model.lm_head is not None else 0
+    emb = model.embedding.weight.numel() if model.embedding is not None else 0
+    if reshard == "block":
+        live = sorted(per_block, reverse=True)[:1 + prefetch] + ([per_block[-1]] if per_block else [])
+        gather = gather_bytes * (sum(live) + head)
+    else:
+        gather = gather_bytes * (sum(per_block) + head)
+    if model.lm_head is None:  # tied: the root's embedding, gathered in fp32 for the lookup and the head
+        gather += 4 * emb
+    elif reshard != "block":  # the untied embedding: its own fp32 unit, kept with the rest
+        gather += 4 * emb
+    return {"weights": 4 * shard + 4 * replicated, "grads": 4 * shard + 4 * replicated,
+            "optimizer": 8 * shard + 8 * replicated, "gather": gather, "sharded": sharded, "replicated": replicated}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -262,7 +297,10 @@ def estimate(cfg: Config, vocab: int | None = None, bf16: bool | None = None, do
     tokens = t.micro_batch * t.seq_len // p.cp  # per micro-batch on one rank
     sp_tp = p.tp if p.sp else 1
     eb = engine_bytes(p.engine, p.zero_stage, bf16, dp)
-    autocast_copies = bf16 and p.engine == "ddp"
+    gather_dtype = None  # fsdp2: bytes of a gathered weight element
+    if p.engine == "fsdp2" and dp > 1:
+        gather_dtype = 2 if bf16 and p.fsdp_param_dtype != "fp32" else 4
+    autocast_copies = bf16 and (p.engine == "ddp" or gather_dtype == 4)
     windows = t.bptt_windows if t.bptt else 1
     grads_accumulate = accum > 1 or p.pp > 1 or windows > 1
 
@@ -291,7 +329,11 @@ def estimate(cfg: Config, vocab: int | None = None, bf16: bool | None = None, do
         optim = eb["optimizer"] * n_params
         copies = 2.0 * n_matmul if autocast_copies else 0.0
         gather = 0.0
-        if p.engine == "fsdp2" or (p.engine == "deepspeed" and p.zero_stage >= 3):
+        if gather_dtype is not None:
+            ft = fsdp2_terms(model, dp, gather_dtype, p.fsdp_reshard, p.fsdp_prefetch)
+            weights, grads, optim, gather = ft["weights"], ft["grads"], ft["optimizer"], ft["gather"]
+            eb = dict(eb, grads=grads / max(n_params, 1))  # per-block gradient shares below
+        elif p.engine == "deepspeed" and p.zero_stage >= 3:
             biggest = max((b.params for b in blocks), default=0)
             gather = 2 * (2 if bf16 else 4) * biggest  # the block being computed and the prefetched one
 
