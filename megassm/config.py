@@ -216,6 +216,7 @@ class ParallelConfig:
     deepspeed_config: str | None = None  # engine=deepspeed: JSON partial merged into the derived config
     bucket_mb: float = 25.0  # engine=ddp: gradient bucket size (MB) of DistributedDataParallel
     world_size: int | None = None  # None = from the launcher's environment (WORLD_SIZE), else 1
+    timeout_s: float = 600.0  # collective timeout: a rank stalled this long ends the job (docs/launch.md "Faults")
 
 
 @dataclass
@@ -611,6 +612,7 @@ def validate(cfg: Config) -> None:
     need(p.engine in ("ddp", "fsdp2", "deepspeed"), f"parallel.engine must be ddp, fsdp2 or deepspeed, got '{p.engine}'")
     need(p.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage must be 0..3, got {p.zero_stage}")
     need(p.bucket_mb > 0, f"parallel.bucket_mb must be > 0, got {p.bucket_mb}")
+    need(0 < p.timeout_s < float("inf"), f"parallel.timeout_s must be a finite number of seconds > 0, got {p.timeout_s}")
     ws = world_size(cfg)
     model_par = p.tp * p.cp * p.pp
     need(ws % model_par == 0,
