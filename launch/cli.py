@@ -28,6 +28,16 @@ def train_command(config: str, overrides: list[str]) -> list[str]:
     return ["-m", "megassm.train", "--config", config, *overrides]
 
 
+def launch_env(nproc_per_node: int, environ=None) -> dict[str, str]:
+    """What the launcher sets for the training processes, unless already set: OMP_NUM_THREADS (the machine's
+    cores shared among its ranks; torchrun would otherwise set 1 with a warning banner) and
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=3 (a failed or timed-out NCCL collective ends the rank: docs/launch.md)."""
+    environ = os.environ if environ is None else environ
+    want = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc_per_node)),
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+    return {k: v for k, v in want.items() if k not in environ}
+
+
 def torchrun_command(nproc_per_node: int, config: str, overrides: list[str]) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -182,10 +192,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megassm-launch: {args.config}: config file not found", file=sys.stderr)
         return 2
     cmd = torchrun_command(args.nproc_per_node, args.config, args.overrides)
-    print(shlex.join(cmd), flush=True)
+    env = launch_env(args.nproc_per_node)
+    print(" ".join([*(f"{k}={v}" for k, v in env.items()), shlex.join(cmd)]), flush=True)
     if args.dry_run:
         return 0
-    return subprocess.call(cmd)
+    return subprocess.call(cmd, env={**os.environ, **env})
 
 
 if __name__ == "__main__":

@@ -143,8 +143,9 @@ mkdir -p "$RUN_DIR/logs"
 #   export NCCL_SOCKET_IFNAME=ib0        # the interface NCCL's bootstrap uses (default: first non-lo)
 #   export NCCL_IB_HCA=mlx5              # InfiniBand adapters to use; NCCL_IB_DISABLE=1 forces TCP
 #   export NCCL_DEBUG=WARN               # INFO prints the chosen transports, once per rank
-export TORCH_NCCL_ASYNC_ERROR_HANDLING=1  # a failed collective aborts the rank instead of hanging
-export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-4}}
+# a failed or timed-out collective (parallel.timeout_s) ends the rank instead of hanging; torchrun then stops the job
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${{TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}}
+export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-4}}  # set, so torchrun does not set 1 with a warning banner
 
 # rendezvous on the first node, by IP address, resolved on that node; never a localhost fallback
 HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)

@@ -224,6 +224,7 @@ class ParallelConfig:
     #                             last backward: one all-gather per optimizer step)
     fsdp_prefetch: int = 1  # blocks all-gathered ahead in forward and backward (0: FSDP2's implicit prefetch)
     world_size: int | None = None  # None = from the launcher's environment (WORLD_SIZE), else 1
+    timeout_s: float = 600.0  # collective timeout: a rank stalled this long ends the job (docs/launch.md "Faults")
 
 
 @dataclass
@@ -628,6 +629,7 @@ def validate(cfg: Config) -> None:
     need(p.fsdp_reshard in ("block", "micro_batch", "step"),
          f"parallel.fsdp_reshard must be block, micro_batch or step, got '{p.fsdp_reshard}'")
     need(p.fsdp_prefetch >= 0, f"parallel.fsdp_prefetch must be >= 0, got {p.fsdp_prefetch}")
+    need(0 < p.timeout_s < float("inf"), f"parallel.timeout_s must be a finite number of seconds > 0, got {p.timeout_s}")
     ws = world_size(cfg)
     model_par = p.tp * p.cp * p.pp
     need(ws % model_par == 0,

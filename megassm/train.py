@@ -140,8 +140,9 @@ def write_exit_status(run_dir: str, code: int, reason: str, trainer=None) -> Non
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s: %(message)s",
-                        stream=sys.stderr)
+    from megassm.training.logs import setup_logging
+
+    setup_logging(args.log_level)  # rank 0 speaks, the other ranks warn; third-party INFO quiet
     overrides = list(args.overrides)
     if args.resume is not None:
         overrides.append(f"run.resume={args.resume}")

@@ -2,7 +2,7 @@
 import shlex
 import sys
 
-from megassm.launch.cli import main, torchrun_command
+from megassm.launch.cli import launch_env, main, torchrun_command
 
 
 def test_torchrun_command_runs_the_trainer_module():
@@ -21,3 +21,16 @@ def test_dry_run_prints_and_runs_nothing(capsys):
 def test_missing_config_is_an_error(capsys):
     assert main(["local", "--config", "nope.yaml", "--dry-run"]) == 2
     assert "nope.yaml" in capsys.readouterr().err
+
+
+def test_launcher_sets_threads_and_nccl_error_handling_unless_set(capsys, monkeypatch):
+    """OMP_NUM_THREADS set by the launcher keeps torchrun from setting 1 with its warning banner; a failed
+    NCCL collective ends the rank (docs/launch.md "Faults and timeouts"). The user's values win."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    env = launch_env(2)
+    assert int(env["OMP_NUM_THREADS"]) >= 1 and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    assert main(["local", "--nproc-per-node", "2", "--config", "configs/tiny.yaml", "--dry-run"]) == 0
+    printed = shlex.split(capsys.readouterr().out.strip())
+    assert printed[:2] == [f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}", "TORCH_NCCL_ASYNC_ERROR_HANDLING=3"]
+    assert launch_env(2, {"OMP_NUM_THREADS": "6", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}) == {}

@@ -36,7 +36,7 @@ def setup(cfg, device: torch.device) -> tuple[ParallelGroups, torch.device]:
     ws = int(os.environ.get("WORLD_SIZE", "1"))
     if ws == 1 and not dist.is_initialized():
         return single_process_groups(), device
-    init_distributed(device.type)
+    init_distributed(device.type, timeout_s=p.timeout_s)
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)

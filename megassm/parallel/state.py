@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["ParallelGroups", "init_distributed", "build_groups", "destroy", "single_process_groups", "group_builder"]
+__all__ = ["ParallelGroups", "init_distributed", "build_groups", "destroy", "single_process_groups", "group_builder",
+           "nccl_error_handling"]
 
 log = logging.getLogger("megassm.parallel")
 
@@ -61,7 +62,9 @@ def single_process_groups() -> ParallelGroups:
 def init_distributed(device_type: str | None = None, timeout_s: float = 600.0) -> bool:
     """Initialize the default process group from the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT). Backend: nccl when `device_type` is cuda (or None and CUDA is available), else gloo.
-    Returns True when a process group is (now) initialized with more than one rank."""
+    `timeout_s` (parallel.timeout_s) bounds every collective: a peer that stalls longer fails it (gloo raises;
+    NCCL's watchdog ends the process, nccl_error_handling). Returns True when a process group is (now)
+    initialized with more than one rank."""
     if dist.is_initialized():
         return dist.get_world_size() > 1
     ws = int(os.environ.get("WORLD_SIZE", "1"))
@@ -71,9 +74,43 @@ def init_distributed(device_type: str | None = None, timeout_s: float = 600.0) -
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     backend = "nccl" if device_type == "cuda" else "gloo"
     if backend == "nccl":
+        nccl_error_handling()
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend=backend, timeout=timeout)
+    _set_group_timeout(timeout)
     return True
+
+
+_GROUP_TIMEOUT: dict = {"value": None}  # init_distributed's timeout, for every group created after it
+
+
+def _set_group_timeout(timeout: datetime.timedelta) -> None:
+    """A group created without a timeout gets torch's default (30 min gloo, 10 min NCCL), not the world group's:
+    build_groups passes this one explicitly, and it becomes torch's default for the groups other libraries
+    create (DeepSpeed clones the world group for its reductions)."""
+    _GROUP_TIMEOUT["value"] = timeout
+    c10d = dist.distributed_c10d
+    c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout  # read by new_group(timeout=None)
+
+
+# TORCH_NCCL_ASYNC_ERROR_HANDLING: what NCCL's watchdog thread does with a failed or timed-out collective.
+# 3 (torch's default) ends the process without aborting the communicators (an abort can itself hang); 1 (what
+# torchrun sets for its workers when unset) aborts them, then ends the process; 2 aborts them and leaves the
+# error to the next use of the group; 0 does nothing: the rank waits on.
+NCCL_NO_HANDLING = "0"
+
+
+def nccl_error_handling() -> str:
+    """Make a failed or timed-out NCCL collective end this process, so that the launcher stops the job instead
+    of it hanging: TORCH_NCCL_ASYNC_ERROR_HANDLING=3 when unset. 0 is kept (it may be wanted for debugging)
+    and warned about. Read by each NCCL process group when it is created: call before init_process_group.
+    Returns the value in force."""
+    value = os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3").strip()
+    if value == NCCL_NO_HANDLING:
+        log.warning("TORCH_NCCL_ASYNC_ERROR_HANDLING=0: a failed or timed-out collective will not end this rank; "
+                    "the job may hang past parallel.timeout_s (unset it, or use 3)")
+    return value
 
 
 GROUP_BUILDERS = ("auto", "megatron", "torch")
@@ -114,12 +151,14 @@ def build_groups(tp: int = 1, cp: int = 1, pp: int = 1) -> ParallelGroups:
                             "torch.distributed (megatron-core is not installed; the same layout)")
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+    timeout = _GROUP_TIMEOUT["value"]
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
         order="tp-cp-ep-dp-pp",
         create_gloo_process_groups=False,
+        distributed_timeout_minutes=timeout.total_seconds() / 60 if timeout else 30,  # 30: megatron-core's default
     )
     return _log_builder(ParallelGroups(
         tp=tp, cp=cp, pp=pp, dp=ps.get_data_parallel_world_size(),
@@ -169,28 +208,29 @@ def pp_layout(world: int, tp: int, cp: int = 1, pp: int = 1) -> list:
 
 def _build_groups_torch(tp: int, cp: int, pp: int) -> ParallelGroups:
     ws, rank = dist.get_world_size(), dist.get_rank()
+    timeout = _GROUP_TIMEOUT["value"]  # None (torch's default) when init_distributed did not start the group
     tp_groups, dp_groups = rank_layout(ws, tp, cp, pp)
     my_tp = my_dp = my_cp = None
     for ranks in tp_groups:  # every rank creates every group, in the same order
-        g = dist.new_group(ranks)
+        g = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             my_tp, tp_ranks = g, ranks
     for ranks in dp_groups:
-        g = dist.new_group(ranks)
+        g = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             my_dp, dp_ranks = g, ranks
     for ranks in cp_layout(ws, tp, cp, pp):
-        g = dist.new_group(ranks)
+        g = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             my_cp, cp_ranks = g, ranks
     my_pp = my_emb = None
     for ranks in pp_layout(ws, tp, cp, pp):
-        g = dist.new_group(ranks)
+        g = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             my_pp, pp_ranks = g, ranks
     if pp > 1:  # the first and last stage of every pipeline (Megatron's embedding groups)
         for ranks in pp_layout(ws, tp, cp, pp):
-            g = dist.new_group([ranks[0], ranks[-1]])
+            g = dist.new_group([ranks[0], ranks[-1]], timeout=timeout)
             if rank in (ranks[0], ranks[-1]):
                 my_emb = g
     return ParallelGroups(tp=tp, cp=cp, pp=pp, dp=len(dp_ranks), tp_rank=tp_ranks.index(rank),

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import traceback
 import warnings
 
@@ -33,20 +34,30 @@ def _port_clash(text: str) -> bool:
     return "EADDRINUSE" in text or "address already in use" in text.lower()
 
 
-def run_train(cwd: str, args: list[str], nproc: int = 1, env: dict | None = None, timeout: int = 400) -> list[dict]:
+def launch(cwd: str, args: list[str], nproc: int = 1, env: dict | None = None,
+           timeout: int = 400) -> subprocess.CompletedProcess:
     """Run `megassm.train` with `args` as one process (nproc 1) or under torchrun (nproc ranks on this host),
-    one thread per process, in `cwd`; assert it succeeded (its stderr's tail as the message) and return the
-    run's metrics.jsonl records. `args` must set run.dir."""
-    run_dir = next((a.split("=", 1)[1] for a in args if a.startswith("run.dir=")), None)
-    assert run_dir is not None, "run_train: args must set run.dir"
+    one thread per process, in `cwd`, and return its CompletedProcess whatever the exit code (`.seconds`: the
+    wall time of the launch that counted)."""
     full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
     for _ in range(_PORT_TRIES if launcher else 1):
         port = ["--master_port", str(free_port())] if launcher else []
         cmd = [sys.executable, *launcher, *port, "-m", "megassm.train", *args]
+        t0 = time.monotonic()
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=full_env, timeout=timeout)
+        r.seconds = time.monotonic() - t0
         if r.returncode == 0 or not _port_clash(r.stderr):
             break
+    return r
+
+
+def run_train(cwd: str, args: list[str], nproc: int = 1, env: dict | None = None, timeout: int = 400) -> list[dict]:
+    """launch(), assert it succeeded (its stderr's tail as the message) and return the run's metrics.jsonl
+    records. `args` must set run.dir."""
+    run_dir = next((a.split("=", 1)[1] for a in args if a.startswith("run.dir=")), None)
+    assert run_dir is not None, "run_train: args must set run.dir"
+    r = launch(cwd, args, nproc, env, timeout)
     assert r.returncode == 0, r.stderr[-5000:]
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]

@@ -40,7 +40,8 @@ def _handler(signum, frame) -> None:  # noqa: ARG001
         # logging from a signal handler may deadlock on the handler lock; a plain write is safe enough
         import sys
 
-        sys.stderr.write(f"megassm: received {signal.Signals(signum).name}: will checkpoint and exit "
+        tag = f"[rank {os.environ.get('RANK', '0')}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        sys.stderr.write(f"{tag}megassm: received {signal.Signals(signum).name}: will checkpoint and exit "
                          f"({PREEMPT_EXIT_CODE}) at the next step boundary\n")
 
 

@@ -26,7 +26,7 @@ from megassm.models.coffee import deer_stats
 from megassm.parallel import runtime as prt
 from megassm.parallel.engines import build_engine, check_engine
 from megassm.training import checkpoint as ckpt
-from megassm.training import preemption
+from megassm.training import faults, preemption
 from megassm.training.flops import flops_per_sequence, mfu, peak_flops_for
 from megassm.training.metrics import MetricsLogger, ProgressBar, memory_scalars
 from megassm.training.optim import LRScheduler, build_optimizer, clip_grad_norm
@@ -432,6 +432,7 @@ class Trainer:
                 if preemption.agreed_stop(self.device):  # SIGUSR1/SIGTERM on any rank: every rank stops here
                     self._preempt()
                     break
+                faults.at_step(self.step + 1)  # the fault tests' hook: inert unless MEGASSM_FAULT is set
                 if self.step + 1 == cfg.run.profile_step:  # where the step's GPU time goes (training/profiling.py)
                     from megassm.training.profiling import StepProfiler
 
