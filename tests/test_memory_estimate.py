@@ -123,9 +123,13 @@ def test_dry_run_names_bad_layouts():
 
 
 @pytest.mark.parametrize("recipe,world", [("configs/recipes/mamba2-1.3b-1node.yaml", 8),
+                                          ("configs/recipes/hybrid-7b-1node-4gpu.yaml", 4),
+                                          ("configs/recipes/mamba2-7b-1node-4gpu.yaml", 4),
                                           ("configs/recipes/hybrid-7b-4node.yaml", 32)])
 def test_recipes_are_accepted_layouts_that_fit(recipe, world, monkeypatch):
-    """The docs/launch.md recipes: valid at their world size, accepted by the trainer, under 0.92 x 80 GB."""
+    """The docs/launch.md recipes: valid at their world size, accepted by the trainer, and leaving at least 6 GiB
+    of an 80 GB card (79.1 GiB as torch counts it) beside the estimate and ~1 GiB of context (the 7B layouts'
+    reserved peaks run 6-9% above their allocated ones: docs/benchmarks.md)."""
     from megassm.training.trainer import check_supported
 
     cfg = load_config(os.path.join(ROOT, recipe), validate_config=False)
@@ -137,7 +141,7 @@ def test_recipes_are_accepted_layouts_that_fit(recipe, world, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", str(world))
     cfg.train.device, cfg.train.precision = "auto", "auto"
     check_supported(cfg)
-    assert memory.estimate(cfg)["peak_per_gpu_gib"] < 0.92 * 79.1
+    assert memory.estimate(cfg)["peak_per_gpu_gib"] * 1.09 + 1 < 79.1 - 6
 
 
 def test_ddp_zero1_shards_only_the_optimizer_states():
