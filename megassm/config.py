@@ -227,6 +227,7 @@ class RunConfig:
     resume: str = "none"  # none | auto | path of a checkpoint directory
     tensorboard: bool = True
     progress: bool = True
+    lock_stale_s: int = 300  # run.dir's trainer.lock from another host counts as stale after this long without a heartbeat
 
 
 @dataclass
@@ -611,6 +612,8 @@ def validate(cfg: Config) -> None:
     need(p.engine in ("ddp", "fsdp2", "deepspeed"), f"parallel.engine must be ddp, fsdp2 or deepspeed, got '{p.engine}'")
     need(p.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage must be 0..3, got {p.zero_stage}")
     need(p.bucket_mb > 0, f"parallel.bucket_mb must be > 0, got {p.bucket_mb}")
+    need(cfg.run.lock_stale_s >= 60, f"run.lock_stale_s must be >= 60 (twice the lock's 30 s heartbeat), got "
+         f"{cfg.run.lock_stale_s}")
     ws = world_size(cfg)
     model_par = p.tp * p.cp * p.pp
     need(ws % model_par == 0,
