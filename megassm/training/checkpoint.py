@@ -66,6 +66,7 @@ __all__ = [
     "resume_candidates",
     "clean_temp_dirs",
     "check_writable",
+    "marked_complete",
     "save_checkpoint",
     "load_checkpoint",
     "find_latest",
@@ -199,7 +200,7 @@ class _HashingWriter:
     def write(self, data) -> int:
         self._hash.update(data)
         n = self._f.write(data)
-        self.bytes += len(memoryview(data).cast("B"))
+        self.bytes += memoryview(data).nbytes
         return n
 
     def flush(self) -> None:
@@ -592,10 +593,22 @@ def read_model_and_optim(path: str | os.PathLike, map_location: Any = "cpu", ver
 def _complete_meta(path: str) -> dict:
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path} does not exist")
-    if not is_complete(path):
-        raise CheckpointError(f"checkpoint {path} is incomplete (no meta.json with \"complete\": true, or a "
-                              "file it lists is missing); it was probably interrupted while being written")
-    return read_meta(path)
+    meta = read_meta(path)
+    if not marked_complete(path):
+        raise CheckpointError(f"checkpoint {path} is incomplete (no meta.json with \"complete\": true); it was "
+                              "probably interrupted while being written")
+    missing = [f for f in meta.get("files", []) if not os.path.isfile(os.path.join(path, f))]
+    if missing:  # the save completed: files lost since are damage, not an interrupted save
+        raise CheckpointDamagedError(f"checkpoint {path} is incomplete or damaged: " + "; ".join(
+            f"{f}: listed in {META}, found no file" for f in missing))
+    return meta
+
+
+def marked_complete(path: str | os.PathLike) -> bool:
+    """Whether the save of this checkpoint finished (meta.json says "complete": true), whatever happened to its
+    files since: a checkpoint that is not was interrupted, one that is but fails verification is damaged."""
+    meta = read_meta(os.fspath(path))
+    return meta is not None and meta.get("complete") is True
 
 
 def _refuse_damaged(path: str) -> None:
