@@ -525,21 +525,27 @@ class Trainer:
         problems = [p for ps in consensus.gather(ckpt.verify_checkpoint(path, relpaths=mine)) for p in ps]
         if problems:
             return problems
-        error = None
+        outcome = None  # (kind, message): exceptions themselves may not pickle for the exchange
         try:
             self._load(path)
-        except ckpt.CheckpointError as e:  # damaged, or does not fit the model
-            error = e
-        except (ConfigError, RuntimeError, ValueError, KeyError, TypeError) as e:  # the loaders of sharded layouts
-            error = ckpt.CheckpointMismatchError(f"checkpoint {path} does not fit this run: {type(e).__name__}: "
-                                                 f"{one_line(e)}")
-        errors = [e for e in consensus.gather(error) if e is not None]
-        mismatch = next((e for e in errors if not isinstance(e, ckpt.CheckpointDamagedError)), None)
+        except ckpt.CheckpointDamagedError as e:
+            outcome = ("damaged", str(e))
+        except (ConfigError, RuntimeError, ValueError, KeyError, TypeError) as e:  # does not fit the model
+            outcome = ("mismatch", str(e) if isinstance(e, ckpt.CheckpointError) else
+                       f"checkpoint {path} does not fit this run: {type(e).__name__}: {one_line(e)}")
+        except Exception as e:  # anything else is a bug: every rank stops, this one with its traceback
+            consensus.gather(("unexpected", f"{type(e).__name__}: {one_line(e)}"))
+            raise
+        outcomes = [(rank, o) for rank, o in enumerate(consensus.gather(outcome)) if o is not None]
+        for rank, (kind, message) in outcomes:
+            if kind == "unexpected":
+                raise RuntimeError(f"rank {rank} failed to load checkpoint {path}: {message}")
+        mismatch = next((message for _, (kind, message) in outcomes if kind == "mismatch"), None)
         if mismatch is not None:
             raise self._mismatch(path, mismatch)
-        return [str(e) for e in errors[:1]]
+        return [message for _, (_, message) in outcomes[:1]]
 
-    def _mismatch(self, path: str, error: Exception) -> ConfigError:
+    def _mismatch(self, path: str, error: str) -> ConfigError:
         meta = ckpt.read_meta(path) or {}
         diffs = config_differences(meta["config"], self.cfg) if isinstance(meta.get("config"), str) else []
         more = f" (and {len(diffs) - 4} more)" if len(diffs) > 4 else ""
