@@ -26,6 +26,11 @@ log = logging.getLogger("megassm.data")
 
 _PURPOSE_DOC_ORDER = 1
 _PURPOSE_SAMPLE_ORDER = 2
+SCAN_TOKENS = 1 << 28  # datasets up to this many tokens have their ids checked at start (a fast pass)
+
+
+class TokenIdError(ValueError):
+    """A token id outside the model's vocabulary; the message names the shard file, document and id."""
 
 
 @dataclass
@@ -44,6 +49,7 @@ class TokenDataset:
         self.doc_lengths = self.shards.doc_lengths
         self.num_docs = self.shards.num_docs
         self.num_tokens = self.shards.num_tokens
+        self.vocab_limit: int | None = None  # ids must be < this (set_vocab_limit); every read is checked
         self.manifest = None
         mpath = prefix + ".manifest.json"
         if os.path.exists(mpath):
@@ -67,7 +73,39 @@ class TokenDataset:
         return max((int(r.tokens.max()) for r in self.shards.readers if r.num_tokens), default=0)
 
     def read(self, doc: int, start: int, count: int) -> np.ndarray:
-        return self.shards.document(doc)[start : start + count]
+        out = self.shards.document(doc)[start : start + count]
+        if self.vocab_limit is not None and len(out) and (out.max() >= self.vocab_limit or out.min() < 0):
+            bad = int(np.argmax((out >= self.vocab_limit) | (out < 0)))
+            raise TokenIdError(self._bad_id_message(doc, start + bad, int(out[bad])))
+        return out
+
+    def set_vocab_limit(self, vocab: int, scan_tokens: int | None = None) -> None:
+        """Check every token id against the model's vocabulary from now on, whatever the manifest says. A
+        dataset of at most `scan_tokens` tokens is scanned whole now, so a bad id fails before any compute;
+        in a larger one the read that meets it fails."""
+        self.vocab_limit = int(vocab)
+        if self.num_tokens > (SCAN_TOKENS if scan_tokens is None else scan_tokens):
+            return
+        for r in self.shards.readers:
+            if not r.num_tokens:
+                continue
+            toks = r.tokens
+            if toks.max() < vocab and toks.min() >= 0:
+                continue
+            at = int(np.argmax((toks >= vocab) | (toks < 0)))
+            first_doc = int(self.shards._shard_of_doc_start[self.shards.readers.index(r)])
+            local = int(np.searchsorted(r.doc_offsets, at, side="right")) - 1
+            raise TokenIdError(self._bad_id_message(first_doc + local, at - int(r.doc_offsets[local]), int(toks[at])))
+
+    def _bad_id_message(self, doc: int, pos: int, token: int) -> str:
+        reader, _ = self.shards.locate(doc)
+        local = doc - int(self.shards._shard_of_doc_start[self.shards.readers.index(reader)])
+        said = ""
+        if self.tokenizer and self.tokenizer.get("vocab_size") is not None:
+            said = f"; {self.prefix}.manifest.json says vocabulary {self.tokenizer['vocab_size']}"
+        return (f"{reader.bin_path}: token id {token} in document {local} (token {pos}) is outside the model's "
+                f"vocabulary of {self.vocab_limit} (ids 0..{self.vocab_limit - 1}){said}: were these shards made "
+                "with another tokenizer? (model.vocab_size sets the model's vocabulary)")
 
 
 class PackedSamples:

@@ -125,6 +125,15 @@ class DataPipeline:
             return None
         return sources[0] if len(sources) == 1 else BlendedSamples(sources, weights)
 
+    def check_token_ids(self, vocab: int) -> None:
+        """Every token id this pipeline serves must be < `vocab`, the model's vocabulary, whatever the manifests
+        say (TokenDataset.set_vocab_limit: small datasets are scanned now, every read is checked). Batches
+        prefetched before are made again under the check."""
+        self._stop_prefetch()
+        for d in self.datasets:
+            d.set_vocab_limit(vocab)
+        self._start_prefetch()
+
     # --- batches -------------------------------------------------------------------------------------
     def _rows(self, micro: int) -> np.ndarray:
         first = self.dp_rank * self.rows_per_rank + micro * self.micro_batch

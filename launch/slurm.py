@@ -10,7 +10,8 @@ stops the job). `#SBATCH --signal=B:USR1@LEAD` reaches only the batch shell, who
 the training processes on every node by the PID files they write (RUN_DIR/pids/<host>-<rank>.pid), never to
 the launcher between, which would die of it; they checkpoint at the same step boundary and exit 99 (megassm/training/preemption.py). Rank 0
 records the code in RUN/last_exit.json; 99 there makes the script requeue the job, which resumes with
-run.resume=auto.
+run.resume=auto. Every other code ends the job with that code (docs/reliability.md): a requeue could not
+fix a full disk (4), a run directory in use by another trainer (5) or damaged checkpoints (6).
 """
 from __future__ import annotations
 
@@ -21,6 +22,14 @@ from dataclasses import dataclass, field
 __all__ = ["expand_nodelist", "hostfile_text", "SlurmJob", "batch_script", "launcher_command"]
 
 PREEMPT_EXIT_CODE = 99  # megassm.training.preemption.PREEMPT_EXIT_CODE (not imported: no torch needed here)
+# megassm.training.failures: the codes a requeue cannot fix, each with what the job's log tells the user
+NO_REQUEUE_HINTS = {
+    2: "config or input error (the message above names it): fix it, then resubmit",
+    3: "non-finite loss: resume from the checkpoint named above, perhaps with a lower optim.lr",
+    4: "I/O error (full disk or unwritable run directory): fix it, then resubmit; the run resumes where it stopped",
+    5: "the run directory is in use by another trainer (named above): not requeued",
+    6: "no intact checkpoint to resume from (each is named above): restore one or start a new run.dir",
+}
 
 
 def _split_top(expr: str) -> list[str]:
@@ -163,11 +172,14 @@ export HEAD_ADDR
 forward_usr1() {{
   echo "megassm: SIGUSR1 before the time limit: asking the training processes to checkpoint" >&2
   srun --overlap --nodes={job.nodes} --ntasks-per-node=1 bash -c \\
-    'for f in "$0"/pids/"$(hostname)"-*.pid; do [ -e "$f" ] && kill -USR1 "$(cat "$f")"; done; true' "$RUN_DIR" || true
+    'for f in "$0"/pids/"$(hostname)"-*.pid; do [ -e "$f" ] && p=$(cat "$f") && grep -qa megassm "/proc/$p/cmdline" 2>/dev/null && kill -USR1 "$p"; done; true' "$RUN_DIR" || true
 }}
 trap forward_usr1 USR1
 
-rm -rf "$RUN_DIR/last_exit.json" "$RUN_DIR/pids"
+# a stale code must not decide this run's requeue. RUN_DIR/pids is not cleared here: when another trainer
+# holds the directory its files are live; the trainer clears them once it holds the lock, and the trap above
+# signals only PIDs that are megassm processes
+rm -f "$RUN_DIR/last_exit.json"
 {srun} \\
   {launcher_command(job, train_args)} &
 STEP_PID=$!
@@ -184,5 +196,12 @@ if [ "$code" = "{PREEMPT_EXIT_CODE}" ]; then
   scontrol requeue "$SLURM_JOB_ID"
   exit 0
 fi
+case "$code" in
+{_hint_cases()}
+esac
 exit "$code"
 """
+
+
+def _hint_cases() -> str:
+    return "\n".join(f"  {code}) echo \"megassm: exit {code}: {hint}\" >&2 ;;" for code, hint in NO_REQUEUE_HINTS.items())

@@ -238,6 +238,7 @@ class RunConfig:
     progress: bool = True
     profile_step: int = 0  # > 0: profile that step (GPU runs): RUN_DIR/profile/*.json (training/profiling.py)
     profile_trace: bool = False  # with profile_step: also write the Chrome trace
+    lock_stale_s: int = 300  # run.dir's trainer.lock from another host counts as stale after this long without a heartbeat
 
 
 @dataclass
@@ -630,6 +631,8 @@ def validate(cfg: Config) -> None:
          f"parallel.fsdp_reshard must be block, micro_batch or step, got '{p.fsdp_reshard}'")
     need(p.fsdp_prefetch >= 0, f"parallel.fsdp_prefetch must be >= 0, got {p.fsdp_prefetch}")
     need(0 < p.timeout_s < float("inf"), f"parallel.timeout_s must be a finite number of seconds > 0, got {p.timeout_s}")
+    need(cfg.run.lock_stale_s >= 60, f"run.lock_stale_s must be >= 60 (twice the lock's 30 s heartbeat), got "
+         f"{cfg.run.lock_stale_s}")
     ws = world_size(cfg)
     model_par = p.tp * p.cp * p.pp
     need(ws % model_par == 0,

@@ -4,10 +4,23 @@
     megassm-train --config configs/tiny.yaml --resume auto
     megassm-train --config configs/hybrid-7b.yaml --dry-run parallel.world_size=64 parallel.tp=2 parallel.pp=4
 
-Exit codes: 0 done; 2 config error (before any compute); 3 non-finite loss; 99 (PREEMPT_EXIT_CODE) a
-SIGUSR1 / SIGTERM made every rank checkpoint at the same step boundary and stop: "checkpointed, requeue
-me", resume with --resume auto (docs/launch.md). Rank 0 records the code in run.dir/last_exit.json, which
-the SLURM batch script of `megassm-launch slurm` reads to decide on a requeue.
+Overrides and options may come in any order (`--resume auto train.steps=600` or the reverse).
+
+Exit codes (megassm/training/failures.py; docs/reliability.md says what to do after each):
+  0   done
+  2   config or input error: the key, file, line or value is named; found before any compute, except a
+      token id outside the vocabulary in a corpus too large to scan at start (found when read)
+  3   non-finite loss; the message names the newest checkpoint that verifies
+  4   I/O error: run.dir or checkpoints/ not writable, or the disk is full; no half-written checkpoint is left
+  5   run.dir is in use by another trainer (its lock names host and PID); nothing was written
+  6   run.resume found checkpoints but none intact (each is named with what failed verification)
+  99  (PREEMPT_EXIT_CODE) SIGUSR1 / SIGTERM / Ctrl-C made every rank checkpoint at the same step boundary and
+      stop: "checkpointed, requeue me", resume with --resume auto (docs/launch.md)
+  130 a second Ctrl-C: stopped at once, nothing saved since the last checkpoint
+  1   an unexpected error (a traceback)
+Rank 0 of the trainer that holds run.dir's lock records the code in run.dir/last_exit.json, which the SLURM
+batch script of `megassm-launch slurm` reads to decide on a requeue (99 only). Failures found before the
+lock is taken (a config that does not load, a layout refused, a run.dir in use) write nothing.
 """
 from __future__ import annotations
 
@@ -21,9 +34,10 @@ import sys
 from types import SimpleNamespace
 
 from megassm.config import ConfigError, dump_config, load_config, world_size
-from megassm.training import preemption
+from megassm.training import preemption, runlock
+from megassm.training.failures import (EXIT_ABORTED, EXIT_CONFIG, EXIT_IO, EXIT_LOCKED, EXIT_NO_CHECKPOINT,
+                                       EXIT_NONFINITE, EXIT_OK, describe_os_error, one_line)
 
-EXIT_OK, EXIT_CONFIG, EXIT_NONFINITE = 0, 2, 3
 EXIT_PREEMPTED = preemption.PREEMPT_EXIT_CODE  # 99: checkpointed, requeue me
 
 
@@ -117,9 +131,10 @@ def dry_run(cfg, notes: list[str] = ()) -> int:
 
 
 def write_exit_status(run_dir: str, code: int, reason: str, trainer=None) -> None:
-    """run_dir/last_exit.json (rank 0, only when the run directory exists): the exit code and where the run
-    stands, for the SLURM batch script's requeue decision and for people."""
-    if int(os.environ.get("RANK", "0")) != 0 or not os.path.isdir(run_dir):
+    """run_dir/last_exit.json (rank 0 of the trainer holding run_dir's lock): the exit code and where the run
+    stands, for the SLURM batch script's requeue decision and for people. A file that cannot be written (a
+    full disk) is reported on stderr, never raised."""
+    if int(os.environ.get("RANK", "0")) != 0 or not runlock.holds(run_dir):
         return
     status = {
         "exit_code": code,
@@ -132,14 +147,19 @@ def write_exit_status(run_dir: str, code: int, reason: str, trainer=None) -> Non
     }
     path = os.path.join(run_dir, "last_exit.json")
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(status, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(status, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        print(f"megassm-train: could not write {path}: {describe_os_error(e)}", file=sys.stderr)
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # overrides before, between and after the options
     from megassm.training.logs import setup_logging
 
     setup_logging(args.log_level)  # rank 0 speaks, the other ranks warn; third-party INFO quiet
@@ -168,36 +188,65 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(config: str, overrides: list[str]) -> int:
-    trainer = None
     try:
         cfg = load_config(config, overrides)
-        preemption.write_pid_file(cfg.run.dir)
-        from megassm.training.trainer import NonFiniteLossError, Trainer
-
-        trainer = Trainer(cfg)
     except ConfigError as e:
         print(f"megassm-train: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    finished = False
+    from megassm.training.trainer import Trainer
+
+    trainer, finished, code = None, False, None
     try:
+        trainer = Trainer(cfg)
         trainer.fit()
         finished = True  # every rank gets here (a preemption stop is agreed by all ranks)
-    except NonFiniteLossError as e:
-        print(f"megassm-train: {e}", file=sys.stderr)
-        write_exit_status(cfg.run.dir, EXIT_NONFINITE, "non-finite loss", trainer)
-        return EXIT_NONFINITE
+    except BaseException as e:
+        code, message = _failure(e, trainer)
+        if code is None:  # unforeseen: the traceback follows; last_exit.json still says that the run failed
+            write_exit_status(cfg.run.dir, 1, f"unexpected error: {type(e).__name__}: {one_line(e)}", trainer)
+            raise
+        message = " ".join(message.split())  # one line, whatever the exception's text held
+        print(f"megassm-train: {message}", file=sys.stderr)
+        write_exit_status(cfg.run.dir, code, message, trainer)
+        return code
     finally:
         from megassm.parallel.state import destroy
 
         # what the exit needs, then the trainer goes: its model, pipeline stages, DDP reducer and optimizer hold
         # process groups (some in reference cycles), and destroy() collects them before the groups themselves,
         # instead of leaving them to interpreter exit
-        trainer = SimpleNamespace(preempted=getattr(trainer, "preempted", False), step=trainer.step,
+        trainer = SimpleNamespace(preempted=getattr(trainer, "preempted", False), step=getattr(trainer, "step", None),
                                   last_checkpoint=getattr(trainer, "last_checkpoint", None))
         if finished:  # before the final barrier: once one rank has left with a non-zero code, torchrun SIGTERMs
             code = _report_finish(cfg.run.dir, trainer)  # the others, so rank 0's last_exit.json is written first
+        runlock.release(cfg.run.dir)  # after last_exit.json: the next trainer finds this run's record complete
         destroy(barrier=finished)  # process groups of a torchrun launch (no-op for one process)
     return code
+
+
+def _failure(e: BaseException, trainer) -> tuple[int | None, str]:
+    """(exit code, one-line message) of a failure a user can cause; (None, "") for anything else."""
+    from megassm.data_tools.dataset import TokenIdError
+    from megassm.training.checkpoint import CheckpointDamagedError
+    from megassm.training.trainer import NonFiniteLossError
+
+    if isinstance(e, runlock.RunLockedError):
+        return EXIT_LOCKED, str(e)
+    if isinstance(e, NonFiniteLossError):
+        return EXIT_NONFINITE, str(e)
+    if isinstance(e, CheckpointDamagedError):
+        return EXIT_NO_CHECKPOINT, str(e)
+    if isinstance(e, ConfigError):
+        return EXIT_CONFIG, f"config error: {e}"
+    if isinstance(e, TokenIdError):
+        return EXIT_CONFIG, f"data error: {e}"
+    if isinstance(e, OSError):
+        return EXIT_IO, (f"I/O error: {describe_os_error(e)}; free space or fix the permissions, then resume "
+                         "with --resume auto")
+    if isinstance(e, KeyboardInterrupt):
+        where = getattr(trainer, "last_checkpoint", None) or "the start (no checkpoint)"
+        return EXIT_ABORTED, f"aborted by a second Ctrl-C at step {getattr(trainer, 'step', 0)}; nothing saved since {where}"
+    return None, ""
 
 
 def _report_finish(run_dir: str, trainer) -> int:

@@ -48,7 +48,8 @@ def test_script_is_valid_bash_with_the_contract(tmp_path, launcher):
         assert subprocess.run(["shellcheck", "-S", "error", str(path)]).returncode == 0
     s = r.stdout
     for line in ("#SBATCH --nodes=2", "#SBATCH --signal=B:USR1@300", "#SBATCH --requeue", "#SBATCH --time=1:00:00",
-                 "trap forward_usr1 USR1", "scontrol requeue", "run.resume=auto", "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
+                 "trap forward_usr1 USR1", "scontrol requeue", "run.resume=auto", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                 'rm -f "$RUN_DIR/last_exit.json"', 'grep -qa megassm "/proc/$p/cmdline"', "4) echo \"megassm: exit 4:"):
         assert line in s, line
     code = "\n".join(x for x in s.splitlines() if not x.lstrip().startswith("#"))
     assert "localhost" not in code and "127.0.0.1" not in code

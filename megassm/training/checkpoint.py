@@ -7,13 +7,20 @@ Layout:
         optim.pt        `optimizer.state_dict()`
         <key>.pt        one file per non-scalar entry of `extra` (scheduler, data, rng, carried_states, ...)
         meta.json       step, time, the scalar entries of `extra` (consumed_tokens, config_hash, ...), the
-                        list of files, and "complete": true. Written last: no meta.json, or "complete" not
-                        true, means the checkpoint is incomplete and is never resumed from.
+                        list of files, the integrity record, and "complete": true. Written last: no meta.json,
+                        or "complete" not true, means the checkpoint is incomplete and is never resumed from.
 
 A checkpoint is written under `checkpoints/.tmp-step_00000100-<pid>/`, every file fsync'ed, then renamed
 to its final name (a rename within one directory is atomic on POSIX file systems) and the parent fsync'ed.
 A crash at any point leaves either the previous checkpoints untouched plus a temp directory, or the new
-complete checkpoint. Temp directories are ignored by `find_latest` and left on disk for inspection.
+complete checkpoint. Temp directories are ignored by `find_latest`; a save that fails (a full disk) removes
+its own, and `clean_temp_dirs` removes those of killed processes when the next trainer starts.
+
+Integrity: meta.json's "integrity" maps every file (a path relative to the checkpoint, '/' allowed for
+formats that write subfolders) to its size and sha256, hashed while it is written. `verify_checkpoint`
+compares them with the files on disk; the loaders also refuse unreadable files and non-finite model or
+optimizer tensors (CheckpointDamagedError), so a damaged checkpoint is never trained from. Checkpoints
+written before the record existed still load (with one warning that they cannot be verified).
 
     path = save_checkpoint(run_dir, step, model=model, optimizer=opt,
                            extra={"scheduler": sched.state_dict(), "data": data.state_dict(),
@@ -27,6 +34,7 @@ tensors, lists, dicts and tuples is saved as is.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -42,11 +50,23 @@ import numpy as np
 import torch
 
 from megassm.config import ConfigError
+from megassm.training.failures import RunIOError, describe_os_error, one_line
 
 log = logging.getLogger("megassm.checkpoint")
 
 __all__ = [
     "CheckpointError",
+    "CheckpointDamagedError",
+    "CheckpointMismatchError",
+    "CheckpointWriteError",
+    "file_record",
+    "integrity_record",
+    "verify_checkpoint",
+    "nonfinite_tensors",
+    "resume_candidates",
+    "clean_temp_dirs",
+    "check_writable",
+    "marked_complete",
     "save_checkpoint",
     "load_checkpoint",
     "find_latest",
@@ -69,11 +89,27 @@ _RESERVED = {"model", "optim", "meta"}
 _NAME_RE = re.compile(r"^step_(\d{8,})$")
 _KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _SCALARS = (str, int, float, bool, type(None))
+INTEGRITY_ALGO = "sha256"
+_HASH_CHUNK = 4 << 20  # bytes read at a time when verifying: constant memory for any file size
+_TEMP_PREFIXES = (".tmp-", ".old-")
 
 
 class CheckpointError(ConfigError):
     """A checkpoint that is missing, incomplete or unreadable; the message names the path.
     (A ConfigError, so the CLI reports it cleanly: it usually comes from run.resume.)"""
+
+
+class CheckpointDamagedError(CheckpointError):
+    """A complete checkpoint whose files fail verification, cannot be read, or hold non-finite model or
+    optimizer values. The message names the checkpoint, the file and what was expected and found."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """An intact checkpoint that does not fit the model being trained (a changed model config)."""
+
+
+class CheckpointWriteError(RunIOError):
+    """A checkpoint could not be written (unwritable directory, full disk); its temp directory is removed."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -148,6 +184,144 @@ def restore_rng_state(state: dict) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
+# Integrity
+# ----------------------------------------------------------------------------------------------------
+
+
+class _HashingWriter:
+    """A write-only file object that hashes and counts what passes through, so a checkpoint file is hashed
+    while it is written instead of being read back."""
+
+    def __init__(self, f):
+        self._f = f
+        self._hash = hashlib.sha256()
+        self.bytes = 0
+
+    def write(self, data) -> int:
+        self._hash.update(data)
+        n = self._f.write(data)
+        self.bytes += memoryview(data).nbytes
+        return n
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def record(self) -> dict:
+        return {"bytes": self.bytes, "sha256": self._hash.hexdigest()}
+
+
+def file_record(path: str | os.PathLike) -> dict:
+    """{"bytes": N, "sha256": hex} of a file, read in chunks of a few MB (memory stays constant)."""
+    h, n = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(_HASH_CHUNK)
+            if not block:
+                break
+            h.update(block)
+            n += len(block)
+    return {"bytes": n, "sha256": h.hexdigest()}
+
+
+def _inside(ckpt_dir: str, relpath: str) -> str:
+    """ckpt_dir/relpath, refusing paths that leave the checkpoint directory."""
+    if os.path.isabs(relpath) or ".." in relpath.replace("\\", "/").split("/"):
+        raise ValueError(f"checkpoint file {relpath!r} must be a path inside the checkpoint directory")
+    return os.path.join(ckpt_dir, relpath)
+
+
+def integrity_record(ckpt_dir: str | os.PathLike, relpaths) -> dict:
+    """{"algo": "sha256", "files": {relpath: {"bytes", "sha256"}}} of files already on disk, for meta.json's
+    "integrity" (formats whose files are not written through save_checkpoint, e.g. one per rank)."""
+    ckpt_dir = os.fspath(ckpt_dir)
+    return {"algo": INTEGRITY_ALGO, "files": {rel: file_record(_inside(ckpt_dir, rel)) for rel in relpaths}}
+
+
+_warned_unverifiable: set = set()
+
+
+def _expected(rec: dict) -> str:
+    return f"expected {rec.get('bytes')} bytes sha256 {str(rec.get('sha256'))[:12]}.."
+
+
+def _check_file(ckpt_dir: str, rel: str, rec: dict) -> str | None:
+    """None when the file matches its record, else the problem in words (the size is compared first:
+    a truncated file costs no hashing)."""
+    path = _inside(ckpt_dir, rel)
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        return f"{rel}: {_expected(rec)}, found no file"
+    if size != rec.get("bytes"):
+        return f"{rel}: {_expected(rec)}, found {size} bytes"
+    try:
+        got = file_record(path)["sha256"]
+    except OSError as e:
+        return f"{rel}: {_expected(rec)}, found an unreadable file ({describe_os_error(e)})"
+    if got != rec.get("sha256"):
+        return f"{rel}: {_expected(rec)}, found sha256 {got[:12]}.. (same size, other bytes)"
+    return None
+
+
+def verify_checkpoint(path: str | os.PathLike, relpaths=None) -> list[str]:
+    """The problems of a checkpoint directory in words ("model.pt: expected 1234 bytes sha256 ab12..,
+    found 1200 bytes"); an empty list means intact. `relpaths`: only these files (a rank verifying its own
+    shards); None: every file of the record, and every file meta.json lists must have one. A checkpoint
+    written before integrity records existed cannot be verified: it passes, with one warning."""
+    path = os.fspath(path)
+    meta = read_meta(path)
+    if meta is None:
+        return [f"{META}: missing or unreadable"]
+    if meta.get("complete") is not True:
+        return [f"{META}: not marked complete (the save was interrupted)"]
+    listed = [f for f in meta.get("files", []) if isinstance(f, str)]
+    integrity = meta.get("integrity")
+    if not isinstance(integrity, dict):
+        if path not in _warned_unverifiable:
+            _warned_unverifiable.add(path)
+            log.warning("checkpoint %s has no integrity record (written by an older megassm): its files cannot "
+                        "be verified; loading it unverified", path)
+        wanted = listed if relpaths is None else list(relpaths)
+        return [f"{rel}: listed in {META}, found no file" for rel in wanted if not os.path.isfile(os.path.join(path, rel))]
+    if integrity.get("algo") != INTEGRITY_ALGO or not isinstance(integrity.get("files"), dict):
+        return [f"{META}: unknown integrity record (algo {integrity.get('algo')!r}; this megassm reads {INTEGRITY_ALGO})"]
+    records = integrity["files"]
+    problems = []
+    if relpaths is None:
+        problems += [f"{rel}: listed in {META} without an integrity record" for rel in listed if rel not in records]
+        relpaths = sorted(records)
+    for rel in relpaths:
+        rec = records.get(rel)
+        problem = f"{rel}: no integrity record in {META}" if not isinstance(rec, dict) else _check_file(path, rel, rec)
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def nonfinite_tensors(state: Any, prefix: str = "") -> list[str]:
+    """Names of the floating-point tensors in a (nested) state dict that hold NaN or inf, with counts."""
+    out = []
+    if isinstance(state, torch.Tensor):
+        if (state.is_floating_point() or state.is_complex()) and not bool(torch.isfinite(state).all()):
+            bad = int((~torch.isfinite(state)).sum())
+            out.append(f"'{prefix}' ({bad} of {state.numel()} values)")
+    elif isinstance(state, dict):
+        for k, v in state.items():
+            out += nonfinite_tensors(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            out += nonfinite_tensors(v, f"{prefix}.{i}" if prefix else str(i))
+    return out
+
+
+def _refuse_nonfinite(ckpt_dir: str, rel: str, state: Any) -> None:
+    bad = nonfinite_tensors(state)
+    if bad:
+        more = f" and {len(bad) - 3} more tensors" if len(bad) > 3 else ""
+        raise CheckpointDamagedError(f"checkpoint {ckpt_dir}: {rel}: non-finite values in {', '.join(bad[:3])}{more}")
+
+
+# ----------------------------------------------------------------------------------------------------
 # Files
 # ----------------------------------------------------------------------------------------------------
 
@@ -165,11 +339,14 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _torch_save(obj: Any, path: str) -> None:
+def _torch_save(obj: Any, path: str) -> dict:
+    """Write `obj` to `path` (fsync'ed) and return its integrity record, hashed on the way out."""
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        writer = _HashingWriter(f)
+        torch.save(obj, writer)
         f.flush()
         os.fsync(f.fileno())
+    return writer.record()
 
 
 def _write_json(obj: dict, path: str) -> None:
@@ -181,13 +358,19 @@ def _write_json(obj: dict, path: str) -> None:
 
 
 def _torch_load(path: str, map_location: Any) -> Any:
+    """torch.load, or CheckpointDamagedError naming the file when its bytes cannot be read back."""
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError:
-        # States written by this program that hold non-tensor objects (e.g. numpy arrays in a data
-        # sampler's state). Only load checkpoints you trust: full unpickling can run code.
-        log.warning("%s holds objects beyond tensors and plain types; loading it with full unpickling", path)
-        return torch.load(path, map_location=map_location, weights_only=False)
+        try:
+            return torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError:
+            # States written by this program that hold non-tensor objects (e.g. numpy arrays in a data
+            # sampler's state). Only load checkpoints you trust: full unpickling can run code.
+            log.warning("%s holds objects beyond tensors and plain types; loading it with full unpickling", path)
+            return torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as e:  # truncated or overwritten zip archives fail in many ways
+        ckpt_dir, rel = os.path.split(path)
+        raise CheckpointDamagedError(f"checkpoint {ckpt_dir}: {rel}: unreadable ({type(e).__name__}: "
+                                     f"{one_line(e)})") from None
 
 
 def _cpu_state_dict(model: torch.nn.Module) -> dict:
@@ -266,27 +449,42 @@ def save_checkpoint(
     Call on one rank only (rank 0); the model must hold full (unsharded) tensors, or pass `model_state` /
     `optim_state`: already gathered canonical states (tensor parallelism: megassm.parallel.tp), written
     instead of `model.state_dict()` / `optimizer.state_dict()`.
+    Every file is hashed while it is written (meta.json's "integrity"). An OSError (full disk, unwritable
+    directory) removes the temp directory and raises CheckpointWriteError naming the checkpoint.
     """
     run_dir = os.fspath(run_dir)
     extra = dict(extra or {})
     root = os.path.join(run_dir, CHECKPOINTS)
-    os.makedirs(root, exist_ok=True)
     name = checkpoint_name(step)
     final = os.path.join(root, name)
     tmp = os.path.join(root, f".tmp-{name}-{os.getpid()}")
+    t0 = time.time()
+    try:
+        _write_temp_checkpoint(tmp, step, model, optimizer, extra, model_state, optim_state)
+        _publish(tmp, final, root, name)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed save leaves nothing half-written (a full disk stays full)
+        if isinstance(e, OSError):
+            raise CheckpointWriteError(f"cannot write checkpoint {final}: {describe_os_error(e)}") from e
+        raise
+    log.debug("checkpoint %s written in %.2fs", final, time.time() - t0)
+    _prune(run_dir, keep_last, final)
+    return final
+
+
+def _write_temp_checkpoint(tmp: str, step: int, model, optimizer, extra: dict, model_state, optim_state) -> None:
+    """Every file of the checkpoint in `tmp`, meta.json (with the integrity record) last."""
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
     os.makedirs(tmp)
-
-    t0 = time.time()
-    files = [MODEL]
-    _torch_save(_cpu_state_dict(model) if model_state is None else model_state, os.path.join(tmp, MODEL))
+    records = {MODEL: _torch_save(_cpu_state_dict(model) if model_state is None else model_state,
+                                  os.path.join(tmp, MODEL))}
     if optimizer is not None or optim_state is not None:
-        _torch_save(optimizer.state_dict() if optim_state is None else optim_state, os.path.join(tmp, OPTIM))
-        files.append(OPTIM)
+        records[OPTIM] = _torch_save(optimizer.state_dict() if optim_state is None else optim_state,
+                                     os.path.join(tmp, OPTIM))
     scalars, extra_files = {}, []
     for key, value in extra.items():
-        if key in ("step", "time", "complete", "files", "extra_files") or key in _RESERVED:
+        if key in ("step", "time", "complete", "files", "extra_files", "integrity") or key in _RESERVED:
             raise ValueError(f"save_checkpoint: extra key '{key}' is reserved")
         if isinstance(value, np.generic) and np.ndim(value) == 0:
             value = value.item()  # numpy scalars: plain numbers in meta.json
@@ -295,8 +493,7 @@ def save_checkpoint(
             continue
         if not _KEY_RE.match(key):
             raise ValueError(f"save_checkpoint: extra key '{key}' cannot name a file")
-        _torch_save(value, os.path.join(tmp, f"{key}.pt"))
-        files.append(f"{key}.pt")
+        records[f"{key}.pt"] = _torch_save(value, os.path.join(tmp, f"{key}.pt"))
         extra_files.append(key)
     meta = {
         **scalars,
@@ -305,13 +502,17 @@ def save_checkpoint(
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": socket.gethostname(),
         "torch": torch.__version__,
-        "files": files,
+        "files": list(records),
         "extra_files": extra_files,
+        "integrity": {"algo": INTEGRITY_ALGO, "files": {k: v for k, v in records.items() if v is not None}},
         "complete": True,
     }
     _write_json(meta, os.path.join(tmp, META))  # the completion marker: last
     _fsync_dir(tmp)
 
+
+def _publish(tmp: str, final: str, root: str, name: str) -> None:
+    """Rename the finished temp directory to its final name (replacing a checkpoint of the same step)."""
     old = None
     if os.path.exists(final):
         old = os.path.join(root, f".old-{name}-{os.getpid()}")
@@ -320,9 +521,6 @@ def save_checkpoint(
     _fsync_dir(root)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    log.debug("checkpoint %s written in %.2fs", final, time.time() - t0)
-    _prune(run_dir, keep_last, final)
-    return final
 
 
 def load_checkpoint(
@@ -332,41 +530,175 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     map_location: Any = "cpu",
     strict: bool = True,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Load a complete checkpoint into `model` (unwrapped, strict by default) and `optimizer`, and return
     meta.json's fields (step, consumed_tokens, config_hash, time, ...) plus every extra state, by key.
     Values are restored bit for bit. Raises CheckpointError naming the path when it is not a complete
-    checkpoint."""
+    checkpoint, CheckpointDamagedError when it fails verification (`verify`; callers that verified already
+    pass False), a file cannot be read or the model / optimizer state holds non-finite values (checked
+    before anything is loaded), and CheckpointMismatchError when it does not fit the model or optimizer."""
     path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    if not is_complete(path):
-        raise CheckpointError(f"checkpoint {path} is incomplete (no meta.json with \"complete\": true, or a "
-                              "file it lists is missing); it was probably interrupted while being written")
-    meta = read_meta(path)
+    meta = _complete_meta(path)
+    if verify:
+        _refuse_damaged(path)
+    model_state = optim_state = None
     if model is not None:
-        state = _torch_load(os.path.join(path, MODEL), map_location)
-        unwrap_model(model).load_state_dict(state, strict=strict)
+        model_state = _torch_load(os.path.join(path, MODEL), map_location)
+        _refuse_nonfinite(path, MODEL, model_state)
     if optimizer is not None:
         if OPTIM not in meta["files"]:
             raise CheckpointError(f"checkpoint {path} has no optimizer state ({OPTIM})")
-        optimizer.load_state_dict(_torch_load(os.path.join(path, OPTIM), map_location))
+        optim_state = _torch_load(os.path.join(path, OPTIM), map_location)
+        _refuse_nonfinite(path, OPTIM, optim_state)
     out = dict(meta)
     for key in meta.get("extra_files", []):
         out[key] = _torch_load(os.path.join(path, f"{key}.pt"), map_location)
+    if model is not None:
+        target = unwrap_model(model)
+        if strict:
+            _refuse_shapes(path, target.state_dict(), model_state)
+        try:
+            target.load_state_dict(model_state, strict=strict)
+        except RuntimeError as e:  # shapes under strict=False; torch's message spans a line per tensor
+            lines = str(e).splitlines()
+            raise CheckpointMismatchError(f"checkpoint {path}: {MODEL} does not fit the model: "
+                                          f"{one_line(chr(10).join(lines[1:]) or str(e))}") from None
+    if optimizer is not None:
+        try:
+            optimizer.load_state_dict(optim_state)
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise CheckpointMismatchError(f"checkpoint {path}: {OPTIM} does not fit this optimizer: {one_line(e)}") from None
     return out
 
 
-def read_model_and_optim(path: str | os.PathLike, map_location: Any = "cpu") -> tuple[dict, dict | None]:
+def read_model_and_optim(path: str | os.PathLike, map_location: Any = "cpu", verify: bool = False,
+                         ) -> tuple[dict, dict | None]:
     """The canonical model state dict and optimizer state dict (None when absent) of a complete checkpoint,
-    for callers that load them into a sharded model themselves (megassm.parallel.tp)."""
+    for callers that load them into a sharded model themselves (megassm.parallel.tp). Unreadable files and
+    non-finite values raise CheckpointDamagedError; `verify` also checks the integrity record first."""
     path = os.fspath(path)
-    if not is_complete(path):
-        raise CheckpointError(f"checkpoint {path} is incomplete or missing")
-    meta = read_meta(path)
+    meta = _complete_meta(path)
+    if verify:
+        _refuse_damaged(path)
     model_state = _torch_load(os.path.join(path, MODEL), map_location)
-    optim_state = _torch_load(os.path.join(path, OPTIM), map_location) if OPTIM in meta["files"] else None
+    _refuse_nonfinite(path, MODEL, model_state)
+    optim_state = None
+    if OPTIM in meta["files"]:
+        optim_state = _torch_load(os.path.join(path, OPTIM), map_location)
+        _refuse_nonfinite(path, OPTIM, optim_state)
     return model_state, optim_state
+
+
+def _complete_meta(path: str) -> dict:
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    meta = read_meta(path)
+    if not marked_complete(path):
+        raise CheckpointError(f"checkpoint {path} is incomplete (no meta.json with \"complete\": true); it was "
+                              "probably interrupted while being written")
+    missing = [f for f in meta.get("files", []) if not os.path.isfile(os.path.join(path, f))]
+    if missing:  # the save completed: files lost since are damage, not an interrupted save
+        raise CheckpointDamagedError(f"checkpoint {path} is incomplete or damaged: " + "; ".join(
+            f"{f}: listed in {META}, found no file" for f in missing))
+    return meta
+
+
+def marked_complete(path: str | os.PathLike) -> bool:
+    """Whether the save of this checkpoint finished (meta.json says "complete": true), whatever happened to its
+    files since: a checkpoint that is not was interrupted, one that is but fails verification is damaged."""
+    meta = read_meta(os.fspath(path))
+    return meta is not None and meta.get("complete") is True
+
+
+def _refuse_damaged(path: str) -> None:
+    problems = verify_checkpoint(path)
+    if problems:
+        raise CheckpointDamagedError(f"checkpoint {path} is damaged: {'; '.join(problems)}")
+
+
+def _refuse_shapes(path: str, expected: dict, found: dict) -> None:
+    """CheckpointMismatchError naming the first tensors whose names or shapes differ from the model's."""
+    diffs = [f"'{k}' is {list(found[k].shape)} in the checkpoint, {list(v.shape)} in the model"
+             for k, v in expected.items() if k in found and isinstance(v, torch.Tensor)
+             and isinstance(found[k], torch.Tensor) and found[k].shape != v.shape]
+    diffs += [f"'{k}' is missing from the checkpoint" for k in expected if k not in found]
+    diffs += [f"'{k}' is not in the model" for k in found if k not in expected]
+    if diffs:
+        more = f" (and {len(diffs) - 2} more differences)" if len(diffs) > 2 else ""
+        raise CheckpointMismatchError(f"checkpoint {path}: {MODEL} does not fit the model: {'; '.join(diffs[:2])}{more}")
+
+
+def resume_candidates(run_dir: str | os.PathLike, resume: str | None) -> tuple[list[str], bool]:
+    """(checkpoints to try, preferred first; whether an older one may stand in for a damaged one).
+
+    "none": nothing. "auto": every step_ directory under run_dir/checkpoints, newest first, complete or not
+    (the caller reports each one it skips). A run directory: its checkpoints likewise. A checkpoint
+    directory: just it, with no stand-in. A path that does not exist raises CheckpointError."""
+    if resume is None or str(resume).strip().lower() in ("", "none"):
+        return [], False
+    if str(resume).strip().lower() == "auto":
+        return _newest_first(os.fspath(run_dir)), True
+    path = os.path.abspath(os.path.expanduser(os.fspath(resume)))
+    if not os.path.exists(path):
+        raise CheckpointError(f"run.resume: checkpoint {path} does not exist")
+    if os.path.isdir(os.path.join(path, CHECKPOINTS)) and not os.path.exists(os.path.join(path, META)):
+        found = _newest_first(path)
+        if not found:
+            raise CheckpointError(f"run.resume: run directory {path} has no checkpoint")
+        return found, True
+    return [path], False
+
+
+def _newest_first(run_dir: str) -> list[str]:
+    return [p for _, p in reversed(list_checkpoints(run_dir, complete_only=False))]
+
+
+def clean_temp_dirs(run_dir: str | os.PathLike) -> list[str]:
+    """Remove what interrupted saves left under run_dir/checkpoints: `.tmp-*` directories (never complete),
+    and `.old-*` ones (a replaced checkpoint, restored to its name when the kill came before its successor's
+    rename). Call only while holding the run directory (no save in flight). Returns what was done, in words."""
+    root = os.path.join(os.fspath(run_dir), CHECKPOINTS)
+    try:
+        names = sorted(os.listdir(root))
+    except FileNotFoundError:
+        return []
+    done = []
+    for name in names:
+        path = os.path.join(root, name)
+        if not name.startswith(_TEMP_PREFIXES):
+            continue
+        m = re.match(r"^\.old-(step_\d{8,})-\d+$", name)
+        if m and not os.path.exists(os.path.join(root, m.group(1))) and is_complete(path):
+            os.rename(path, os.path.join(root, m.group(1)))
+            done.append(f"restored {m.group(1)} from {name}, left by a save killed while replacing it")
+            continue
+        size = _tree_bytes(path)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        done.append(f"removed {name} ({size / 2**20:.1f} MiB), left by an interrupted save")
+    return done
+
+
+def _tree_bytes(path: str) -> int:
+    if not os.path.isdir(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def check_writable(run_dir: str | os.PathLike) -> None:
+    """run_dir/checkpoints exists and takes a new file; otherwise a RunIOError naming it, before any compute."""
+    root = os.path.join(os.fspath(run_dir), CHECKPOINTS)
+    probe = os.path.join(root, f".tmp-write-probe-{os.getpid()}")
+    try:
+        os.makedirs(root, exist_ok=True)
+        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, b"megassm")
+        finally:
+            os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise RunIOError(f"cannot write checkpoints to {root}: {describe_os_error(e)}") from None
 
 
 def resolve_resume(run_dir: str | os.PathLike, resume: str | None) -> str | None:

@@ -1,5 +1,8 @@
-"""Preemption: a SIGUSR1 / SIGTERM asks the trainer to checkpoint at the next step boundary and exit with
-`PREEMPT_EXIT_CODE` (99, "checkpointed, requeue me").
+"""Preemption: a SIGUSR1 / SIGTERM / SIGINT (Ctrl-C) asks the trainer to checkpoint at the next step boundary
+and exit with `PREEMPT_EXIT_CODE` (99, "checkpointed, requeue me"). A second Ctrl-C aborts at once
+(KeyboardInterrupt: nothing saved since the last checkpoint); one that comes within INTERRUPT_GRACE_S of the
+first is the same Ctrl-C forwarded by a launcher (torchrun passes its own SIGINT on to the workers) and is
+ignored.
 
     install()                        # megassm.train, before anything slow: the handlers only set a flag
     stop = agreed_stop(device)       # Trainer.fit, at every step boundary: the flag, agreed by every rank
@@ -15,38 +18,49 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
+import sys
 import threading
+import time
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["PREEMPT_EXIT_CODE", "SIGNALS", "install", "uninstall", "requested", "reason", "reset", "agreed_stop",
-           "write_pid_file"]
+__all__ = ["PREEMPT_EXIT_CODE", "SIGNALS", "INTERRUPT_GRACE_S", "install", "uninstall", "requested", "reason", "reset",
+           "agreed_stop", "write_pid_file", "clear_pid_files"]
 
 log = logging.getLogger("megassm.train")
 
 PREEMPT_EXIT_CODE = 99
-SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+INTERRUPT_GRACE_S = 2.0
 
-_state = {"signum": None}
+_state = {"signum": None, "sigint_at": None}
 _previous: dict = {}
 
 
 def _handler(signum, frame) -> None:  # noqa: ARG001
+    # logging from a signal handler may deadlock on the handler lock; plain writes are safe enough
+    if signum == signal.SIGINT:
+        now, first = time.monotonic(), _state["sigint_at"]
+        if first is not None and now - first > INTERRUPT_GRACE_S:
+            sys.stderr.write("megassm: second Ctrl-C: aborting now, without a checkpoint\n")
+            raise KeyboardInterrupt
+        if first is None:
+            _state["sigint_at"] = now
     if _state["signum"] is None:
         _state["signum"] = signum
         # logging from a signal handler may deadlock on the handler lock; a plain write is safe enough
-        import sys
-
         tag = f"[rank {os.environ.get('RANK', '0')}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        again = "; press Ctrl-C again to abort without saving" if signum == signal.SIGINT else ""
         sys.stderr.write(f"{tag}megassm: received {signal.Signals(signum).name}: will checkpoint and exit "
-                         f"({PREEMPT_EXIT_CODE}) at the next step boundary\n")
+                         f"({PREEMPT_EXIT_CODE}) at the next step boundary{again}\n")
 
 
 def install() -> bool:
-    """Route SIGUSR1 and SIGTERM to the flag. Only the main thread can install handlers; returns whether
+    """Route SIGUSR1, SIGTERM and SIGINT to the flag. Only the main thread can install handlers; returns whether
     they were installed."""
     if threading.current_thread() is not threading.main_thread():
         log.warning("preemption: not on the main thread, SIGUSR1/SIGTERM handlers not installed")
@@ -79,6 +93,7 @@ def reason() -> str | None:
 
 def reset() -> None:
     _state["signum"] = None
+    _state["sigint_at"] = None
 
 
 def agreed_stop(device: torch.device) -> bool:
@@ -98,7 +113,8 @@ def agreed_stop(device: torch.device) -> bool:
 def write_pid_file(run_dir: str) -> str:
     """RUN_DIR/pids/<host>-<rank>.pid: how the SLURM batch script (launch/slurm.py) finds the training
     processes on each node to forward its SIGUSR1 to them, and to them only (the launcher between would die
-    of the signal). The script clears the folder before each start."""
+    of the signal). Rank 0 clears the folder (clear_pid_files) once it holds the run directory's lock, before
+    any rank writes its file."""
     folder = os.path.join(run_dir, "pids")
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{socket.gethostname()}-{os.environ.get('RANK', '0')}.pid")
@@ -107,3 +123,8 @@ def write_pid_file(run_dir: str) -> str:
         f.write(f"{os.getpid()}\n")
     os.replace(tmp, path)
     return path
+
+
+def clear_pid_files(run_dir: str) -> None:
+    """Remove RUN_DIR/pids: the files of an earlier run name processes that are gone (or PIDs reused since)."""
+    shutil.rmtree(os.path.join(run_dir, "pids"), ignore_errors=True)

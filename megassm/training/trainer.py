@@ -21,12 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from megassm.config import Config, ConfigError, data_parallel_size, dump_config, world_size
+from megassm.config import Config, ConfigError, config_to_dict, data_parallel_size, dump_config, world_size
 from megassm.models.coffee import deer_stats
 from megassm.parallel import runtime as prt
 from megassm.parallel.engines import build_engine, check_engine
 from megassm.training import checkpoint as ckpt
-from megassm.training import faults, preemption
+from megassm.training import consensus, faults, preemption, runlock
+from megassm.training.failures import RunIOError, describe_os_error, one_line
 from megassm.training.flops import flops_per_sequence, mfu, peak_flops_for
 from megassm.training.metrics import MetricsLogger, ProgressBar, memory_scalars
 from megassm.training.optim import LRScheduler, build_optimizer, clip_grad_norm
@@ -58,11 +59,16 @@ def check_supported(cfg: Config) -> None:
                           "parallelism is not built; set one of them to 1 (PP x TP x DP is)")
     if p.sp and p.tp == 1:
         raise ConfigError("parallel.sp=true needs parallel.tp > 1 (sequence parallelism shards over the TP group)")
-    if world_size(cfg) != 1 and int(os.environ.get("WORLD_SIZE", "1")) != world_size(cfg):
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size(cfg) != 1 and launched != world_size(cfg):
         raise ConfigError(
             f"parallel.tp={p.tp} with world size {world_size(cfg)} but WORLD_SIZE={os.environ.get('WORLD_SIZE', '1')}: "
             "launch one process per rank with torchrun (torchrun --nproc_per_node N -m megassm.train ...)"
         )
+    if p.world_size is not None and launched != p.world_size:  # e.g. 1 in the config, 2 processes launched
+        raise ConfigError(f"parallel.world_size={p.world_size}, but the launcher started {launched} processes "
+                          f"(WORLD_SIZE={launched}): set parallel.world_size={launched}, or leave it unset to follow "
+                          "the launcher")
     check_engine(cfg)  # DDP / FSDP2 / DeepSpeed layouts (parallel/engines.py)
     if cfg.train.bptt_windows != 1 and not cfg.train.bptt:
         raise ConfigError(f"train.bptt_windows={cfg.train.bptt_windows} needs train.bptt=true")
@@ -137,8 +143,56 @@ def _autocast_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
     return torch.bfloat16 if prec == "bf16" else None
 
 
+# keys that cannot change what a run computes (where it writes, what it shows, when it checkpoints): a resume
+# that changes only these is the same run
+RUN_ONLY_KEYS = frozenset({
+    "run.dir", "run.resume", "run.progress", "run.tensorboard", "run.save_interval", "run.save_final",
+    "run.keep_last", "run.lock_stale_s", "train.log_interval", "data.prefetch", "data.cache_dir",
+    "parallel.timeout_s", "run.profile_step", "run.profile_trace", "parallel.fsdp_prefetch",
+})
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def run_defining_config(cfg: Config) -> dict:
+    """The config as dotted keys, without RUN_ONLY_KEYS."""
+    return {k: v for k, v in _flatten(config_to_dict(cfg)).items() if k not in RUN_ONLY_KEYS}
+
+
 def config_hash(cfg: Config) -> str:
-    return hashlib.sha256(dump_config(cfg).encode()).hexdigest()[:16]
+    """Fingerprint of what the config makes a run compute (RUN_ONLY_KEYS left out)."""
+    return hashlib.sha256(json.dumps(run_defining_config(cfg), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def config_differences(saved_yaml: str, cfg: Config) -> list[str]:
+    """'key: A in the checkpoint, B now' for each run-defining key whose value differs from the config a
+    checkpoint was saved with (meta.json's "config")."""
+    import yaml
+
+    saved = {k: v for k, v in _flatten(yaml.safe_load(saved_yaml) or {}).items() if k not in RUN_ONLY_KEYS}
+    now = run_defining_config(cfg)
+    return [f"{k}: {saved.get(k, '(absent)')!r} in the checkpoint, {now.get(k, '(absent)')!r} now"
+            for k in sorted(set(saved) | set(now)) if saved.get(k, "(absent)") != now.get(k, "(absent)")]
+
+
+def _legacy_hash_matches(saved: str | None, cfg: Config) -> bool:
+    """Checkpoints saved before meta.json held the config: their hash covered the whole dump, run.resume too."""
+    import copy
+
+    for resume in {cfg.run.resume, "none", "auto"}:
+        c = copy.deepcopy(cfg)
+        c.run.resume = resume
+        if hashlib.sha256(dump_config(c).encode()).hexdigest()[:16] == saved:
+            return True
+    return False
 
 
 def write_resolved_config(cfg: Config, run_dir: str) -> str:
@@ -179,9 +233,8 @@ class Trainer:
         if cfg.train.bptt:  # one optimizer step consumes train.bptt_windows consecutive windows per row
             self.tokens_per_step *= cfg.train.bptt_windows
         self.step = 0
-
-        if prt.is_rank0(self.groups):
-            write_resolved_config(cfg, self.run_dir)
+        self._claim_run_dir()  # before any rank writes into run.dir
+        preemption.write_pid_file(self.run_dir)
         torch.manual_seed(cfg.train.seed)
 
         from megassm.data_tools.loader import build_data
@@ -205,6 +258,10 @@ class Trainer:
                 f"model.vocab_size={cfg.model.vocab_size} is smaller than the data's vocabulary "
                 f"({self.data.vocab_size}, from its tokenizer): token ids would fall outside the embedding"
             )
+        try:  # the ids themselves, whatever the manifests say
+            self.data.check_token_ids(cfg.model.vocab_size or self.data.vocab_size)
+        except ValueError as e:
+            raise ConfigError(f"data: {e}") from e
         # shapes only (meta), then the canonical weights on the device, drawn across the ranks (PP: each rank
         # its own stages); parallel/materialize.py
         model = build_model(cfg.model, vocab_size=self.data.vocab_size, device="meta")
@@ -239,9 +296,9 @@ class Trainer:
         self.n_params = n_params
 
         self.last_checkpoint: str | None = None
-        resume_path = ckpt.resolve_resume(self.run_dir, cfg.run.resume)
-        if resume_path is not None:
-            self._load(resume_path)
+        resume_path = self._resume()
+        if prt.is_rank0(self.groups):  # only once the run is accepted: a refused config never replaces the run's
+            write_resolved_config(cfg, self.run_dir)
 
         # resume_step: lines a crashed run wrote after this checkpoint are superseded, not repeated
         self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.run.tensorboard, rank=self.groups.rank,
@@ -323,13 +380,34 @@ class Trainer:
         return data_time
 
     def _non_finite_message(self, loss: float, grad_norm: float) -> str:
-        where = (
-            f"the last good checkpoint is {self.last_checkpoint} (resume with --resume auto, "
-            "perhaps with a lower optim.lr)"
-            if self.last_checkpoint
-            else "no checkpoint was written yet in this run (set run.save_interval to keep one)"
-        )
+        if self.last_checkpoint is None:
+            where = "no checkpoint was written yet in this run (set run.save_interval to keep one)"
+        else:
+            self.last_checkpoint = self._last_good_checkpoint()
+            where = (f"the last good checkpoint is {self.last_checkpoint} (resume with --resume auto, "
+                     "perhaps with a lower optim.lr)" if self.last_checkpoint else
+                     "no checkpoint of this run verifies any more (see the warnings above)")
         return f"non-finite loss {loss} (grad norm {grad_norm}) at step {self.step + 1}; training stopped; {where}"
+
+    def _last_good_checkpoint(self) -> str | None:
+        """The checkpoint this run last saved or resumed from if it still verifies, else the newest older one in
+        run.dir that does. Rank 0 reads them; the other ranks name the one they recorded."""
+        if not prt.is_rank0(self.groups):
+            return self.last_checkpoint
+        last = self.last_checkpoint
+        problems = ckpt.verify_checkpoint(last)
+        if not problems:
+            return last
+        log.warning("checkpoint %s fails verification: %s", last, "; ".join(problems))
+        last_step = int(os.path.basename(last.rstrip(os.sep)).rsplit("_", 1)[-1])
+        for step, path in reversed(ckpt.list_checkpoints(self.run_dir)):
+            if step >= last_step:
+                continue
+            problems = ckpt.verify_checkpoint(path)
+            if not problems:
+                return path
+            log.warning("checkpoint %s fails verification: %s", path, "; ".join(problems))
+        return None
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -360,6 +438,7 @@ class Trainer:
             "data": self.data.state_dict(),
             "rng": ckpt.capture_rng_state(),
             "config_hash": config_hash(self.cfg),
+            "config": dump_config(self.cfg),  # names the keys that differ when a resume changes the config
             "consumed_tokens": self.step * self.tokens_per_step,
         }
         if self.carrier is not None:
@@ -375,34 +454,148 @@ class Trainer:
         # BPTT: the canonical carried states on rank 0 (collective: every rank's rows / blocks / shards)
         carried = self.carrier.state_dict() if self.carrier is not None else None
         path = os.path.join(self.run_dir, ckpt.CHECKPOINTS, ckpt.checkpoint_name(self.step))
+        error = None
         if prt.is_rank0(self.groups):
-            path = ckpt.save_checkpoint(
-                self.run_dir, self.step, model=self.model, optimizer=self.optimizer,
-                extra=self._extra_state(carried), keep_last=self.cfg.run.keep_last,
-                model_state=model_state, optim_state=optim_state,
-            )
-        prt.barrier(self.groups)
+            try:
+                path = ckpt.save_checkpoint(
+                    self.run_dir, self.step, model=self.model, optimizer=self.optimizer,
+                    extra=self._extra_state(carried), keep_last=self.cfg.run.keep_last,
+                    model_state=model_state, optim_state=optim_state,
+                )
+            except RunIOError as e:  # full disk, unwritable directory: the temp directory is gone already
+                error = e
+        # also the barrier: no rank goes on before the checkpoint is complete, and all fail together
+        error = consensus.agree_error(error)
+        if error is not None:
+            raise error
         self.last_checkpoint = path
         log.info("saved checkpoint %s", path)
         return path
 
+    def _claim_run_dir(self) -> None:
+        """Rank 0, before any rank writes into run.dir: take its lock (runlock.py), remove what crashed runs left
+        (temp checkpoints, PID files) and check that checkpoints can be written. Every rank learns the outcome
+        and raises the same error (RunLockedError, RunIOError)."""
+        error = None
+        if prt.is_rank0(self.groups):
+            try:
+                runlock.acquire(self.run_dir, stale_after_s=self.cfg.run.lock_stale_s)
+                for done in ckpt.clean_temp_dirs(self.run_dir):
+                    log.warning("%s: %s", os.path.join(self.run_dir, ckpt.CHECKPOINTS), done)
+                preemption.clear_pid_files(self.run_dir)
+                ckpt.check_writable(self.run_dir)
+            except (runlock.RunLockedError, RunIOError) as e:
+                error = e
+            except OSError as e:
+                error = RunIOError(f"run.dir {self.run_dir}: {describe_os_error(e)}")
+        error = consensus.agree_error(error)
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        """Give the run directory back (rank 0's lock). megassm.train does it after writing last_exit.json."""
+        runlock.release(self.run_dir)
+
+    def _resume(self) -> str | None:
+        """Load what run.resume names and return its path (None: a fresh start). For "auto" or a run directory,
+        the newest checkpoint that verifies and loads on every rank: incomplete and damaged ones are named and
+        skipped. CheckpointDamagedError when checkpoints exist but none is intact; CheckpointMismatchError (a
+        config error) when one does not fit this run's model."""
+        candidates, fallback = ckpt.resume_candidates(self.run_dir, self.cfg.run.resume)
+        damaged, skipped = [], []
+        for path in candidates:
+            meta_exists = os.path.exists(os.path.join(path, ckpt.META))  # unreadable counts as damaged, below
+            if not ckpt.marked_complete(path) and not (meta_exists and ckpt.read_meta(path) is None):
+                if not fallback:
+                    ckpt.load_checkpoint(path, model=None, verify=False)  # raises, naming what is missing
+                log.warning("skipping checkpoint %s: incomplete (interrupted while being written)", path)
+                skipped.append(path)
+                continue
+            problems = self._try_load(path)
+            if not problems:
+                if skipped:
+                    log.warning("resumed from %s, the newest intact checkpoint; skipped: %s", path, ", ".join(skipped))
+                return path
+            log.warning("checkpoint %s is damaged and is skipped: %s", path, "; ".join(problems))
+            damaged.append(f"{os.path.basename(path)}: {'; '.join(problems)}")
+            skipped.append(path)
+        if damaged:
+            where = "" if fallback else " (a checkpoint named by run.resume has no stand-in; --resume auto takes " \
+                                         "the newest intact one)"
+            raise ckpt.CheckpointDamagedError(
+                f"run.resume={self.cfg.run.resume}: no intact checkpoint to resume from{where}: {' | '.join(damaged)}. "
+                "Restore one, name another with --resume PATH, or start over in a new run.dir")
+        if skipped:
+            log.warning("run.resume=%s: no complete checkpoint (skipped %s); starting from scratch",
+                        self.cfg.run.resume, ", ".join(skipped))
+        elif fallback:
+            log.info("run.resume=%s: no checkpoint in %s; starting from scratch", self.cfg.run.resume,
+                     os.path.join(self.run_dir, ckpt.CHECKPOINTS))
+        return None
+
+    def _try_load(self, path: str) -> list[str]:
+        """Verify and load one complete checkpoint, agreed by every rank: its problems (empty: loaded). Rank 0
+        verifies the canonical files; every rank refuses unreadable files and non-finite values before loading."""
+        mine = None if prt.is_rank0(self.groups) else []
+        problems = [p for ps in consensus.gather(ckpt.verify_checkpoint(path, relpaths=mine)) for p in ps]
+        if problems:
+            return problems
+        outcome = None  # (kind, message): exceptions themselves may not pickle for the exchange
+        try:
+            self._load(path)
+        except ckpt.CheckpointDamagedError as e:
+            outcome = ("damaged", str(e))
+        except (ConfigError, RuntimeError, ValueError, KeyError, TypeError) as e:  # does not fit the model
+            outcome = ("mismatch", str(e) if isinstance(e, ckpt.CheckpointError) else
+                       f"checkpoint {path} does not fit this run: {type(e).__name__}: {one_line(e)}")
+        except Exception as e:  # anything else is a bug: every rank stops, this one with its traceback
+            consensus.gather(("unexpected", f"{type(e).__name__}: {one_line(e)}"))
+            raise
+        outcomes = [(rank, o) for rank, o in enumerate(consensus.gather(outcome)) if o is not None]
+        for rank, (kind, message) in outcomes:
+            if kind == "unexpected":
+                raise RuntimeError(f"rank {rank} failed to load checkpoint {path}: {message}")
+        mismatch = next((message for _, (kind, message) in outcomes if kind == "mismatch"), None)
+        if mismatch is not None:
+            raise self._mismatch(path, mismatch)
+        return [message for _, (_, message) in outcomes[:1]]
+
+    def _mismatch(self, path: str, error: str) -> ConfigError:
+        meta = ckpt.read_meta(path) or {}
+        diffs = config_differences(meta["config"], self.cfg) if isinstance(meta.get("config"), str) else []
+        more = f" (and {len(diffs) - 4} more)" if len(diffs) > 4 else ""
+        hint = f"; the config differs from the checkpoint's: {'; '.join(diffs[:4])}{more}" if diffs else ""
+        return ckpt.CheckpointMismatchError(f"run.resume: {one_line(error)}{hint}. Resume with the config it was "
+                                            "saved with, or start a new run.dir")
+
+    def _warn_config_changes(self, path: str, meta: dict) -> None:
+        if isinstance(meta.get("config"), str):
+            diffs = config_differences(meta["config"], self.cfg)
+            if diffs:
+                log.warning("resuming %s with a config that differs from the one it was saved with: %s", path,
+                            "; ".join(diffs))
+        elif meta.get("config_hash") != config_hash(self.cfg) and not _legacy_hash_matches(meta.get("config_hash"),
+                                                                                            self.cfg):
+            log.warning("resuming %s with a config that differs from the one it was saved with (an older checkpoint "
+                        "without its config: the keys cannot be named)", path)
+
     def _load(self, path: str) -> None:
+        """Load a verified checkpoint into this rank's model, optimizer, scheduler, data, carried states and RNG."""
         if self.engine.handles_states:  # canonical checkpoint -> FSDP2 / DeepSpeed shards
-            extra = ckpt.load_checkpoint(path, model=None, optimizer=None)
+            extra = ckpt.load_checkpoint(path, model=None, optimizer=None, verify=False)
             self.engine.load_states(*ckpt.read_model_and_optim(path))
         elif self.groups.tp > 1 or self.groups.pp > 1:  # canonical checkpoint -> this rank's shards / stages
-            extra = ckpt.load_checkpoint(path, model=None, optimizer=None)
+            extra = ckpt.load_checkpoint(path, model=None, optimizer=None, verify=False)
             prt.load_states(path, self.model, self.optimizer)
         else:
-            extra = ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer)
+            extra = ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer, verify=False)
         self.step = int(extra["step"])
         self.scheduler.load_state_dict(extra["scheduler"])
         self.data.load_state_dict(extra["data"])
         if self.carrier is not None:
             self.carrier.load_state_dict(extra.get("carried_states"), data_window=extra["data"].get("window"))
         ckpt.restore_rng_state(extra["rng"])
-        if extra.get("config_hash") != config_hash(self.cfg):
-            log.warning("resuming %s with a config that differs from the one it was saved with", path)
+        self._warn_config_changes(path, extra)
         self.last_checkpoint = path
         log.info("resumed from %s at step %d", path, self.step)
 
