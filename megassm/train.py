@@ -252,14 +252,17 @@ def _failure(e: BaseException, trainer) -> tuple[int | None, str]:
 def _report_finish(run_dir: str, trainer) -> int:
     """The exit code of a run every rank finished (done, or stopped at an agreed preemption step), its
     last_exit.json (rank 0) and its closing line."""
+    speak = int(os.environ.get("RANK", "0")) == 0  # one closing line per job
     if trainer.preempted:
         write_exit_status(run_dir, EXIT_PREEMPTED, "preempted: checkpointed, requeue me", trainer)
-        print(f"megassm-train: preempted ({preemption.reason() or 'signal on another rank'}) at step {trainer.step}, "
-              f"checkpoint {trainer.last_checkpoint}; exit {EXIT_PREEMPTED}: resume with --resume auto",
-              file=sys.stderr)
+        if speak:
+            print(f"megassm-train: preempted ({preemption.reason() or 'signal on another rank'}) at step "
+                  f"{trainer.step}, checkpoint {trainer.last_checkpoint}; exit {EXIT_PREEMPTED}: resume with "
+                  "--resume auto", file=sys.stderr)
         return EXIT_PREEMPTED
     write_exit_status(run_dir, EXIT_OK, "done", trainer)
-    print(f"megassm-train: done, {trainer.step} steps; run directory {run_dir}", file=sys.stderr)
+    if speak:
+        print(f"megassm-train: done, {trainer.step} steps; run directory {run_dir}", file=sys.stderr)
     return EXIT_OK
 
 
