@@ -344,6 +344,18 @@ def load_checkpoint(
         raise CheckpointError(f"checkpoint {path} is incomplete (no meta.json with \"complete\": true, or a "
                               "file it lists is missing); it was probably interrupted while being written")
     meta = read_meta(path)
+    if meta.get("format", "canonical") == "sharded":  # DCP chunks (training/sharded.py): read whole, here
+        from megassm.training.sharded import read_canonical
+
+        if model is not None or optimizer is not None:
+            state, optim_state = read_canonical(path, optim=optimizer is not None)
+            if model is not None:
+                unwrap_model(model).load_state_dict(state, strict=strict)
+            if optimizer is not None:
+                if optim_state is None:
+                    raise CheckpointError(f"checkpoint {path} has no optimizer state")
+                optimizer.load_state_dict(optim_state)
+        model = optimizer = None
     if model is not None:
         state = _torch_load(os.path.join(path, MODEL), map_location)
         unwrap_model(model).load_state_dict(state, strict=strict)
@@ -359,11 +371,16 @@ def load_checkpoint(
 
 def read_model_and_optim(path: str | os.PathLike, map_location: Any = "cpu") -> tuple[dict, dict | None]:
     """The canonical model state dict and optimizer state dict (None when absent) of a complete checkpoint,
-    for callers that load them into a sharded model themselves (megassm.parallel.tp)."""
+    for callers that load them into a sharded model themselves (megassm.parallel.tp). A sharded checkpoint
+    (run.checkpoint_format=sharded) is assembled from its chunks in this process."""
     path = os.fspath(path)
     if not is_complete(path):
         raise CheckpointError(f"checkpoint {path} is incomplete or missing")
     meta = read_meta(path)
+    if meta.get("format", "canonical") == "sharded":  # training/sharded.py: the chunks assembled in this process
+        from megassm.training.sharded import read_canonical
+
+        return read_canonical(path)
     model_state = _torch_load(os.path.join(path, MODEL), map_location)
     optim_state = _torch_load(os.path.join(path, OPTIM), map_location) if OPTIM in meta["files"] else None
     return model_state, optim_state

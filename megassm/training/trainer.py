@@ -30,6 +30,7 @@ from megassm.training import preemption
 from megassm.training.flops import flops_per_sequence, mfu, peak_flops_for
 from megassm.training.metrics import MetricsLogger, ProgressBar, memory_scalars
 from megassm.training.optim import LRScheduler, build_optimizer, clip_grad_norm
+from megassm.training.sharded import SHARDED, canonical_param_names, checkpoint_format, load_sharded
 
 log = logging.getLogger("megassm.train")
 
@@ -205,6 +206,12 @@ class Trainer:
         self.optimizer = self.engine.make_optimizer(lambda: build_optimizer(
             self.model.param_groups(cfg.optim.weight_decay), cfg.optim, self.device.type))
         self.scheduler = LRScheduler(self.optimizer, cfg.optim, cfg.train.steps)
+        self.checkpointer = None  # run.checkpoint_format=sharded: DCP, every rank writes (training/sharded.py)
+        if cfg.run.checkpoint_format == "sharded":
+            from megassm.training.sharded import ShardedCheckpointer
+
+            self.checkpointer = ShardedCheckpointer(self.groups, async_save=cfg.run.async_save,
+                                                    keep_last=cfg.run.keep_last)
         self.graphed = None  # train.cuda_graph: each micro-batch is one graph replay (training/cuda_graph.py)
         if cfg.train.cuda_graph:
             from megassm.training.cuda_graph import GraphedMicroBatch
@@ -352,6 +359,15 @@ class Trainer:
         return extra
 
     def save(self) -> str:
+        if self.checkpointer is not None:  # sharded: every rank writes its pieces (async: in the background)
+            carried = self.carrier.state_dict() if self.carrier is not None else None  # collective
+            extra = self._extra_state(carried) if prt.is_rank0(self.groups) else None
+            path = self.checkpointer.save(self.run_dir, self.step, model=self.model, optimizer=self.optimizer,
+                                          engine=self.engine, extra=extra)
+            self.last_checkpoint = path
+            log.info("checkpoint %s: %s", path, "snapshot taken, writing in the background"
+                     if self.cfg.run.async_save else "saved (sharded)")
+            return path
         # canonical single-device layout: TP shards gathered on every rank (collective), rank 0 writes
         if self.engine.handles_states:  # FSDP2 / DeepSpeed shards -> canonical on rank 0 (collective)
             model_state, optim_state = self.engine.gather_states()
@@ -361,9 +377,12 @@ class Trainer:
         carried = self.carrier.state_dict() if self.carrier is not None else None
         path = os.path.join(self.run_dir, ckpt.CHECKPOINTS, ckpt.checkpoint_name(self.step))
         if prt.is_rank0(self.groups):
+            extra = self._extra_state(carried)
+            # the optimizer's parameter names by index: lets megassm-checkpoint convert it without a config
+            extra["param_names"] = canonical_param_names(self.model, self.optimizer, self.engine)
             path = ckpt.save_checkpoint(
                 self.run_dir, self.step, model=self.model, optimizer=self.optimizer,
-                extra=self._extra_state(carried), keep_last=self.cfg.run.keep_last,
+                extra=extra, keep_last=self.cfg.run.keep_last,
                 model_state=model_state, optim_state=optim_state,
             )
         prt.barrier(self.groups)
@@ -372,7 +391,10 @@ class Trainer:
         return path
 
     def _load(self, path: str) -> None:
-        if self.engine.handles_states:  # canonical checkpoint -> FSDP2 / DeepSpeed shards
+        if checkpoint_format(path) == SHARDED:  # each rank reads the chunks overlapping its own pieces
+            extra = ckpt.load_checkpoint(path, model=None, optimizer=None)
+            load_sharded(path, self.model, self.optimizer, self.groups, self.engine)
+        elif self.engine.handles_states:  # canonical checkpoint -> FSDP2 / DeepSpeed shards
             extra = ckpt.load_checkpoint(path, model=None, optimizer=None)
             self.engine.load_states(*ckpt.read_model_and_optim(path))
         elif self.groups.tp > 1 or self.groups.pp > 1:  # canonical checkpoint -> this rank's shards / stages
@@ -455,7 +477,11 @@ class Trainer:
                 ):
                     self.save()
         finally:
-            bar.close()
-            self.metrics.close()
-            self.data.close()
+            try:
+                if self.checkpointer is not None:  # the last async save completes before we return / exit
+                    self.checkpointer.wait()
+            finally:
+                bar.close()
+                self.metrics.close()
+                self.data.close()
         return losses
