@@ -725,8 +725,9 @@ class ShardedCheckpointer:
 
         deepspeed = getattr(engine, "name", None) == "deepspeed"
         if deepspeed:  # no chunk view of DeepSpeed's partitions: gathered canonical states, written by rank 0
-            log.warning("run.checkpoint_format=sharded with parallel.engine=deepspeed: fallback: the states are "
-                        "gathered to rank 0 (engine.gather_states) and written from there")
+            if self.rank == 0:
+                log.warning("run.checkpoint_format=sharded with parallel.engine=deepspeed: fallback: the states are "
+                            "gathered to rank 0 (engine.gather_states) and written from there")
             msd, osd = engine.gather_states()
             names = canonical_param_names(model, optimizer, engine)
             entries = _entries_from_canonical(msd, osd, names) if self.rank == 0 else {}
