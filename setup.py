@@ -53,6 +53,7 @@ setup(
             "megassm-launch=megassm.launch.cli:main",
             "megassm-eval=megassm.evaluation.cli:main",
             "megassm-synthetic=megassm.synthetic.run:main",
+            "megassm-checkpoint=megassm.checkpoint_cli:cli",
         ]
     },
 )

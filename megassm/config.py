@@ -234,6 +234,8 @@ class RunConfig:
     save_final: bool = True  # checkpoint after the last step (benchmarks turn it off)
     keep_last: int = 3
     resume: str = "none"  # none | auto | path of a checkpoint directory
+    checkpoint_format: str = "canonical"  # canonical (rank 0 gathers single files) | sharded (DCP, every rank writes)
+    async_save: bool = False  # sharded only: write in a background thread after a CPU snapshot at the step boundary
     tensorboard: bool = True
     progress: bool = True
     profile_step: int = 0  # > 0: profile that step (GPU runs): RUN_DIR/profile/*.json (training/profiling.py)
@@ -594,6 +596,15 @@ def validate(cfg: Config) -> None:
     need(o.decay in ("cosine", "linear", "constant"), f"optim.decay must be cosine, linear or constant, got '{o.decay}'")
     need(o.fused in ("auto", "true", "false"), f"optim.fused must be auto, true or false, got '{o.fused}'")
     need(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
+
+    # checkpoints
+    r = cfg.run
+    need(r.checkpoint_format in ("canonical", "sharded"),
+         f"run.checkpoint_format must be canonical or sharded, got '{r.checkpoint_format}'")
+    need(not r.async_save or r.checkpoint_format == "sharded",
+         "run.async_save=true needs run.checkpoint_format=sharded (the canonical format gathers to rank 0 and "
+         "writes synchronously)")
+    need(r.keep_last >= 0, f"run.keep_last must be >= 0 (0 keeps all), got {r.keep_last}")
 
     # data
     d = cfg.data

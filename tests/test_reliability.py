@@ -315,6 +315,21 @@ def test_resume_auto_skips_a_damaged_checkpoint(base_run, tmp_path, caplog, dama
     assert _steps(run) == [1, 2, 3]  # step 3 trained after the intact step 2 (an intact step 4 would leave none)
 
 
+def test_resume_auto_skips_a_damaged_sharded_checkpoint(tmp_path, caplog):
+    """The sharded format (every rank's DCP file in meta.json's integrity record): a flipped chunk file is named
+    and skipped like a canonical file."""
+    run = str(tmp_path / "run")
+    assert _main(run, "train.steps=4", "run.save_interval=2", "run.checkpoint_format=sharded") == EXIT_OK
+    latest = os.path.join(run, "checkpoints", "step_00000004")
+    chunk = next(f for f in ckpt.read_meta(latest)["integrity"]["files"] if f.endswith(".distcp"))
+    _flip(os.path.join(latest, chunk))
+    with caplog.at_level(logging.WARNING):
+        assert _main(run, "train.steps=3", "run.save_final=false", "run.checkpoint_format=sharded",
+                     resume="auto") == EXIT_OK
+    assert f"checkpoint {latest} is damaged and is skipped: {chunk}: expected" in caplog.text
+    assert _steps(run) == [1, 2, 3]  # step 3 trained after the intact step 2 (the later lines superseded)
+
+
 def test_no_intact_checkpoint_exits_6_naming_each(base_run, tmp_path, capsys):
     run = _copy(base_run, tmp_path)
     config_before = open(os.path.join(run, "config.yaml")).read()

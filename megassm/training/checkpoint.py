@@ -543,10 +543,20 @@ def load_checkpoint(
     if verify:
         _refuse_damaged(path)
     model_state = optim_state = None
-    if model is not None:
+    sharded = meta.get("format", "canonical") == "sharded"
+    if sharded and (model is not None or optimizer is not None):  # DCP chunks (training/sharded.py), assembled here
+        from megassm.training.sharded import read_canonical
+
+        model_state, optim_state = read_canonical(path, optim=optimizer is not None)
+        _refuse_nonfinite(path, "model (sharded)", model_state)
+        if optimizer is not None:
+            if optim_state is None:
+                raise CheckpointError(f"checkpoint {path} has no optimizer state")
+            _refuse_nonfinite(path, "optimizer (sharded)", optim_state)
+    if model is not None and not sharded:
         model_state = _torch_load(os.path.join(path, MODEL), map_location)
         _refuse_nonfinite(path, MODEL, model_state)
-    if optimizer is not None:
+    if optimizer is not None and not sharded:
         if OPTIM not in meta["files"]:
             raise CheckpointError(f"checkpoint {path} has no optimizer state ({OPTIM})")
         optim_state = _torch_load(os.path.join(path, OPTIM), map_location)
@@ -575,12 +585,21 @@ def load_checkpoint(
 def read_model_and_optim(path: str | os.PathLike, map_location: Any = "cpu", verify: bool = False,
                          ) -> tuple[dict, dict | None]:
     """The canonical model state dict and optimizer state dict (None when absent) of a complete checkpoint,
-    for callers that load them into a sharded model themselves (megassm.parallel.tp). Unreadable files and
+    for callers that load them into a sharded model themselves (megassm.parallel.tp). A sharded checkpoint
+    (run.checkpoint_format=sharded) is assembled from its chunks in this process. Unreadable files and
     non-finite values raise CheckpointDamagedError; `verify` also checks the integrity record first."""
     path = os.fspath(path)
     meta = _complete_meta(path)
     if verify:
         _refuse_damaged(path)
+    if meta.get("format", "canonical") == "sharded":  # training/sharded.py: the chunks assembled in this process
+        from megassm.training.sharded import read_canonical
+
+        model_state, optim_state = read_canonical(path)
+        _refuse_nonfinite(path, "model (sharded)", model_state)
+        if optim_state is not None:
+            _refuse_nonfinite(path, "optimizer (sharded)", optim_state)
+        return model_state, optim_state
     model_state = _torch_load(os.path.join(path, MODEL), map_location)
     _refuse_nonfinite(path, MODEL, model_state)
     optim_state = None

@@ -9,13 +9,11 @@ own modules when they exist; until then a multi-process launch is refused before
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import logging
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -30,7 +28,8 @@ from megassm.training import consensus, faults, preemption, runlock
 from megassm.training.failures import RunIOError, describe_os_error, one_line
 from megassm.training.flops import flops_per_sequence, mfu, peak_flops_for
 from megassm.training.metrics import MetricsLogger, ProgressBar, memory_scalars
-from megassm.training.optim import LRScheduler, build_optimizer, clip_grad_norm
+from megassm.training.optim import LRScheduler, build_optimizer
+from megassm.training.sharded import SHARDED, canonical_param_names, checkpoint_format, load_sharded
 
 log = logging.getLogger("megassm.train")
 
@@ -275,6 +274,12 @@ class Trainer:
         self.optimizer = self.engine.make_optimizer(lambda: build_optimizer(
             self.model.param_groups(cfg.optim.weight_decay), cfg.optim, self.device.type))
         self.scheduler = LRScheduler(self.optimizer, cfg.optim, cfg.train.steps)
+        self.checkpointer = None  # run.checkpoint_format=sharded: DCP, every rank writes (training/sharded.py)
+        if cfg.run.checkpoint_format == "sharded":
+            from megassm.training.sharded import ShardedCheckpointer
+
+            self.checkpointer = ShardedCheckpointer(self.groups, async_save=cfg.run.async_save,
+                                                    keep_last=cfg.run.keep_last)
         self.graphed = None  # train.cuda_graph: each micro-batch is one graph replay (training/cuda_graph.py)
         if cfg.train.cuda_graph:
             from megassm.training.cuda_graph import GraphedMicroBatch
@@ -446,6 +451,15 @@ class Trainer:
         return extra
 
     def save(self) -> str:
+        if self.checkpointer is not None:  # sharded: every rank writes its pieces (async: in the background)
+            carried = self.carrier.state_dict() if self.carrier is not None else None  # collective
+            extra = self._extra_state(carried) if prt.is_rank0(self.groups) else None
+            path = self.checkpointer.save(self.run_dir, self.step, model=self.model, optimizer=self.optimizer,
+                                          engine=self.engine, extra=extra)
+            self.last_checkpoint = path
+            log.info("checkpoint %s: %s", path, "snapshot taken, writing in the background"
+                     if self.cfg.run.async_save else "saved (sharded)")
+            return path
         # canonical single-device layout: TP shards gathered on every rank (collective), rank 0 writes
         if self.engine.handles_states:  # FSDP2 / DeepSpeed shards -> canonical on rank 0 (collective)
             model_state, optim_state = self.engine.gather_states()
@@ -456,10 +470,13 @@ class Trainer:
         path = os.path.join(self.run_dir, ckpt.CHECKPOINTS, ckpt.checkpoint_name(self.step))
         error = None
         if prt.is_rank0(self.groups):
+            extra = self._extra_state(carried)
+            # the optimizer's parameter names by index: lets megassm-checkpoint convert it without a config
+            extra["param_names"] = canonical_param_names(self.model, self.optimizer, self.engine)
             try:
                 path = ckpt.save_checkpoint(
                     self.run_dir, self.step, model=self.model, optimizer=self.optimizer,
-                    extra=self._extra_state(carried), keep_last=self.cfg.run.keep_last,
+                    extra=extra, keep_last=self.cfg.run.keep_last,
                     model_state=model_state, optim_state=optim_state,
                 )
             except RunIOError as e:  # full disk, unwritable directory: the temp directory is gone already
@@ -537,6 +554,9 @@ class Trainer:
         """Verify and load one complete checkpoint, agreed by every rank: its problems (empty: loaded). Rank 0
         verifies the canonical files; every rank refuses unreadable files and non-finite values before loading."""
         mine = None if prt.is_rank0(self.groups) else []
+        if checkpoint_format(path) == SHARDED:  # every rank hashes its share of the files (84 GB at 7B)
+            files = sorted(((ckpt.read_meta(path) or {}).get("integrity") or {}).get("files", {}))
+            mine = files[self.groups.rank::self.groups.world_size] if files else mine
         problems = [p for ps in consensus.gather(ckpt.verify_checkpoint(path, relpaths=mine)) for p in ps]
         if problems:
             return problems
@@ -579,9 +599,27 @@ class Trainer:
             log.warning("resuming %s with a config that differs from the one it was saved with (an older checkpoint "
                         "without its config: the keys cannot be named)", path)
 
+    @torch.no_grad()
+    def _refuse_nonfinite_loaded(self, path: str) -> None:
+        """A sharded load fills the live tensors in place: refuse non-finite values in this rank's pieces."""
+        def local(t):
+            return t.to_local() if hasattr(t, "to_local") else t
+
+        bad = [n for n, q in self.model.named_parameters() if not torch.isfinite(local(q)).all()]
+        state = getattr(self.optimizer, "state", {}) or {}
+        bad += [f"optimizer {k}" for st in state.values() for k, v in st.items()
+                if torch.is_tensor(v) and v.is_floating_point() and not torch.isfinite(local(v)).all()]
+        if bad:
+            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+            raise ckpt.CheckpointDamagedError(f"checkpoint {path}: non-finite values in {', '.join(bad[:3])}{more}")
+
     def _load(self, path: str) -> None:
         """Load a verified checkpoint into this rank's model, optimizer, scheduler, data, carried states and RNG."""
-        if self.engine.handles_states:  # canonical checkpoint -> FSDP2 / DeepSpeed shards
+        if checkpoint_format(path) == SHARDED:  # each rank reads the chunks overlapping its own pieces
+            extra = ckpt.load_checkpoint(path, model=None, optimizer=None, verify=False)
+            load_sharded(path, self.model, self.optimizer, self.groups, self.engine)
+            self._refuse_nonfinite_loaded(path)
+        elif self.engine.handles_states:  # canonical checkpoint -> FSDP2 / DeepSpeed shards
             extra = ckpt.load_checkpoint(path, model=None, optimizer=None, verify=False)
             self.engine.load_states(*ckpt.read_model_and_optim(path))
         elif self.groups.tp > 1 or self.groups.pp > 1:  # canonical checkpoint -> this rank's shards / stages
@@ -675,7 +713,11 @@ class Trainer:
                 ):
                     self.save()
         finally:
-            bar.close()
-            self.metrics.close()
-            self.data.close()
+            try:
+                if self.checkpointer is not None:  # the last async save completes before we return / exit
+                    self.checkpointer.wait()
+            finally:
+                bar.close()
+                self.metrics.close()
+                self.data.close()
         return losses

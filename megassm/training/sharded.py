@@ -1,0 +1,865 @@
+"""Sharded checkpoints (`run.checkpoint_format=sharded`): every rank writes its own disjoint pieces of the
+canonical state in parallel through torch.distributed.checkpoint (DCP), optionally off the training critical
+path (`run.async_save=true`); any layout resumes from any other, and `megassm-checkpoint convert` turns one
+into the canonical single-file layout and back (docs/parallelism.md, "Checkpoints").
+
+Layout of a sharded checkpoint (same directory names, atomic discipline and meta.json as the canonical one,
+training/checkpoint.py):
+
+    step_00000100/
+        dcp/.metadata          DCP's index: every tensor's global (single-device) shape, dtype and chunks
+        dcp/__<rank>_<i>.distcp  the chunks rank <rank> wrote
+        layout.pt              the canonical orders: model state_dict keys, optimizer parameter names (index
+                               order of optim.pt) and param_groups (hyperparameters, indices), AdamW state keys
+        <key>.pt               the extra states as in the canonical layout (scheduler, data, rng, carried_states)
+        meta.json              "format": "sharded", files, "integrity" (sha256 of every other file), "complete"
+
+DCP keys are `model.<canonical name>` (the single-device state dict) and `optim.<canonical name>.<state key>`
+(AdamW exp_avg / exp_avg_sq in the parameter's canonical shape, and the 0-dim step). A rank describes what it
+holds as chunks of the canonical tensors (offsets + a view of its local tensor):
+  - TP (parallel/tp.py): each ShardSpec piece of the local tensor is one chunk at its canonical offset along the
+    spec's dim (the fused [z|x|B|C|dt] rows of in_proj give one chunk per component);
+  - FSDP2: a DTensor's local shard is one chunk at its global offset (DCP's own chunk), then TP-mapped;
+  - ZeRO-1 (parallel/zero.py): a flat slice [a, b) of a parameter is cut into the few boxes (partial row, full
+    rows, partial row, recursively) that tile it, each contiguous;
+  - PP: local names become global ones (the last stage's tied embedding copy is not written).
+Replicated tensors (DDP / CP replicas, the plain "ignored" parameters of FSDP2) are cut into DP x CP row blocks
+and replica r offers block r, so the writing is spread over the replicas; whatever is still offered by several
+ranks with the same offsets (TP-replicated pieces, the per-parameter step) is written once by DCP's
+de-duplication (the least-loaded rank). Loading builds the same chunk list for the new layout as targets (views
+of the live parameters: loaded in place) and DCP reads, per target, only the saved chunks that overlap it.
+DeepSpeed has no chunk view here: its states are gathered (rank 0) and loaded full (logged as a fallback).
+
+Async: the chunks are copied to CPU (pinned on CUDA) at the step boundary, then a background thread runs the DCP
+save over a dedicated gloo group, hashes this rank's files, gathers the hashes on rank 0, which writes meta.json
+last and renames the temp directory (`.tmp-step_XXXXXXXX-<pid>`). The next save, the end of training and a
+preemption wait for it; an interrupted write leaves a temp directory without a complete meta.json, never listed.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import logging
+import math
+import os
+import shutil
+import socket
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from megassm.training import checkpoint as ckpt
+
+log = logging.getLogger("megassm.checkpoint")
+
+__all__ = ["FORMATS", "checkpoint_format", "canonical_param_names", "ShardedCheckpointer", "load_sharded",
+           "read_canonical", "write_sharded_from_canonical", "write_canonical", "SHARDED", "CANONICAL"]
+
+CANONICAL, SHARDED = "canonical", "sharded"
+FORMATS = (CANONICAL, SHARDED)
+DCP_DIR = "dcp"
+LAYOUT = "layout.pt"
+_LAYOUT_VERSION = 1
+
+
+def checkpoint_format(path: str) -> str:
+    """CANONICAL or SHARDED (a checkpoint without a "format" in meta.json is canonical)."""
+    meta = ckpt.read_meta(path) or {}
+    return meta.get("format", CANONICAL)
+
+
+# ----------------------------------------------------------------------------------------------------
+# chunk geometry
+# ----------------------------------------------------------------------------------------------------
+def _canonical_shape(shape, spec) -> tuple:
+    s = list(shape)
+    if spec is not None:
+        s[spec.dim] = sum(pc.size for pc in spec.pieces)
+    return tuple(s)
+
+
+def _to_canonical(offsets: tuple, t: torch.Tensor, spec, tp_rank: int) -> list:
+    """A box of a TP-local tensor (offsets in the local tensor, view t) as boxes of the canonical tensor: one per
+    ShardSpec piece it crosses (parallel/tp.py: piece j of the local tensor along spec.dim is slice parts[rank]
+    of component j)."""
+    if spec is None:
+        return [(tuple(offsets), t)]
+    d = spec.dim
+    b0, b1 = offsets[d], offsets[d] + t.shape[d]
+    out, loff, coff = [], 0, 0
+    for pc in spec.pieces:
+        ln = pc.size // pc.nparts
+        lo, hi = max(b0, loff), min(b1, loff + ln)
+        if lo < hi:
+            o = list(offsets)
+            o[d] = coff + pc.parts[tp_rank] * ln + (lo - loff)
+            out.append((tuple(o), t.narrow(d, lo - b0, hi - lo)))
+        loff += ln
+        coff += pc.size
+    return out
+
+
+def _split_rows(offsets: tuple, t: torch.Tensor, r: int, n_rep: int) -> list:
+    """Replica r's share of a replicated chunk: row block r of n_rep (0-dim tensors: replica 0)."""
+    if n_rep == 1:
+        return [(offsets, t)]
+    if t.dim() == 0:
+        return [(offsets, t)] if r == 0 else []
+    n = t.shape[0]
+    a, b = r * n // n_rep, (r + 1) * n // n_rep
+    if a == b:
+        return []
+    o = list(offsets)
+    o[0] += a
+    return [(tuple(o), t.narrow(0, a, b - a))]
+
+
+def flat_boxes(shape, a: int, b: int) -> list:
+    """The flat element range [a, b) of a row-major tensor of `shape` as boxes (offsets, sizes), in order; each
+    box is contiguous in the flat order, so the range's flat values viewed per box tile it."""
+    shape = tuple(shape)
+    if a >= b:
+        return []
+    if len(shape) <= 1:
+        return [((a,) if shape else (), (b - a,) if shape else ())]
+    inner = math.prod(shape[1:])
+    r0, r1 = a // inner, (b - 1) // inner
+    if r0 == r1:
+        return [((r0,) + o, (1,) + s) for o, s in flat_boxes(shape[1:], a - r0 * inner, b - r0 * inner)]
+    out = []
+    if a % inner:
+        out += [((r0,) + o, (1,) + s) for o, s in flat_boxes(shape[1:], a - r0 * inner, inner)]
+        r0 += 1
+    full = b // inner
+    if full > r0:
+        out.append(((r0,) + (0,) * (len(shape) - 1), (full - r0,) + shape[1:]))
+    if b % inner:
+        out += [((full,) + o, (1,) + s) for o, s in flat_boxes(shape[1:], 0, b - full * inner)]
+    return out
+
+
+def _held(t: torch.Tensor) -> tuple[list, tuple, bool]:
+    """(boxes, local-layout shape, replicated): the boxes (offsets, view) of `t` this rank holds, in the
+    coordinates of the (TP-local) tensor whose shape is returned; replicated: a plain tensor every data-parallel
+    replica holds whole."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        local = t.to_local()
+        if local.numel() == 0:
+            return [], tuple(t.shape), False
+        (chunk,) = t.__create_chunk_list__()
+        return [(tuple(chunk.offsets), local)], tuple(t.shape), False
+    return [((0,) * t.dim(), t)], tuple(t.shape), True
+
+
+# ----------------------------------------------------------------------------------------------------
+# what this rank holds: {dcp key: (canonical shape, [(offsets, tensor view)])}
+# ----------------------------------------------------------------------------------------------------
+def _context(model):
+    from megassm.parallel import pp as ppl
+    from megassm.parallel.tp import plan_of
+
+    inner = ckpt.unwrap_model(ppl._unwrap(model))
+    tplan, pplan = plan_of(inner), ppl.pp_plan_of(inner)
+    gname = pplan.global_name if pplan is not None else (lambda n: n)
+    return inner, tplan, pplan, gname
+
+
+def _replicas(groups) -> tuple[int, int]:
+    """(index of this rank among the ranks holding the same local states, their number): DP x CP."""
+    if groups is None:
+        return 0, 1
+    return groups.dp_rank * groups.cp + groups.cp_rank, groups.dp * groups.cp
+
+
+def _add(entries: dict, key: str, shape: tuple, boxes: list) -> None:
+    ent = entries.setdefault(key, (shape, []))
+    if ent[0] != shape:
+        raise RuntimeError(f"sharded checkpoint: '{key}' has canonical shape {shape} and {ent[0]}")
+    ent[1].extend(boxes)
+
+
+def _tensor_boxes(t, spec, tp_rank: int, rep: tuple | None) -> tuple[tuple, list]:
+    """(canonical shape, canonical boxes) of tensor t (a parameter / state of this rank); `rep` = (r, n) splits a
+    replicated tensor's chunks over its replicas (saving), None keeps them whole (loading targets)."""
+    held, shape, replicated = _held(t)
+    out = []
+    for offs, view in held:
+        for co, cv in _to_canonical(offs, view, spec, tp_rank):
+            out += _split_rows(co, cv, *rep) if (rep is not None and replicated) else [(co, cv)]
+    return _canonical_shape(shape, spec), out
+
+
+def canonical_param_names(model, optimizer, engine=None) -> list[str]:
+    """The canonical optimizer order (the index of a parameter in optim.pt): the single-device optimizer's
+    parameter order by global name."""
+    inner, _, pplan, gname = _context(model)
+    if pplan is not None:
+        return list(pplan.decay_names) + list(pplan.no_decay_names)
+    if engine is not None and getattr(engine, "name", None) == "deepspeed":
+        return [n for names in engine._names for n in names]
+    name_of = {id(p): n for n, p in inner.named_parameters()}
+    return [gname(name_of[id(p)]) for g in optimizer.param_groups for p in g["params"]]
+
+
+def _optimizer_params(optimizer, inner, gname) -> list:
+    """[(global name, param)] in this optimizer's (local) order."""
+    name_of = {id(p): n for n, p in inner.named_parameters()}
+    return [(gname(name_of[id(p)]), p) for g in optimizer.param_groups for p in g["params"]]
+
+
+def _is_zero1(optimizer) -> bool:
+    return hasattr(optimizer, "flat") and hasattr(optimizer, "_views")
+
+
+def _zero1_boxes(p, a: int, b: int, flat_state: torch.Tensor, spec, tp_rank: int) -> list:
+    """Canonical boxes of a ZeRO-1 piece [a, b) of parameter p whose state values are `flat_state` ((b - a,))."""
+    out = []
+    for offs, sizes in flat_boxes(p.shape, a, b):
+        start = _flat_index(p.shape, offs) - a
+        view = flat_state[start:start + math.prod(sizes)].view(sizes)
+        out += _to_canonical(offs, view, spec, tp_rank)
+    return out
+
+
+def _flat_index(shape, offs) -> int:
+    idx, stride = 0, 1
+    for d in range(len(shape) - 1, -1, -1):
+        idx += offs[d] * stride
+        stride *= shape[d]
+    return idx
+
+
+@torch.no_grad()
+def _save_entries(model, optimizer, groups) -> dict:
+    """This rank's pieces of the canonical model and optimizer states, replicas split (views, not copies)."""
+    from megassm.parallel import pp as ppl
+
+    inner, tplan, pplan, gname = _context(model)
+    tp_rank = tplan.rank if tplan is not None else 0
+    rep = _replicas(groups)
+    skip = ppl._tied_copy(pplan) if pplan is not None else set()
+    entries: dict = {}
+    for name, t in inner.state_dict().items():
+        g = gname(name)
+        if g in skip:
+            continue
+        spec = tplan.specs.get(name) if tplan is not None else None
+        shape, boxes = _tensor_boxes(t, spec, tp_rank, rep)
+        _add(entries, "model." + g, shape, boxes)
+    if optimizer is None:
+        return entries
+    local_name = {id(p): n for n, p in inner.named_parameters()}
+    if _is_zero1(optimizer):  # this rank's flat pieces: disjoint over DP, no replica split
+        states = optimizer._piece_states()
+        for (p, a, b, _), st in zip(optimizer._views, states):
+            name = local_name[id(p)]
+            g = gname(name)
+            spec = tplan.specs.get(name) if tplan is not None else None
+            cshape = _canonical_shape(p.shape, spec)
+            for k, v in st.items():
+                if torch.is_tensor(v) and v.dim() == 0:
+                    _add(entries, f"optim.{g}.{k}", (), [((), v)])
+                elif torch.is_tensor(v):
+                    _add(entries, f"optim.{g}.{k}", cshape, _zero1_boxes(p, a, b, v, spec, tp_rank))
+                else:
+                    raise RuntimeError(f"sharded checkpoint: optimizer state '{k}' of '{g}' is not a tensor")
+        return entries
+    for g, p in _optimizer_params(optimizer, inner, gname):
+        if g in skip:
+            continue
+        spec = tplan.specs.get(local_name[id(p)]) if tplan is not None else None
+        for k, v in optimizer.state.get(p, {}).items():
+            if torch.is_tensor(v) and v.dim() == 0:
+                _add(entries, f"optim.{g}.{k}", (), [((), v)])  # every holder offers it: DCP writes it once
+            elif torch.is_tensor(v) and tuple(v.shape) == tuple(p.shape):
+                shape, boxes = _tensor_boxes(v, spec, tp_rank, rep)
+                _add(entries, f"optim.{g}.{k}", shape, boxes)
+            else:
+                raise RuntimeError(f"sharded checkpoint: optimizer state '{k}' of '{g}' is neither a scalar nor "
+                                   "shaped like its parameter (only AdamW-like optimizers are supported)")
+    return entries
+
+
+def _entries_from_canonical(model_state: dict, optim_state: dict | None, param_names: list) -> dict:
+    """Full canonical tensors as single chunks (the converter; DeepSpeed's gathered states on rank 0)."""
+    entries = {}
+    for k, v in model_state.items():
+        entries["model." + k] = (tuple(v.shape), [((0,) * v.dim(), v)])
+    if optim_state is not None:
+        for i, st in optim_state["state"].items():
+            name = param_names[int(i)]
+            for k, v in st.items():
+                if not torch.is_tensor(v):
+                    raise ValueError(f"optimizer state '{k}' of '{name}' is not a tensor ({type(v).__name__})")
+                entries[f"optim.{name}.{k}"] = (tuple(v.shape), [((0,) * v.dim(), v)])
+    return entries
+
+
+def _layout(model_keys: list, param_names: list, param_groups: list, state_keys: list) -> dict:
+    return {"version": _LAYOUT_VERSION, "model_keys": list(model_keys), "param_names": list(param_names),
+            "param_groups": param_groups, "state_keys": list(state_keys)}
+
+
+def _canonical_groups(optimizer) -> list:
+    groups, off = [], 0
+    for g in optimizer.param_groups:
+        n = len(g["params"])
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(off, off + n))})
+        off += n
+    return groups
+
+
+def _state_keys(optimizer) -> list:
+    st = optimizer._piece_states() if _is_zero1(optimizer) else list(optimizer.state.values())
+    for s in st:
+        if s:
+            return list(s.keys())
+    return ["step", "exp_avg", "exp_avg_sq"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# DCP planners over chunk lists
+# ----------------------------------------------------------------------------------------------------
+def _save_planner(entries: dict):
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    class _ChunkSavePlanner(DefaultSavePlanner):
+        """Writes the given chunks (offsets into global shapes) instead of walking a state dict."""
+
+        def __init__(self):
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+            self._by_index = {(k, tuple(o)): t for k, (_, pcs) in entries.items() for o, t in pcs}
+
+        def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
+            self.state_dict = {}
+            self.is_coordinator = is_coordinator
+
+        def create_local_plan(self):
+            items = []
+            for key, (shape, pieces) in entries.items():
+                for o, t in pieces:
+                    items.append(WriteItem(
+                        index=MetadataIndex(key, torch.Size(o)), type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=torch.Size(o), sizes=t.size()),
+                                                    properties=TensorProperties.create_from_tensor(t),
+                                                    size=torch.Size(shape))))
+            self.plan = SavePlan(items)
+            return self.plan
+
+        def lookup_object(self, index):
+            return self._by_index[(index.fqn, tuple(index.offset))]
+
+    return _ChunkSavePlanner()
+
+
+def _load_planner(targets: dict):
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    class _ChunkLoadPlanner(DefaultLoadPlanner):
+        """Reads into the given target chunks (views): per target, the saved chunks that overlap it."""
+
+        def __init__(self):
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+            self.state_dict, self.original_state_dict = {}, {}
+            self.metadata, self.is_coordinator = metadata, is_coordinator
+
+        def create_local_plan(self):
+            reqs = []
+            for key, pieces in targets.items():
+                md = self.metadata.state_dict_metadata[key]
+                chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=t.size()) for o, t in pieces]
+                reqs += create_read_items_for_chunk_list(key, md, chunks)
+            self.plan = LoadPlan(reqs)
+            return self.plan
+
+        def lookup_tensor(self, index):
+            return targets[index.fqn][index.index][1]
+
+    return _ChunkLoadPlanner()
+
+
+def _dcp_save(entries: dict, path: str, group, no_dist: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({}, storage_writer=FileSystemWriter(path, single_file_per_rank=True, sync_files=True),
+                 planner=_save_planner(entries), process_group=group, no_dist=no_dist)
+
+
+def _dcp_metadata(path: str):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        return FileSystemReader(os.path.join(path, DCP_DIR)).read_metadata()
+    except (OSError, EOFError, ValueError) as e:
+        raise ckpt.CheckpointError(f"checkpoint {path}: cannot read {DCP_DIR}/.metadata: {e}") from e
+
+
+def _dcp_load(targets: dict, path: str) -> None:
+    """Fill `targets` ({key: [(offsets, tensor)]}) from the checkpoint at `path`; each rank on its own."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load({}, storage_reader=FileSystemReader(os.path.join(path, DCP_DIR)), planner=_load_planner(targets),
+                 no_dist=True)
+
+
+def _check_shapes(md, targets: dict, shapes: dict, path: str) -> None:
+    missing = sorted(k for k in targets if k not in md.state_dict_metadata)
+    if missing:
+        raise ckpt.CheckpointError(f"checkpoint {path} lacks {missing[:5]} ({len(missing)} tensors): saved from "
+                                   "another model?")
+    for k, shape in shapes.items():
+        saved = tuple(md.state_dict_metadata[k].size)
+        if saved != tuple(shape):
+            raise ckpt.CheckpointError(f"checkpoint {path}: '{k}' has shape {saved}, this model {tuple(shape)}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# one-process readers / writers (megassm-eval, read_model_and_optim, the converter)
+# ----------------------------------------------------------------------------------------------------
+def read_layout(path: str) -> dict:
+    try:
+        return torch.load(os.path.join(path, LAYOUT), map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError) as e:
+        raise ckpt.CheckpointError(f"checkpoint {path}: cannot read {LAYOUT}: {e}") from e
+
+
+def read_canonical(path: str, optim: bool = True) -> tuple[dict, dict | None]:
+    """The canonical model and optimizer state dicts (optim.pt's format) of a sharded checkpoint, in this
+    process (reads every chunk; CPU tensors)."""
+    layout = read_layout(path)
+    md = _dcp_metadata(path)
+    keys = ["model." + k for k in layout["model_keys"]]
+    if optim:
+        keys += [k for k in md.state_dict_metadata if k.startswith("optim.")]
+    targets = {}
+    for k in keys:
+        if k not in md.state_dict_metadata:
+            raise ckpt.CheckpointError(f"checkpoint {path}: {DCP_DIR}/.metadata has no '{k}'")
+        m = md.state_dict_metadata[k]
+        t = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        targets[k] = [((0,) * t.dim(), t)]
+    _dcp_load(targets, path)
+    model_state = {k: targets["model." + k][0][1] for k in layout["model_keys"]}
+    if not optim:
+        return model_state, None
+    state = {}
+    for i, name in enumerate(layout["param_names"]):
+        st = {sk: targets[f"optim.{name}.{sk}"][0][1] for sk in layout["state_keys"]
+              if f"optim.{name}.{sk}" in targets}
+        if st:
+            state[i] = st
+    if not layout["param_groups"]:  # saved without an optimizer
+        return model_state, None
+    return model_state, {"state": state, "param_groups": layout["param_groups"]}
+
+
+def _dir_files(root: str) -> list[str]:
+    out = []
+    for d, _, files in os.walk(root):
+        for f in files:
+            out.append(os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/"))
+    return sorted(out)
+
+
+def write_sharded_from_canonical(out_dir: str, model_state: dict, optim_state: dict | None, param_names: list) -> None:
+    """DCP files + layout.pt of canonical states into `out_dir` (one process, full tensors as single chunks)."""
+    if optim_state is not None:
+        n = sum(len(g["params"]) for g in optim_state["param_groups"])
+        if n != len(param_names):
+            raise ValueError(f"the optimizer state has {n} parameters, the parameter names {len(param_names)}")
+    entries = _entries_from_canonical(model_state, optim_state, param_names)
+    _dcp_save(entries, os.path.join(out_dir, DCP_DIR), None, no_dist=True)
+    keys = []
+    if optim_state is not None:
+        for st in optim_state["state"].values():
+            keys += [k for k in st if k not in keys]
+    layout = _layout(list(model_state), param_names, optim_state["param_groups"] if optim_state else [],
+                     keys or ["step", "exp_avg", "exp_avg_sq"])
+    ckpt._torch_save(layout, os.path.join(out_dir, LAYOUT))
+
+
+def write_canonical(out_dir: str, model_state: dict, optim_state: dict | None) -> list[str]:
+    ckpt._torch_save(model_state, os.path.join(out_dir, ckpt.MODEL))
+    files = [ckpt.MODEL]
+    if optim_state is not None:
+        ckpt._torch_save(optim_state, os.path.join(out_dir, ckpt.OPTIM))
+        files.append(ckpt.OPTIM)
+    return files
+
+
+def integrity(root: str, files: list[str]) -> dict:
+    return ckpt.integrity_record(root, files)
+
+
+# ----------------------------------------------------------------------------------------------------
+# loading into a live (sharded) model and optimizer
+# ----------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def load_sharded(path: str, model, optimizer, groups=None, engine=None) -> None:
+    """Load a sharded checkpoint into this rank's model (in place) and optimizer, whatever the layout it was
+    saved in: each rank reads the saved chunks that overlap its own pieces (not collective)."""
+    from torch.distributed.tensor import DTensor
+
+    if engine is not None and getattr(engine, "name", None) == "deepspeed":
+        log.warning("sharded checkpoint %s -> deepspeed engine: fallback: every rank reads the full canonical "
+                    "states (read_canonical) and loads them through DeepSpeed's fp32-fragment API", path)
+        engine.load_states(*read_canonical(path, optim=optimizer is not None))
+        return
+    layout = read_layout(path)
+    md = _dcp_metadata(path)
+    inner, tplan, pplan, gname = _context(model)
+    tp_rank = tplan.rank if tplan is not None else 0
+    targets, shapes = {}, {}
+    for name, t in inner.state_dict().items():
+        spec = tplan.specs.get(name) if tplan is not None else None
+        shape, boxes = _tensor_boxes(t, spec, tp_rank, None)
+        key = "model." + gname(name)
+        targets.setdefault(key, []).extend(boxes)
+        shapes[key] = shape
+    optim_fill = None
+    if optimizer is not None:
+        optim_fill = _optimizer_targets(optimizer, inner, tplan, gname, layout, md, targets, shapes, DTensor)
+    _check_shapes(md, targets, shapes, path)
+    _dcp_load(targets, path)
+    if optim_fill is not None:
+        optim_fill()
+
+
+def _optimizer_targets(optimizer, inner, tplan, gname, layout, md, targets, shapes, DTensor):
+    """Register target chunks for this rank's optimizer states; returns the function that loads them into the
+    optimizer once read."""
+    tp_rank = tplan.rank if tplan is not None else 0
+    index = {n: i for i, n in enumerate(layout["param_names"])}
+    saved_groups = layout["param_groups"]
+    group_of = {i: g for g in saved_groups for i in g["params"]}
+    local_name = {id(p): n for n, p in inner.named_parameters()}
+    keys = layout["state_keys"]
+
+    def hyper_for(local_group) -> dict:
+        if not local_group["params"]:
+            return {}
+        g = gname(local_name[id(local_group["params"][0])])
+        if g not in index:
+            raise ckpt.CheckpointError(f"the checkpoint's optimizer has no parameter '{g}'")
+        return {k: v for k, v in group_of[index[g]].items() if k != "params"}
+
+    def scalar(key):
+        t = torch.zeros((), dtype=md.state_dict_metadata[key].properties.dtype)
+        targets.setdefault(key, []).append(((), t))
+        shapes[key] = ()
+        return t
+
+    if _is_zero1(optimizer):
+        full: dict = {}  # param -> {state key: full local-shaped tensor, only the owned pieces filled}
+        for p, a, b, v in optimizer._views:
+            name = local_name[id(p)]
+            g = gname(name)
+            spec = tplan.specs.get(name) if tplan is not None else None
+            st = full.setdefault(p, {})
+            for k in keys:
+                key = f"optim.{g}.{k}"
+                if key not in md.state_dict_metadata:
+                    continue
+                if not md.state_dict_metadata[key].size:
+                    if k not in st:
+                        st[k] = scalar(key)
+                    continue
+                if k not in st:
+                    st[k] = torch.zeros(p.shape, dtype=p.dtype)
+                flat = st[k].view(-1)[a:b]
+                targets.setdefault(key, []).extend(_zero1_boxes(p, a, b, flat, spec, tp_rank))
+                shapes[key] = _canonical_shape(p.shape, spec)
+
+        def fill_zero1():
+            ordered = [p for g in optimizer.param_groups for p in g["params"]]
+            state = {i: full[p] for i, p in enumerate(ordered) if full.get(p)}
+            optimizer.load_state_dict({"state": state, "param_groups": [
+                {**hyper_for(g), "params": ids} for g, ids in zip(optimizer.param_groups, _canonical_groups_ids(optimizer))]})
+
+        return fill_zero1
+
+    state = {}
+    for i, (g, p) in enumerate(_optimizer_params(optimizer, inner, gname)):
+        name = local_name[id(p)]
+        spec = tplan.specs.get(name) if tplan is not None else None
+        st = {}
+        for k in keys:
+            key = f"optim.{g}.{k}"
+            if key not in md.state_dict_metadata:
+                continue
+            if not md.state_dict_metadata[key].size:
+                st[k] = scalar(key)
+                continue
+            if isinstance(p, DTensor):
+                local = torch.empty_like(p.to_local())
+                val = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+                                         run_check=False)
+            else:
+                local = val = torch.empty_like(p, memory_format=torch.contiguous_format).detach()
+            shape, boxes = _tensor_boxes(val.detach() if not isinstance(val, DTensor) else val, spec, tp_rank, None)
+            targets.setdefault(key, []).extend(boxes)
+            shapes[key] = shape
+            st[k] = val
+        if st:
+            state[i] = st
+
+    def fill():
+        optimizer.load_state_dict({"state": state, "param_groups": [
+            {**hyper_for(g), "params": ids} for g, ids in zip(optimizer.param_groups, _canonical_groups_ids(optimizer))]})
+
+    return fill
+
+
+def _canonical_groups_ids(optimizer) -> list:
+    return [g["params"] for g in _canonical_groups(optimizer)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# saving: the trainer's checkpointer (sync or async)
+# ----------------------------------------------------------------------------------------------------
+def _write_hook(stage: str) -> None:
+    """Called by the background writer at `stage` ("before_write", "before_finalize"); tests patch it to hold or
+    break a write at a known point."""
+
+
+class ShardedCheckpointer:
+    """Writes sharded checkpoints for one trainer. `save(...)` takes the snapshot at the step boundary and
+    returns; with async_save the files are written by a background thread (`pending` is its future), otherwise
+    before save returns. Collective: call save / wait on every rank."""
+
+    def __init__(self, groups, async_save: bool = False, keep_last: int = 0):
+        self.groups = groups
+        self.async_save = async_save
+        self.keep_last = keep_last
+        self.world = groups.world_size if groups is not None else 1
+        self.rank = groups.rank if groups is not None else 0
+        # a group of our own: the background thread's collectives never interleave with the training's
+        self.group = dist.new_group(backend="gloo") if self.world > 1 else None
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megassm-ckpt") if async_save else None
+        self.pending: concurrent.futures.Future | None = None
+        self._staging: dict = {}
+        self.last_stats: dict = {}  # of the last finished save (benchmarks): times, bytes
+
+    # -- the snapshot ------------------------------------------------------------------------------------
+    def _stage(self, entries: dict) -> dict:
+        """CPU copies of every chunk (pinned on CUDA, buffers reused across saves): the consistent snapshot."""
+        staged, cuda = {}, False
+        for key, (shape, pieces) in entries.items():
+            out = []
+            for o, t in pieces:
+                buf = self._staging.get((key, o))
+                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                    pin = t.is_cuda and torch.cuda.is_available()
+                    buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+                    self._staging[(key, o)] = buf
+                buf.copy_(t.detach(), non_blocking=t.is_cuda)
+                cuda = cuda or t.is_cuda
+                out.append((o, buf))
+            staged[key] = (shape, out)
+        if cuda:
+            torch.cuda.synchronize()
+        return staged
+
+    def wait(self) -> None:
+        """Block until the previous save is complete (re-raising its error)."""
+        fut, self.pending = self.pending, None
+        if fut is not None:
+            fut.result()
+
+    def save(self, run_dir: str, step: int, *, model, optimizer, engine, extra: dict) -> str:
+        """Write run_dir/checkpoints/step_XXXXXXXX (returns its final path). `extra` on rank 0 only (None
+        elsewhere): scalars to meta.json, other values to <key>.pt, as save_checkpoint."""
+        self.wait()
+        t0 = time.perf_counter()
+        root = os.path.join(run_dir, ckpt.CHECKPOINTS)
+        name = ckpt.checkpoint_name(step)
+        final = os.path.join(root, name)
+        tmp = None
+        if self.rank == 0:
+            os.makedirs(root, exist_ok=True)
+            tmp = os.path.join(root, f".tmp-{name}-{os.getpid()}")
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp)
+            os.makedirs(os.path.join(tmp, DCP_DIR))
+        if self.group is not None:
+            box = [tmp]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+            tmp = box[0]
+
+        deepspeed = getattr(engine, "name", None) == "deepspeed"
+        if deepspeed:  # no chunk view of DeepSpeed's partitions: gathered canonical states, written by rank 0
+            if self.rank == 0:
+                log.warning("run.checkpoint_format=sharded with parallel.engine=deepspeed: fallback: the states are "
+                            "gathered to rank 0 (engine.gather_states) and written from there")
+            msd, osd = engine.gather_states()
+            names = canonical_param_names(model, optimizer, engine)
+            entries = _entries_from_canonical(msd, osd, names) if self.rank == 0 else {}
+            layout = _layout(list(msd), names, osd["param_groups"], ["step", "exp_avg", "exp_avg_sq"]) \
+                if self.rank == 0 else None
+        else:
+            entries = _save_entries(model, optimizer, self.groups)
+            layout = self._layout(model, optimizer)
+        if self.async_save:
+            entries = self._stage(entries)
+        payload = None
+        if self.rank == 0:  # extras serialized now (the step boundary's values), written with the rest
+            payload = self._payload(extra, layout)
+        snap_s = time.perf_counter() - t0
+        job = (entries, tmp, final, run_dir, step, payload, t0)
+        if self.async_save:
+            self.pending = self.pool.submit(self._write, *job)
+        else:
+            self._write(*job)
+        self.last_stats = {"snapshot_s": snap_s, "blocked_s": time.perf_counter() - t0}
+        return final
+
+    def _layout(self, model, optimizer) -> dict | None:
+        inner, tplan, pplan, gname = _context(model)
+        names = canonical_param_names(model, optimizer) if optimizer is not None else []
+        if pplan is not None:
+            model_keys = list(pplan.state_names)
+            groups = None
+            if optimizer is not None:  # the decay / no-decay hyperparameters of every stage
+                from megassm.parallel.pp import _param_kinds
+
+                kinds = _param_kinds(pplan)
+                mine = {}
+                for g in optimizer.param_groups:
+                    if g["params"]:
+                        n = gname({id(p): n for n, p in inner.named_parameters()}[id(g["params"][0])])
+                        mine.setdefault(kinds[n], {k: v for k, v in g.items() if k != "params"})
+                allh = [None] * self.world
+                dist.all_gather_object(allh, mine, group=self.group)
+                hyper = {}
+                for h in allh:
+                    for k, v in h.items():
+                        hyper.setdefault(k, v)
+                groups, off = [], 0
+                for kind, ns in (("decay", pplan.decay_names), ("no_decay", pplan.no_decay_names)):
+                    if ns:
+                        groups.append({**hyper[kind], "params": list(range(off, off + len(ns)))})
+                        off += len(ns)
+        else:
+            model_keys = [gname(k) for k in inner.state_dict()]
+            groups = _canonical_groups(optimizer) if optimizer is not None else []
+        if self.rank != 0:
+            return None
+        return _layout(model_keys, names, groups or [], _state_keys(optimizer) if optimizer is not None else [])
+
+    @staticmethod
+    def _payload(extra: dict, layout: dict) -> dict:
+        scalars, files = {}, {}
+        for key, value in (extra or {}).items():
+            if key in ("step", "time", "complete", "files", "extra_files", "format", "integrity") or key in ckpt._RESERVED:
+                raise ValueError(f"sharded checkpoint: extra key '{key}' is reserved")
+            if hasattr(value, "item") and not torch.is_tensor(value) and getattr(value, "ndim", 1) == 0:
+                value = value.item()
+            if isinstance(value, ckpt._SCALARS):
+                scalars[key] = value
+                continue
+            if not ckpt._KEY_RE.match(key):
+                raise ValueError(f"sharded checkpoint: extra key '{key}' cannot name a file")
+            buf = io.BytesIO()
+            torch.save(value, buf)
+            files[f"{key}.pt"] = buf.getvalue()
+        buf = io.BytesIO()
+        torch.save(layout, buf)
+        files[LAYOUT] = buf.getvalue()
+        return {"scalars": scalars, "files": files, "extra_files": [f[:-3] for f in files if f != LAYOUT]}
+
+    # -- the write (background thread with async_save) ---------------------------------------------------
+    def _write(self, entries, tmp, final, run_dir, step, payload, t0) -> str:
+        _write_hook("before_write")
+        dcp_dir = os.path.join(tmp, DCP_DIR)
+        _dcp_save(entries, dcp_dir, self.group, no_dist=self.group is None)
+        mine = [f for f in _dir_files(dcp_dir) if f.startswith(f"__{self.rank}_")]
+        if self.rank == 0:
+            mine.append(".metadata")
+        records = {f"{DCP_DIR}/{f}": ckpt.file_record(os.path.join(dcp_dir, f)) for f in mine}
+        if self.group is not None:
+            allrec = [None] * self.world if self.rank == 0 else None
+            dist.gather_object(records, allrec, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        else:
+            allrec = [records]
+        if self.rank != 0:
+            return final
+        _write_hook("before_finalize")
+        merged = {}
+        for r in allrec:
+            merged.update(r)
+        for fname, data in payload["files"].items():
+            with open(os.path.join(tmp, fname), "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            merged[fname] = ckpt.file_record(os.path.join(tmp, fname))
+        on_disk = set(_dir_files(tmp))
+        if set(merged) != on_disk:
+            raise RuntimeError(f"sharded checkpoint {tmp}: files {sorted(on_disk ^ set(merged))} were not "
+                               "accounted for by the ranks")
+        meta = {
+            **payload["scalars"],
+            "step": int(step),
+            "time": time.time(),
+            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "host": socket.gethostname(),
+            "torch": torch.__version__,
+            "format": SHARDED,
+            "world_size": self.world,
+            "files": sorted(merged),
+            "extra_files": payload["extra_files"],
+            "integrity": {"algo": "sha256", "files": {k: merged[k] for k in sorted(merged)}},
+            "complete": True,
+        }
+        publish(tmp, final, meta)
+        total = sum(r["bytes"] for r in merged.values())
+        self.last_stats = {**self.last_stats, "complete_s": time.perf_counter() - t0, "bytes": total}
+        log.info("sharded checkpoint %s complete: %d files, %.3f GB, %.2fs after the step boundary", final,
+                 len(merged), total / 1e9, time.perf_counter() - t0)
+        ckpt._prune(run_dir, self.keep_last, final)
+        return final
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown(wait=True)
+
+
+def publish(tmp: str, final: str, meta: dict) -> None:
+    """meta.json last (the completion marker), then the atomic rename of `tmp` to `final` (replacing an older
+    checkpoint of the same name), as save_checkpoint does."""
+    ckpt._write_json(meta, os.path.join(tmp, ckpt.META))
+    ckpt._fsync_dir(tmp)
+    root = os.path.dirname(final)
+    old = None
+    if os.path.exists(final):
+        old = os.path.join(root, f".old-{os.path.basename(final)}-{os.getpid()}-{threading.get_ident()}")
+        os.rename(final, old)
+    os.rename(tmp, final)
+    ckpt._fsync_dir(root)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
