@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import json
 import logging
 import os
@@ -258,7 +259,10 @@ class DDPEngine(Engine):
                 if q.requires_grad and q.grad is None:
                     q.grad = torch.zeros_like(q)
         self.grads_to_none = False
-        self.module = DDP(model, process_group=groups.dp_group, broadcast_buffers=False,
+        # the model has no buffers to keep in sync; torch >= 2.13 names the switch forward_sync_buffers
+        buffers = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                   else {"broadcast_buffers": False})
+        self.module = DDP(model, process_group=groups.dp_group, **buffers,
                           gradient_as_bucket_view=True, bucket_cap_mb=cfg.parallel.bucket_mb,
                           device_ids=[device.index] if device.type == "cuda" else None)
         log.info("engine ddp: torch DistributedDataParallel over %d DP ranks, %g MB buckets, all-reduce "
@@ -365,8 +369,6 @@ class FSDP2Engine(Engine):
     def make_optimizer(self, build):
         """AdamW over the canonical groups, each split in two: the sharded (DTensor) parameters and the fp32
         replicas (torch's fused / foreach AdamW takes no mix of DTensors and plain tensors in one call)."""
-        import inspect
-
         from torch.distributed.tensor import DTensor
 
         base = build()
