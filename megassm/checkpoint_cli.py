@@ -100,9 +100,9 @@ def convert(src: str, dst: str, to: str, config: str | None = None) -> str:
             out["format"] = sharded.SHARDED
         out["converted_from"] = fmt
         out["files"] = files
-        out["integrity"] = sharded.integrity(tmp, files)
+        out["integrity"] = ckpt.integrity_record(tmp, files)
         out["complete"] = True
-        sharded.publish(tmp, dst, out)
+        ckpt.publish(tmp, dst, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -215,7 +215,7 @@ class ParallelConfig:
     zero_stage: int = 0  # engine=deepspeed: ZeRO stage 0-3
     deepspeed_config: str | None = None  # engine=deepspeed: JSON partial merged into the derived config
     bucket_mb: float = 25.0  # engine=ddp: gradient bucket size (MB) of DistributedDataParallel
-    # engine=fsdp2 (parallel/engines.py FSDP2Engine, docs/parallelism.md "Engines")
+    # engine=fsdp2 (parallel/fsdp2.py FSDP2Engine, docs/parallelism.md "Engines")
     fsdp_param_dtype: str = "auto"  # auto | bf16 | fp32: dtype the matmul weights are all-gathered in (auto: bf16
     #                                 under bf16 training, no autocast weight casts)
     fsdp_reduce_dtype: str = "fp32"  # fp32 | bf16: dtype of the gradient reduce-scatter

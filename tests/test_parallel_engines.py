@@ -150,7 +150,7 @@ def _cfg(*over):
 
 
 def test_deepspeed_config_is_derived(tmp_path):
-    from megassm.parallel.engines import deepspeed_config
+    from megassm.parallel.deepspeed_engine import deepspeed_config
 
     cfg = _cfg("parallel.world_size=4", "parallel.engine=deepspeed", "parallel.zero_stage=3", "train.grad_clip=0.5")
     ds = deepspeed_config(cfg, bf16=True)

@@ -176,14 +176,14 @@ def test_loaders_refuse_unreadable_files_and_non_finite_values(tmp_path):
 
 def test_failed_save_removes_its_temp_dir_and_temp_dirs_of_crashes_are_cleaned(tmp_path, monkeypatch):
     model, opt, first = _small_model_ckpt(tmp_path)
-    real = ckpt._HashingWriter.write
+    real = ckpt.HashingWriter.write
 
     def full_disk(self, data):
         if self._f.name.endswith("optim.pt"):
             raise OSError(errno.ENOSPC, "No space left on device", self._f.name)
         return real(self, data)
 
-    monkeypatch.setattr(ckpt._HashingWriter, "write", full_disk)
+    monkeypatch.setattr(ckpt.HashingWriter, "write", full_disk)
     with pytest.raises(ckpt.CheckpointWriteError, match=r"cannot write checkpoint .*step_00000002: No space left on "
                                                         r"device: .*optim.pt"):
         ckpt.save_checkpoint(tmp_path, 2, model=model, optimizer=opt)
@@ -399,7 +399,7 @@ def test_unwritable_checkpoints_and_full_disk_exit_4(base_run, tmp_path, monkeyp
     assert _status(run)["exit_code"] == EXIT_IO
 
     # the disk fills up during a save: no temp checkpoint stays behind, and the run resumes once there is room
-    real = ckpt._HashingWriter.write
+    real = ckpt.HashingWriter.write
 
     def full_disk(self, data):
         if "step_00000006" in self._f.name:
@@ -407,7 +407,7 @@ def test_unwritable_checkpoints_and_full_disk_exit_4(base_run, tmp_path, monkeyp
         return real(self, data)
 
     with monkeypatch.context() as m:
-        m.setattr(ckpt._HashingWriter, "write", full_disk)
+        m.setattr(ckpt.HashingWriter, "write", full_disk)
         assert _main(run, "train.steps=6", "run.save_interval=2", resume="auto") == EXIT_IO
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "No space left on device" in err and "step_00000006" in err

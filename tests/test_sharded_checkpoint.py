@@ -13,7 +13,7 @@ import torch
 from megassm.config import ConfigError, load_config
 from megassm.parallel.testing import losses, run_train
 from megassm.training import checkpoint as ckpt
-from megassm.training import sharded
+from megassm.training import sharded, sharded_chunks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [
@@ -44,7 +44,7 @@ def test_flat_boxes_tile_any_range(shape):
     for a in range(n):
         for b in range(a + 1, n + 1):
             got, pos = [], a
-            for offs, sizes in sharded.flat_boxes(shape, a, b):
+            for offs, sizes in sharded_chunks.flat_boxes(shape, a, b):
                 box = full[tuple(slice(o, o + s) for o, s in zip(offs, sizes))]
                 assert box.reshape(-1).tolist() == list(range(pos, pos + box.numel()))  # contiguous, in order
                 pos += box.numel()
@@ -59,7 +59,7 @@ def test_tp_pieces_map_to_canonical_offsets():
     spec = ShardSpec(0, (Piece(4, 2, (0, 1)), Piece(4, 1, (0, 0)), Piece(4, 2, (0, 1))))
     for rank in (0, 1):
         local = shard_canonical(full, spec, rank)
-        boxes = sharded._to_canonical((0, 0), local, spec, rank)
+        boxes = sharded_chunks.to_canonical((0, 0), local, spec, rank)
         assert len(boxes) == 3
         for offs, view in boxes:
             assert torch.equal(view, full[offs[0]:offs[0] + view.shape[0]])

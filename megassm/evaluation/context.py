@@ -128,7 +128,7 @@ def context_length_eval(cfg, checkpoint: str | None, window: int | None = None, 
     stream held-out documents, and return the bucketed results (see the module docstring)."""
     from megassm.models import build_model
     from megassm.training import checkpoint as ckpt
-    from megassm.training.trainer import _autocast_dtype
+    from megassm.training.checks import autocast_dtype as _autocast_dtype
 
     window = window or cfg.train.seq_len
     docs, vocab, desc = held_out_documents(cfg, split, num_docs, max_tokens, min_tokens=2 * window)

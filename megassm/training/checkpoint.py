@@ -34,7 +34,6 @@ tensors, lists, dicts and tuples is saved as is.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -43,6 +42,7 @@ import random
 import re
 import shutil
 import socket
+import threading
 import time
 from typing import Any
 
@@ -51,6 +51,8 @@ import torch
 
 from megassm.config import ConfigError
 from megassm.training.failures import RunIOError, describe_os_error, one_line
+from megassm.training.integrity import (INTEGRITY_ALGO, HashingWriter, check_file, file_record,
+                                        integrity_record, nonfinite_tensors)
 
 log = logging.getLogger("megassm.checkpoint")
 
@@ -63,6 +65,7 @@ __all__ = [
     "integrity_record",
     "verify_checkpoint",
     "nonfinite_tensors",
+    "refuse_nonfinite",
     "resume_candidates",
     "clean_temp_dirs",
     "check_writable",
@@ -89,8 +92,6 @@ _RESERVED = {"model", "optim", "meta"}
 _NAME_RE = re.compile(r"^step_(\d{8,})$")
 _KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _SCALARS = (str, int, float, bool, type(None))
-INTEGRITY_ALGO = "sha256"
-_HASH_CHUNK = 4 << 20  # bytes read at a time when verifying: constant memory for any file size
 _TEMP_PREFIXES = (".tmp-", ".old-")
 
 
@@ -184,83 +185,10 @@ def restore_rng_state(state: dict) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Integrity
+# Integrity (the records themselves: integrity.py)
 # ----------------------------------------------------------------------------------------------------
 
-
-class _HashingWriter:
-    """A write-only file object that hashes and counts what passes through, so a checkpoint file is hashed
-    while it is written instead of being read back."""
-
-    def __init__(self, f):
-        self._f = f
-        self._hash = hashlib.sha256()
-        self.bytes = 0
-
-    def write(self, data) -> int:
-        self._hash.update(data)
-        n = self._f.write(data)
-        self.bytes += memoryview(data).nbytes
-        return n
-
-    def flush(self) -> None:
-        self._f.flush()
-
-    def record(self) -> dict:
-        return {"bytes": self.bytes, "sha256": self._hash.hexdigest()}
-
-
-def file_record(path: str | os.PathLike) -> dict:
-    """{"bytes": N, "sha256": hex} of a file, read in chunks of a few MB (memory stays constant)."""
-    h, n = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while True:
-            block = f.read(_HASH_CHUNK)
-            if not block:
-                break
-            h.update(block)
-            n += len(block)
-    return {"bytes": n, "sha256": h.hexdigest()}
-
-
-def _inside(ckpt_dir: str, relpath: str) -> str:
-    """ckpt_dir/relpath, refusing paths that leave the checkpoint directory."""
-    if os.path.isabs(relpath) or ".." in relpath.replace("\\", "/").split("/"):
-        raise ValueError(f"checkpoint file {relpath!r} must be a path inside the checkpoint directory")
-    return os.path.join(ckpt_dir, relpath)
-
-
-def integrity_record(ckpt_dir: str | os.PathLike, relpaths) -> dict:
-    """{"algo": "sha256", "files": {relpath: {"bytes", "sha256"}}} of files already on disk, for meta.json's
-    "integrity" (formats whose files are not written through save_checkpoint, e.g. one per rank)."""
-    ckpt_dir = os.fspath(ckpt_dir)
-    return {"algo": INTEGRITY_ALGO, "files": {rel: file_record(_inside(ckpt_dir, rel)) for rel in relpaths}}
-
-
 _warned_unverifiable: set = set()
-
-
-def _expected(rec: dict) -> str:
-    return f"expected {rec.get('bytes')} bytes sha256 {str(rec.get('sha256'))[:12]}.."
-
-
-def _check_file(ckpt_dir: str, rel: str, rec: dict) -> str | None:
-    """None when the file matches its record, else the problem in words (the size is compared first:
-    a truncated file costs no hashing)."""
-    path = _inside(ckpt_dir, rel)
-    try:
-        size = os.path.getsize(path)
-    except OSError:
-        return f"{rel}: {_expected(rec)}, found no file"
-    if size != rec.get("bytes"):
-        return f"{rel}: {_expected(rec)}, found {size} bytes"
-    try:
-        got = file_record(path)["sha256"]
-    except OSError as e:
-        return f"{rel}: {_expected(rec)}, found an unreadable file ({describe_os_error(e)})"
-    if got != rec.get("sha256"):
-        return f"{rel}: {_expected(rec)}, found sha256 {got[:12]}.. (same size, other bytes)"
-    return None
 
 
 def verify_checkpoint(path: str | os.PathLike, relpaths=None) -> list[str]:
@@ -292,29 +220,13 @@ def verify_checkpoint(path: str | os.PathLike, relpaths=None) -> list[str]:
         relpaths = sorted(records)
     for rel in relpaths:
         rec = records.get(rel)
-        problem = f"{rel}: no integrity record in {META}" if not isinstance(rec, dict) else _check_file(path, rel, rec)
+        problem = f"{rel}: no integrity record in {META}" if not isinstance(rec, dict) else check_file(path, rel, rec)
         if problem:
             problems.append(problem)
     return problems
 
 
-def nonfinite_tensors(state: Any, prefix: str = "") -> list[str]:
-    """Names of the floating-point tensors in a (nested) state dict that hold NaN or inf, with counts."""
-    out = []
-    if isinstance(state, torch.Tensor):
-        if (state.is_floating_point() or state.is_complex()) and not bool(torch.isfinite(state).all()):
-            bad = int((~torch.isfinite(state)).sum())
-            out.append(f"'{prefix}' ({bad} of {state.numel()} values)")
-    elif isinstance(state, dict):
-        for k, v in state.items():
-            out += nonfinite_tensors(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(state, (list, tuple)):
-        for i, v in enumerate(state):
-            out += nonfinite_tensors(v, f"{prefix}.{i}" if prefix else str(i))
-    return out
-
-
-def _refuse_nonfinite(ckpt_dir: str, rel: str, state: Any) -> None:
+def refuse_nonfinite(ckpt_dir: str, rel: str, state: Any) -> None:
     bad = nonfinite_tensors(state)
     if bad:
         more = f" and {len(bad) - 3} more tensors" if len(bad) > 3 else ""
@@ -342,7 +254,7 @@ def _fsync_dir(path: str) -> None:
 def _torch_save(obj: Any, path: str) -> dict:
     """Write `obj` to `path` (fsync'ed) and return its integrity record, hashed on the way out."""
     with open(path, "wb") as f:
-        writer = _HashingWriter(f)
+        writer = HashingWriter(f)
         torch.save(obj, writer)
         f.flush()
         os.fsync(f.fileno())
@@ -460,8 +372,7 @@ def save_checkpoint(
     tmp = os.path.join(root, f".tmp-{name}-{os.getpid()}")
     t0 = time.time()
     try:
-        _write_temp_checkpoint(tmp, step, model, optimizer, extra, model_state, optim_state)
-        _publish(tmp, final, root, name)
+        publish(tmp, final, _write_temp_checkpoint(tmp, step, model, optimizer, extra, model_state, optim_state))
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed save leaves nothing half-written (a full disk stays full)
         if isinstance(e, OSError):
@@ -472,8 +383,8 @@ def save_checkpoint(
     return final
 
 
-def _write_temp_checkpoint(tmp: str, step: int, model, optimizer, extra: dict, model_state, optim_state) -> None:
-    """Every file of the checkpoint in `tmp`, meta.json (with the integrity record) last."""
+def _write_temp_checkpoint(tmp: str, step: int, model, optimizer, extra: dict, model_state, optim_state) -> dict:
+    """Every file of the checkpoint in `tmp`; returns its meta.json (written by `publish`)."""
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
     os.makedirs(tmp)
@@ -482,40 +393,64 @@ def _write_temp_checkpoint(tmp: str, step: int, model, optimizer, extra: dict, m
     if optimizer is not None or optim_state is not None:
         records[OPTIM] = _torch_save(optimizer.state_dict() if optim_state is None else optim_state,
                                      os.path.join(tmp, OPTIM))
-    scalars, extra_files = {}, []
-    for key, value in extra.items():
-        if key in ("step", "time", "complete", "files", "extra_files", "integrity") or key in _RESERVED:
-            raise ValueError(f"save_checkpoint: extra key '{key}' is reserved")
+    scalars, states = split_extra(extra, "save_checkpoint")
+    for key, value in states.items():
+        records[f"{key}.pt"] = _torch_save(value, os.path.join(tmp, f"{key}.pt"))
+    return completion_meta(step, scalars, records, list(states))
+
+
+# meta.json's own keys: an extra state may not take them
+_META_KEYS = ("step", "time", "time_utc", "host", "torch", "complete", "files", "extra_files", "integrity", "format")
+
+
+def split_extra(extra: dict | None, who: str) -> tuple[dict, dict]:
+    """A checkpoint's extra states split into meta.json's scalars (str, int, float, bool, None; numpy scalars
+    as plain numbers) and {key: value} saved as `<key>.pt`. Raises ValueError, naming `who`, for a reserved
+    key or one that cannot name a file."""
+    scalars, states = {}, {}
+    for key, value in (extra or {}).items():
+        if key in _META_KEYS or key in _RESERVED:
+            raise ValueError(f"{who}: extra key '{key}' is reserved")
         if isinstance(value, np.generic) and np.ndim(value) == 0:
-            value = value.item()  # numpy scalars: plain numbers in meta.json
+            value = value.item()
         if isinstance(value, _SCALARS):
             scalars[key] = value
-            continue
-        if not _KEY_RE.match(key):
-            raise ValueError(f"save_checkpoint: extra key '{key}' cannot name a file")
-        records[f"{key}.pt"] = _torch_save(value, os.path.join(tmp, f"{key}.pt"))
-        extra_files.append(key)
-    meta = {
+        elif not _KEY_RE.match(key):
+            raise ValueError(f"{who}: extra key '{key}' cannot name a file")
+        else:
+            states[key] = value
+    return scalars, states
+
+
+def completion_meta(step: int, scalars: dict, records: dict, extra_files: list, **more) -> dict:
+    """meta.json of a finished checkpoint: the extra scalars, where and when it was written, its files with
+    their integrity records (relative path -> {"bytes", "sha256"}), `more` (e.g. the format) and the
+    completion marker."""
+    return {
         **scalars,
         "step": int(step),
         "time": time.time(),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": socket.gethostname(),
         "torch": torch.__version__,
+        **more,
         "files": list(records),
-        "extra_files": extra_files,
+        "extra_files": list(extra_files),
         "integrity": {"algo": INTEGRITY_ALGO, "files": {k: v for k, v in records.items() if v is not None}},
         "complete": True,
     }
-    _write_json(meta, os.path.join(tmp, META))  # the completion marker: last
+
+
+def publish(tmp: str, final: str, meta: dict) -> None:
+    """meta.json last (the completion marker), then the atomic rename of the temp directory to its final name
+    (a checkpoint of the same name is replaced; the old one is moved aside first and removed after)."""
+    _write_json(meta, os.path.join(tmp, META))
     _fsync_dir(tmp)
-
-
-def _publish(tmp: str, final: str, root: str, name: str) -> None:
-    """Rename the finished temp directory to its final name (replacing a checkpoint of the same step)."""
+    root = os.path.dirname(final)
     old = None
     if os.path.exists(final):
-        old = os.path.join(root, f".old-{name}-{os.getpid()}")
+        # pid and thread: an async writer (sharded.py) and the main thread never share a name
+        old = os.path.join(root, f".old-{os.path.basename(final)}-{os.getpid()}-{threading.get_ident()}")
         os.rename(final, old)
     os.rename(tmp, final)
     _fsync_dir(root)
@@ -542,25 +477,9 @@ def load_checkpoint(
     meta = _complete_meta(path)
     if verify:
         _refuse_damaged(path)
-    model_state = optim_state = None
-    sharded = meta.get("format", "canonical") == "sharded"
-    if sharded and (model is not None or optimizer is not None):  # DCP chunks (training/sharded.py), assembled here
-        from megassm.training.sharded import read_canonical
-
-        model_state, optim_state = read_canonical(path, optim=optimizer is not None)
-        _refuse_nonfinite(path, "model (sharded)", model_state)
-        if optimizer is not None:
-            if optim_state is None:
-                raise CheckpointError(f"checkpoint {path} has no optimizer state")
-            _refuse_nonfinite(path, "optimizer (sharded)", optim_state)
-    if model is not None and not sharded:
-        model_state = _torch_load(os.path.join(path, MODEL), map_location)
-        _refuse_nonfinite(path, MODEL, model_state)
-    if optimizer is not None and not sharded:
-        if OPTIM not in meta["files"]:
-            raise CheckpointError(f"checkpoint {path} has no optimizer state ({OPTIM})")
-        optim_state = _torch_load(os.path.join(path, OPTIM), map_location)
-        _refuse_nonfinite(path, OPTIM, optim_state)
+    model_state, optim_state = _read_states(path, meta, map_location, model is not None, optimizer is not None)
+    if optimizer is not None and optim_state is None:
+        raise CheckpointError(f"checkpoint {path} has no optimizer state ({OPTIM})")
     out = dict(meta)
     for key in meta.get("extra_files", []):
         out[key] = _torch_load(os.path.join(path, f"{key}.pt"), map_location)
@@ -592,20 +511,26 @@ def read_model_and_optim(path: str | os.PathLike, map_location: Any = "cpu", ver
     meta = _complete_meta(path)
     if verify:
         _refuse_damaged(path)
-    if meta.get("format", "canonical") == "sharded":  # training/sharded.py: the chunks assembled in this process
+    return _read_states(path, meta, map_location, True, True)
+
+
+def _read_states(path: str, meta: dict, map_location: Any, model: bool, optim: bool) -> tuple[dict | None, dict | None]:
+    """(model state, optimizer state) as asked for, None where not asked for or (optimizer) absent; a sharded
+    checkpoint's chunks are assembled in this process (training/sharded.py). Non-finite values are refused."""
+    if meta.get("format", "canonical") == "sharded":
         from megassm.training.sharded import read_canonical
 
-        model_state, optim_state = read_canonical(path)
-        _refuse_nonfinite(path, "model (sharded)", model_state)
-        if optim_state is not None:
-            _refuse_nonfinite(path, "optimizer (sharded)", optim_state)
-        return model_state, optim_state
-    model_state = _torch_load(os.path.join(path, MODEL), map_location)
-    _refuse_nonfinite(path, MODEL, model_state)
-    optim_state = None
-    if OPTIM in meta["files"]:
-        optim_state = _torch_load(os.path.join(path, OPTIM), map_location)
-        _refuse_nonfinite(path, OPTIM, optim_state)
+        model_state, optim_state = read_canonical(path, optim=optim) if model or optim else (None, None)
+        model_rel = optim_rel = "the sharded chunks"
+    else:
+        model_state = _torch_load(os.path.join(path, MODEL), map_location) if model else None
+        optim_state = _torch_load(os.path.join(path, OPTIM), map_location) if optim and OPTIM in meta["files"] else None
+        model_rel, optim_rel = MODEL, OPTIM
+    model_state = model_state if model else None  # read_canonical assembles the model state either way
+    if model_state is not None:
+        refuse_nonfinite(path, model_rel, model_state)
+    if optim_state is not None:
+        refuse_nonfinite(path, optim_rel, optim_state)
     return model_state, optim_state
 
 
@@ -687,7 +612,7 @@ def clean_temp_dirs(run_dir: str | os.PathLike) -> list[str]:
         path = os.path.join(root, name)
         if not name.startswith(_TEMP_PREFIXES):
             continue
-        m = re.match(r"^\.old-(step_\d{8,})-\d+$", name)
+        m = re.match(r"^\.old-(step_\d{8,})-\d+(?:-\d+)?$", name)  # pid, and the writer thread: publish()
         if m and not os.path.exists(os.path.join(root, m.group(1))) and is_complete(path):
             os.rename(path, os.path.join(root, m.group(1)))
             done.append(f"restored {m.group(1)} from {name}, left by a save killed while replacing it")

@@ -47,7 +47,7 @@ GiB = float(2 ** 30)
 #             (2 + 2 + 12; the ZeRO paper's K = 12); no autocast copies (the weights are bf16 already)
 #   fsdp2     the matmul weights (nn.Linear / nn.Embedding): fp32 shards, fp32 gradient shards and AdamW
 #             states over dp (ZeRO-3); the small per-channel parameters: fp32 replicas with their own grads and
-#             states (parallel/engines.py FSDP2Engine; `fsdp2_terms`). Gathered weights in the all-gather dtype
+#             states (parallel/fsdp2.py FSDP2Engine; `fsdp2_terms`). Gathered weights in the all-gather dtype
 #             (bf16 under bf16 training): the block being computed plus the prefetched ones (fsdp_reshard=block),
 #             or the whole model (micro_batch, step: kept from the forward to the backward); with fp32
 #             all-gathers under bf16 autocast, autocast's bf16 copies as under DDP
@@ -79,11 +79,10 @@ def fsdp2_terms(model, dp: int, gather_bytes: int, reshard: str, prefetch: int) 
     rank; `gather`: the weights all-gathered at once (gather_bytes each), the blocks in flight under
     reshard=block (the current one plus `prefetch`, the last block kept, the head with the root), the whole
     model under micro_batch / step."""
-    from torch import nn
+    from megassm.parallel.fsdp2 import sharded_params
 
     def matmul_numel(mod) -> int:
-        return sum(q.numel() for m in mod.modules() if isinstance(m, (nn.Linear, nn.Embedding))
-                   for q in m.parameters(recurse=False))
+        return sum(q.numel() for q in sharded_params(mod))
 
     total = sum(q.numel() for q in model.parameters())
     sharded = matmul_numel(model)

@@ -14,7 +14,8 @@ training/checkpoint.py):
         <key>.pt               the extra states as in the canonical layout (scheduler, data, rng, carried_states)
         meta.json              "format": "sharded", files, "integrity" (sha256 of every other file), "complete"
 
-DCP keys are `model.<canonical name>` (the single-device state dict) and `optim.<canonical name>.<state key>`
+sharded_chunks.py builds the chunk lists; this module runs DCP over them. DCP keys are `model.<canonical name>`
+(the single-device state dict) and `optim.<canonical name>.<state key>`
 (AdamW exp_avg / exp_avg_sq in the parameter's canonical shape, and the 0-dim step). A rank describes what it
 holds as chunks of the canonical tensors (offsets + a view of its local tensor):
   - TP (parallel/tp.py): each ShardSpec piece of the local tensor is one chunk at its canonical offset along the
@@ -40,11 +41,8 @@ from __future__ import annotations
 import concurrent.futures
 import io
 import logging
-import math
 import os
 import shutil
-import socket
-import threading
 import time
 
 import torch
@@ -61,7 +59,6 @@ CANONICAL, SHARDED = "canonical", "sharded"
 FORMATS = (CANONICAL, SHARDED)
 DCP_DIR = "dcp"
 LAYOUT = "layout.pt"
-_LAYOUT_VERSION = 1
 
 
 def checkpoint_format(path: str) -> str:
@@ -70,255 +67,9 @@ def checkpoint_format(path: str) -> str:
     return meta.get("format", CANONICAL)
 
 
-# ----------------------------------------------------------------------------------------------------
-# chunk geometry
-# ----------------------------------------------------------------------------------------------------
-def _canonical_shape(shape, spec) -> tuple:
-    s = list(shape)
-    if spec is not None:
-        s[spec.dim] = sum(pc.size for pc in spec.pieces)
-    return tuple(s)
-
-
-def _to_canonical(offsets: tuple, t: torch.Tensor, spec, tp_rank: int) -> list:
-    """A box of a TP-local tensor (offsets in the local tensor, view t) as boxes of the canonical tensor: one per
-    ShardSpec piece it crosses (parallel/tp.py: piece j of the local tensor along spec.dim is slice parts[rank]
-    of component j)."""
-    if spec is None:
-        return [(tuple(offsets), t)]
-    d = spec.dim
-    b0, b1 = offsets[d], offsets[d] + t.shape[d]
-    out, loff, coff = [], 0, 0
-    for pc in spec.pieces:
-        ln = pc.size // pc.nparts
-        lo, hi = max(b0, loff), min(b1, loff + ln)
-        if lo < hi:
-            o = list(offsets)
-            o[d] = coff + pc.parts[tp_rank] * ln + (lo - loff)
-            out.append((tuple(o), t.narrow(d, lo - b0, hi - lo)))
-        loff += ln
-        coff += pc.size
-    return out
-
-
-def _split_rows(offsets: tuple, t: torch.Tensor, r: int, n_rep: int) -> list:
-    """Replica r's share of a replicated chunk: row block r of n_rep (0-dim tensors: replica 0)."""
-    if n_rep == 1:
-        return [(offsets, t)]
-    if t.dim() == 0:
-        return [(offsets, t)] if r == 0 else []
-    n = t.shape[0]
-    a, b = r * n // n_rep, (r + 1) * n // n_rep
-    if a == b:
-        return []
-    o = list(offsets)
-    o[0] += a
-    return [(tuple(o), t.narrow(0, a, b - a))]
-
-
-def flat_boxes(shape, a: int, b: int) -> list:
-    """The flat element range [a, b) of a row-major tensor of `shape` as boxes (offsets, sizes), in order; each
-    box is contiguous in the flat order, so the range's flat values viewed per box tile it."""
-    shape = tuple(shape)
-    if a >= b:
-        return []
-    if len(shape) <= 1:
-        return [((a,) if shape else (), (b - a,) if shape else ())]
-    inner = math.prod(shape[1:])
-    r0, r1 = a // inner, (b - 1) // inner
-    if r0 == r1:
-        return [((r0,) + o, (1,) + s) for o, s in flat_boxes(shape[1:], a - r0 * inner, b - r0 * inner)]
-    out = []
-    if a % inner:
-        out += [((r0,) + o, (1,) + s) for o, s in flat_boxes(shape[1:], a - r0 * inner, inner)]
-        r0 += 1
-    full = b // inner
-    if full > r0:
-        out.append(((r0,) + (0,) * (len(shape) - 1), (full - r0,) + shape[1:]))
-    if b % inner:
-        out += [((full,) + o, (1,) + s) for o, s in flat_boxes(shape[1:], 0, b - full * inner)]
-    return out
-
-
-def _held(t: torch.Tensor) -> tuple[list, tuple, bool]:
-    """(boxes, local-layout shape, replicated): the boxes (offsets, view) of `t` this rank holds, in the
-    coordinates of the (TP-local) tensor whose shape is returned; replicated: a plain tensor every data-parallel
-    replica holds whole."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(t, DTensor):
-        local = t.to_local()
-        if local.numel() == 0:
-            return [], tuple(t.shape), False
-        (chunk,) = t.__create_chunk_list__()
-        return [(tuple(chunk.offsets), local)], tuple(t.shape), False
-    return [((0,) * t.dim(), t)], tuple(t.shape), True
-
-
-# ----------------------------------------------------------------------------------------------------
-# what this rank holds: {dcp key: (canonical shape, [(offsets, tensor view)])}
-# ----------------------------------------------------------------------------------------------------
-def _context(model):
-    from megassm.parallel import pp as ppl
-    from megassm.parallel.tp import plan_of
-
-    inner = ckpt.unwrap_model(ppl._unwrap(model))
-    tplan, pplan = plan_of(inner), ppl.pp_plan_of(inner)
-    gname = pplan.global_name if pplan is not None else (lambda n: n)
-    return inner, tplan, pplan, gname
-
-
-def _replicas(groups) -> tuple[int, int]:
-    """(index of this rank among the ranks holding the same local states, their number): DP x CP."""
-    if groups is None:
-        return 0, 1
-    return groups.dp_rank * groups.cp + groups.cp_rank, groups.dp * groups.cp
-
-
-def _add(entries: dict, key: str, shape: tuple, boxes: list) -> None:
-    ent = entries.setdefault(key, (shape, []))
-    if ent[0] != shape:
-        raise RuntimeError(f"sharded checkpoint: '{key}' has canonical shape {shape} and {ent[0]}")
-    ent[1].extend(boxes)
-
-
-def _tensor_boxes(t, spec, tp_rank: int, rep: tuple | None) -> tuple[tuple, list]:
-    """(canonical shape, canonical boxes) of tensor t (a parameter / state of this rank); `rep` = (r, n) splits a
-    replicated tensor's chunks over its replicas (saving), None keeps them whole (loading targets)."""
-    held, shape, replicated = _held(t)
-    out = []
-    for offs, view in held:
-        for co, cv in _to_canonical(offs, view, spec, tp_rank):
-            out += _split_rows(co, cv, *rep) if (rep is not None and replicated) else [(co, cv)]
-    return _canonical_shape(shape, spec), out
-
-
-def canonical_param_names(model, optimizer, engine=None) -> list[str]:
-    """The canonical optimizer order (the index of a parameter in optim.pt): the single-device optimizer's
-    parameter order by global name."""
-    inner, _, pplan, gname = _context(model)
-    if pplan is not None:
-        return list(pplan.decay_names) + list(pplan.no_decay_names)
-    if engine is not None and getattr(engine, "name", None) == "deepspeed":
-        return [n for names in engine._names for n in names]
-    name_of = {id(p): n for n, p in inner.named_parameters()}
-    return [gname(name_of[id(p)]) for g in optimizer.param_groups for p in g["params"]]
-
-
-def _optimizer_params(optimizer, inner, gname) -> list:
-    """[(global name, param)] in this optimizer's (local) order."""
-    name_of = {id(p): n for n, p in inner.named_parameters()}
-    return [(gname(name_of[id(p)]), p) for g in optimizer.param_groups for p in g["params"]]
-
-
-def _is_zero1(optimizer) -> bool:
-    return hasattr(optimizer, "flat") and hasattr(optimizer, "_views")
-
-
-def _zero1_boxes(p, a: int, b: int, flat_state: torch.Tensor, spec, tp_rank: int) -> list:
-    """Canonical boxes of a ZeRO-1 piece [a, b) of parameter p whose state values are `flat_state` ((b - a,))."""
-    out = []
-    for offs, sizes in flat_boxes(p.shape, a, b):
-        start = _flat_index(p.shape, offs) - a
-        view = flat_state[start:start + math.prod(sizes)].view(sizes)
-        out += _to_canonical(offs, view, spec, tp_rank)
-    return out
-
-
-def _flat_index(shape, offs) -> int:
-    idx, stride = 0, 1
-    for d in range(len(shape) - 1, -1, -1):
-        idx += offs[d] * stride
-        stride *= shape[d]
-    return idx
-
-
-@torch.no_grad()
-def _save_entries(model, optimizer, groups) -> dict:
-    """This rank's pieces of the canonical model and optimizer states, replicas split (views, not copies)."""
-    from megassm.parallel import pp as ppl
-
-    inner, tplan, pplan, gname = _context(model)
-    tp_rank = tplan.rank if tplan is not None else 0
-    rep = _replicas(groups)
-    skip = ppl._tied_copy(pplan) if pplan is not None else set()
-    entries: dict = {}
-    for name, t in inner.state_dict().items():
-        g = gname(name)
-        if g in skip:
-            continue
-        spec = tplan.specs.get(name) if tplan is not None else None
-        shape, boxes = _tensor_boxes(t, spec, tp_rank, rep)
-        _add(entries, "model." + g, shape, boxes)
-    if optimizer is None:
-        return entries
-    local_name = {id(p): n for n, p in inner.named_parameters()}
-    if _is_zero1(optimizer):  # this rank's flat pieces: disjoint over DP, no replica split
-        states = optimizer._piece_states()
-        for (p, a, b, _), st in zip(optimizer._views, states):
-            name = local_name[id(p)]
-            g = gname(name)
-            spec = tplan.specs.get(name) if tplan is not None else None
-            cshape = _canonical_shape(p.shape, spec)
-            for k, v in st.items():
-                if torch.is_tensor(v) and v.dim() == 0:
-                    _add(entries, f"optim.{g}.{k}", (), [((), v)])
-                elif torch.is_tensor(v):
-                    _add(entries, f"optim.{g}.{k}", cshape, _zero1_boxes(p, a, b, v, spec, tp_rank))
-                else:
-                    raise RuntimeError(f"sharded checkpoint: optimizer state '{k}' of '{g}' is not a tensor")
-        return entries
-    for g, p in _optimizer_params(optimizer, inner, gname):
-        if g in skip:
-            continue
-        spec = tplan.specs.get(local_name[id(p)]) if tplan is not None else None
-        for k, v in optimizer.state.get(p, {}).items():
-            if torch.is_tensor(v) and v.dim() == 0:
-                _add(entries, f"optim.{g}.{k}", (), [((), v)])  # every holder offers it: DCP writes it once
-            elif torch.is_tensor(v) and tuple(v.shape) == tuple(p.shape):
-                shape, boxes = _tensor_boxes(v, spec, tp_rank, rep)
-                _add(entries, f"optim.{g}.{k}", shape, boxes)
-            else:
-                raise RuntimeError(f"sharded checkpoint: optimizer state '{k}' of '{g}' is neither a scalar nor "
-                                   "shaped like its parameter (only AdamW-like optimizers are supported)")
-    return entries
-
-
-def _entries_from_canonical(model_state: dict, optim_state: dict | None, param_names: list) -> dict:
-    """Full canonical tensors as single chunks (the converter; DeepSpeed's gathered states on rank 0)."""
-    entries = {}
-    for k, v in model_state.items():
-        entries["model." + k] = (tuple(v.shape), [((0,) * v.dim(), v)])
-    if optim_state is not None:
-        for i, st in optim_state["state"].items():
-            name = param_names[int(i)]
-            for k, v in st.items():
-                if not torch.is_tensor(v):
-                    raise ValueError(f"optimizer state '{k}' of '{name}' is not a tensor ({type(v).__name__})")
-                entries[f"optim.{name}.{k}"] = (tuple(v.shape), [((0,) * v.dim(), v)])
-    return entries
-
-
-def _layout(model_keys: list, param_names: list, param_groups: list, state_keys: list) -> dict:
-    return {"version": _LAYOUT_VERSION, "model_keys": list(model_keys), "param_names": list(param_names),
-            "param_groups": param_groups, "state_keys": list(state_keys)}
-
-
-def _canonical_groups(optimizer) -> list:
-    groups, off = [], 0
-    for g in optimizer.param_groups:
-        n = len(g["params"])
-        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(off, off + n))})
-        off += n
-    return groups
-
-
-def _state_keys(optimizer) -> list:
-    st = optimizer._piece_states() if _is_zero1(optimizer) else list(optimizer.state.values())
-    for s in st:
-        if s:
-            return list(s.keys())
-    return ["step", "exp_avg", "exp_avg_sq"]
+from megassm.training.sharded_chunks import (canonical_groups, canonical_param_names, canonical_shape,
+                                             entries_from_canonical, is_zero1, layout_record, model_context,
+                                             optimizer_params, save_entries, state_keys, tensor_boxes, zero1_boxes)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -488,13 +239,13 @@ def write_sharded_from_canonical(out_dir: str, model_state: dict, optim_state: d
         n = sum(len(g["params"]) for g in optim_state["param_groups"])
         if n != len(param_names):
             raise ValueError(f"the optimizer state has {n} parameters, the parameter names {len(param_names)}")
-    entries = _entries_from_canonical(model_state, optim_state, param_names)
+    entries = entries_from_canonical(model_state, optim_state, param_names)
     _dcp_save(entries, os.path.join(out_dir, DCP_DIR), None, no_dist=True)
     keys = []
     if optim_state is not None:
         for st in optim_state["state"].values():
             keys += [k for k in st if k not in keys]
-    layout = _layout(list(model_state), param_names, optim_state["param_groups"] if optim_state else [],
+    layout = layout_record(list(model_state), param_names, optim_state["param_groups"] if optim_state else [],
                      keys or ["step", "exp_avg", "exp_avg_sq"])
     ckpt._torch_save(layout, os.path.join(out_dir, LAYOUT))
 
@@ -506,10 +257,6 @@ def write_canonical(out_dir: str, model_state: dict, optim_state: dict | None) -
         ckpt._torch_save(optim_state, os.path.join(out_dir, ckpt.OPTIM))
         files.append(ckpt.OPTIM)
     return files
-
-
-def integrity(root: str, files: list[str]) -> dict:
-    return ckpt.integrity_record(root, files)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -528,12 +275,12 @@ def load_sharded(path: str, model, optimizer, groups=None, engine=None) -> None:
         return
     layout = read_layout(path)
     md = _dcp_metadata(path)
-    inner, tplan, pplan, gname = _context(model)
+    inner, tplan, pplan, gname = model_context(model)
     tp_rank = tplan.rank if tplan is not None else 0
     targets, shapes = {}, {}
     for name, t in inner.state_dict().items():
         spec = tplan.specs.get(name) if tplan is not None else None
-        shape, boxes = _tensor_boxes(t, spec, tp_rank, None)
+        shape, boxes = tensor_boxes(t, spec, tp_rank, None)
         key = "model." + gname(name)
         targets.setdefault(key, []).extend(boxes)
         shapes[key] = shape
@@ -570,7 +317,7 @@ def _optimizer_targets(optimizer, inner, tplan, gname, layout, md, targets, shap
         shapes[key] = ()
         return t
 
-    if _is_zero1(optimizer):
+    if is_zero1(optimizer):
         full: dict = {}  # param -> {state key: full local-shaped tensor, only the owned pieces filled}
         for p, a, b, v in optimizer._views:
             name = local_name[id(p)]
@@ -588,8 +335,8 @@ def _optimizer_targets(optimizer, inner, tplan, gname, layout, md, targets, shap
                 if k not in st:
                     st[k] = torch.zeros(p.shape, dtype=p.dtype)
                 flat = st[k].view(-1)[a:b]
-                targets.setdefault(key, []).extend(_zero1_boxes(p, a, b, flat, spec, tp_rank))
-                shapes[key] = _canonical_shape(p.shape, spec)
+                targets.setdefault(key, []).extend(zero1_boxes(p, a, b, flat, spec, tp_rank))
+                shapes[key] = canonical_shape(p.shape, spec)
 
         def fill_zero1():
             ordered = [p for g in optimizer.param_groups for p in g["params"]]
@@ -600,7 +347,7 @@ def _optimizer_targets(optimizer, inner, tplan, gname, layout, md, targets, shap
         return fill_zero1
 
     state = {}
-    for i, (g, p) in enumerate(_optimizer_params(optimizer, inner, gname)):
+    for i, (g, p) in enumerate(optimizer_params(optimizer, inner, gname)):
         name = local_name[id(p)]
         spec = tplan.specs.get(name) if tplan is not None else None
         st = {}
@@ -617,7 +364,7 @@ def _optimizer_targets(optimizer, inner, tplan, gname, layout, md, targets, shap
                                          run_check=False)
             else:
                 local = val = torch.empty_like(p, memory_format=torch.contiguous_format).detach()
-            shape, boxes = _tensor_boxes(val.detach() if not isinstance(val, DTensor) else val, spec, tp_rank, None)
+            shape, boxes = tensor_boxes(val.detach() if not isinstance(val, DTensor) else val, spec, tp_rank, None)
             targets.setdefault(key, []).extend(boxes)
             shapes[key] = shape
             st[k] = val
@@ -632,7 +379,7 @@ def _optimizer_targets(optimizer, inner, tplan, gname, layout, md, targets, shap
 
 
 def _canonical_groups_ids(optimizer) -> list:
-    return [g["params"] for g in _canonical_groups(optimizer)]
+    return [g["params"] for g in canonical_groups(optimizer)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -714,11 +461,11 @@ class ShardedCheckpointer:
                             "gathered to rank 0 (engine.gather_states) and written from there")
             msd, osd = engine.gather_states()
             names = canonical_param_names(model, optimizer, engine)
-            entries = _entries_from_canonical(msd, osd, names) if self.rank == 0 else {}
-            layout = _layout(list(msd), names, osd["param_groups"], ["step", "exp_avg", "exp_avg_sq"]) \
+            entries = entries_from_canonical(msd, osd, names) if self.rank == 0 else {}
+            layout = layout_record(list(msd), names, osd["param_groups"], ["step", "exp_avg", "exp_avg_sq"]) \
                 if self.rank == 0 else None
         else:
-            entries = _save_entries(model, optimizer, self.groups)
+            entries = save_entries(model, optimizer, self.groups)
             layout = self._layout(model, optimizer)
         if self.async_save:
             entries = self._stage(entries)
@@ -735,7 +482,7 @@ class ShardedCheckpointer:
         return final
 
     def _layout(self, model, optimizer) -> dict | None:
-        inner, tplan, pplan, gname = _context(model)
+        inner, tplan, pplan, gname = model_context(model)
         names = canonical_param_names(model, optimizer) if optimizer is not None else []
         if pplan is not None:
             model_keys = list(pplan.state_names)
@@ -762,31 +509,20 @@ class ShardedCheckpointer:
                         off += len(ns)
         else:
             model_keys = [gname(k) for k in inner.state_dict()]
-            groups = _canonical_groups(optimizer) if optimizer is not None else []
+            groups = canonical_groups(optimizer) if optimizer is not None else []
         if self.rank != 0:
             return None
-        return _layout(model_keys, names, groups or [], _state_keys(optimizer) if optimizer is not None else [])
+        return layout_record(model_keys, names, groups or [], state_keys(optimizer) if optimizer is not None else [])
 
     @staticmethod
     def _payload(extra: dict, layout: dict) -> dict:
-        scalars, files = {}, {}
-        for key, value in (extra or {}).items():
-            if key in ("step", "time", "complete", "files", "extra_files", "format", "integrity") or key in ckpt._RESERVED:
-                raise ValueError(f"sharded checkpoint: extra key '{key}' is reserved")
-            if hasattr(value, "item") and not torch.is_tensor(value) and getattr(value, "ndim", 1) == 0:
-                value = value.item()
-            if isinstance(value, ckpt._SCALARS):
-                scalars[key] = value
-                continue
-            if not ckpt._KEY_RE.match(key):
-                raise ValueError(f"sharded checkpoint: extra key '{key}' cannot name a file")
+        scalars, states = ckpt.split_extra(extra, "sharded checkpoint")
+        files = {}
+        for key, value in {**{f"{k}.pt": v for k, v in states.items()}, LAYOUT: layout}.items():
             buf = io.BytesIO()
             torch.save(value, buf)
-            files[f"{key}.pt"] = buf.getvalue()
-        buf = io.BytesIO()
-        torch.save(layout, buf)
-        files[LAYOUT] = buf.getvalue()
-        return {"scalars": scalars, "files": files, "extra_files": [f[:-3] for f in files if f != LAYOUT]}
+            files[key] = buf.getvalue()
+        return {"scalars": scalars, "files": files, "extra_files": list(states)}
 
     # -- the write (background thread with async_save) ---------------------------------------------------
     def _write(self, entries, tmp, final, run_dir, step, payload, t0) -> str:
@@ -818,21 +554,9 @@ class ShardedCheckpointer:
         if set(merged) != on_disk:
             raise RuntimeError(f"sharded checkpoint {tmp}: files {sorted(on_disk ^ set(merged))} were not "
                                "accounted for by the ranks")
-        meta = {
-            **payload["scalars"],
-            "step": int(step),
-            "time": time.time(),
-            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "host": socket.gethostname(),
-            "torch": torch.__version__,
-            "format": SHARDED,
-            "world_size": self.world,
-            "files": sorted(merged),
-            "extra_files": payload["extra_files"],
-            "integrity": {"algo": "sha256", "files": {k: merged[k] for k in sorted(merged)}},
-            "complete": True,
-        }
-        publish(tmp, final, meta)
+        meta = ckpt.completion_meta(step, payload["scalars"], {k: merged[k] for k in sorted(merged)},
+                                    payload["extra_files"], format=SHARDED, world_size=self.world)
+        ckpt.publish(tmp, final, meta)
         total = sum(r["bytes"] for r in merged.values())
         self.last_stats = {**self.last_stats, "complete_s": time.perf_counter() - t0, "bytes": total}
         log.info("sharded checkpoint %s complete: %d files, %.3f GB, %.2fs after the step boundary", final,
@@ -846,20 +570,3 @@ class ShardedCheckpointer:
         finally:
             if self.pool is not None:
                 self.pool.shutdown(wait=True)
-
-
-def publish(tmp: str, final: str, meta: dict) -> None:
-    """meta.json last (the completion marker), then the atomic rename of `tmp` to `final` (replacing an older
-    checkpoint of the same name), as save_checkpoint does."""
-    ckpt._write_json(meta, os.path.join(tmp, ckpt.META))
-    ckpt._fsync_dir(tmp)
-    root = os.path.dirname(final)
-    old = None
-    if os.path.exists(final):
-        old = os.path.join(root, f".old-{os.path.basename(final)}-{os.getpid()}-{threading.get_ident()}")
-        os.rename(final, old)
-    os.rename(tmp, final)
-    ckpt._fsync_dir(root)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-

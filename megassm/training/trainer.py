@@ -2,15 +2,14 @@
 
     Trainer(cfg).fit()
 
-Single device for now (CPU, or one GPU with bf16 autocast). Parallel plans (TP/SP -> CP -> PP ->
-activation checkpointing -> compile -> data parallel) are applied to the model from outside by their
-own modules when they exist; until then a multi-process launch is refused before any compute.
+CPU, one GPU with bf16 autocast, or one process per rank under torchrun. The parallel plans (TP/SP -> CP ->
+PP -> activation checkpointing -> the data-parallel engine) are applied to the model from outside by their own
+modules (megassm/parallel); what a layout may combine is checked first (checks.py), the run's identity in its
+config is run_config.py's.
 """
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import math
 import os
@@ -19,16 +18,19 @@ from dataclasses import dataclass
 
 import torch
 
-from megassm.config import Config, ConfigError, config_to_dict, data_parallel_size, dump_config, world_size
+from megassm.config import Config, ConfigError, data_parallel_size, dump_config
 from megassm.models.coffee import deer_stats
 from megassm.parallel import runtime as prt
-from megassm.parallel.engines import build_engine, check_engine
+from megassm.parallel.engines import build_engine
 from megassm.training import checkpoint as ckpt
 from megassm.training import consensus, faults, preemption, runlock
 from megassm.training.failures import RunIOError, describe_os_error, one_line
 from megassm.training.flops import flops_per_sequence, mfu, peak_flops_for
 from megassm.training.metrics import MetricsLogger, ProgressBar, memory_scalars
 from megassm.training.optim import LRScheduler, build_optimizer
+from megassm.training.checks import autocast_dtype, check_supported, pick_device
+from megassm.training.run_config import (config_differences, config_hash, legacy_hash_matches,
+                                         write_resolved_config)
 from megassm.training.sharded import SHARDED, canonical_param_names, checkpoint_format, load_sharded
 
 log = logging.getLogger("megassm.train")
@@ -50,161 +52,6 @@ class NonFiniteLossError(RuntimeError):
     """Training produced a NaN/inf loss or gradient norm; the message names the last good checkpoint."""
 
 
-def check_supported(cfg: Config) -> None:
-    """Refuse layouts this build cannot run yet, before any model is built or a GPU is touched."""
-    p = cfg.parallel
-    if p.pp > 1 and p.cp > 1:
-        raise ConfigError(f"parallel.pp={p.pp} with parallel.cp={p.cp}: pipeline parallelism combined with context "
-                          "parallelism is not built; set one of them to 1 (PP x TP x DP is)")
-    if p.sp and p.tp == 1:
-        raise ConfigError("parallel.sp=true needs parallel.tp > 1 (sequence parallelism shards over the TP group)")
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size(cfg) != 1 and launched != world_size(cfg):
-        raise ConfigError(
-            f"parallel.tp={p.tp} with world size {world_size(cfg)} but WORLD_SIZE={os.environ.get('WORLD_SIZE', '1')}: "
-            "launch one process per rank with torchrun (torchrun --nproc_per_node N -m megassm.train ...)"
-        )
-    if p.world_size is not None and launched != p.world_size:  # e.g. 1 in the config, 2 processes launched
-        raise ConfigError(f"parallel.world_size={p.world_size}, but the launcher started {launched} processes "
-                          f"(WORLD_SIZE={launched}): set parallel.world_size={launched}, or leave it unset to follow "
-                          "the launcher")
-    check_engine(cfg)  # DDP / FSDP2 / DeepSpeed layouts (parallel/engines.py)
-    if cfg.train.bptt_windows != 1 and not cfg.train.bptt:
-        raise ConfigError(f"train.bptt_windows={cfg.train.bptt_windows} needs train.bptt=true")
-    if cfg.train.bptt and p.pp > 1 and cfg.train.bptt_windows > 1:  # BPTT: training/bptt.py, docs/bptt.md
-        raise ConfigError(
-            f"train.bptt_windows={cfg.train.bptt_windows} with parallel.pp={p.pp}: backpropagating through several "
-            "windows would need one graph across several pipeline schedule runs; pipeline stages carry state with "
-            "truncated BPTT (train.bptt_windows=1)"
-        )
-    if cfg.train.cuda_graph:
-        _check_cuda_graph(cfg)
-    _check_group_builder(cfg)
-    if cfg.train.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device=cuda but no CUDA device is visible (use train.device=auto or cpu)")
-    if cfg.train.precision == "bf16" and _pick_device(cfg).type == "cpu":
-        log.warning("train.precision=bf16 on CPU: autocast to bf16 on CPU is slow; fp32 is the CPU default")
-
-
-def _check_group_builder(cfg: Config) -> None:
-    """MEGASSM_PROCESS_GROUPS (parallel/state.py): a known value, and megatron-core installed when it is asked
-    for by a multi-process run."""
-    import importlib.util
-
-    from megassm.parallel.state import group_builder
-
-    try:
-        builder = group_builder()
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if builder == "megatron" and world_size(cfg) > 1 and importlib.util.find_spec("megatron") is None:
-        raise ConfigError("MEGASSM_PROCESS_GROUPS=megatron, but megatron-core is not installed "
-                          "(pip install megatron-core, or MEGASSM_PROCESS_GROUPS=auto)")
-
-
-def _check_cuda_graph(cfg: Config) -> None:
-    """train.cuda_graph=true: refuse what a captured micro-batch cannot hold (training/cuda_graph.py)."""
-    from megassm.config import blocks_of
-    from megassm.training.cuda_graph import GRAPH_SAFE_LETTERS
-
-    p, t = cfg.parallel, cfg.train
-    why = None
-    if p.tp > 1 or p.cp > 1 or p.pp > 1:
-        why = (f"parallel.tp={p.tp}, parallel.cp={p.cp}, parallel.pp={p.pp}: their collectives run inside the "
-               "forward and backward; only data parallelism (parallel.engine=ddp) combines with it")
-    elif p.engine != "ddp" and data_parallel_size(cfg) > 1:
-        why = f"parallel.engine={p.engine}: FSDP2 and DeepSpeed hook the backward; use parallel.engine=ddp"
-    elif t.bptt:
-        why = "train.bptt=true: the carried state changes between windows"
-    elif t.activation_checkpointing:
-        why = "train.activation_checkpointing=true: recomputation under a capture is not tested"
-    else:
-        bad = sorted(set(blocks_of(cfg.model.pattern)) - set(GRAPH_SAFE_LETTERS))
-        if bad:
-            why = (f"model.pattern='{cfg.model.pattern}' has block(s) {', '.join(repr(c) for c in bad)}: their forward "
-                   "reads values on the host (attention picks its causal kernel per batch, COFFEE tests values, "
-                   "B'MOJO counts memory groups per batch of packed documents); graph-safe blocks: " + ", ".join(f"{k} {v}" for k, v in GRAPH_SAFE_LETTERS.items()))
-    if why is not None:
-        raise ConfigError(f"train.cuda_graph=true: {why}")
-
-
-def _pick_device(cfg: Config) -> torch.device:
-    if cfg.train.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(cfg.train.device)
-
-
-def _autocast_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
-    """None means plain fp32; otherwise autocast to this dtype (parameters stay fp32 masters)."""
-    prec = cfg.train.precision
-    if prec == "auto":
-        prec = "bf16" if device.type == "cuda" else "fp32"
-    return torch.bfloat16 if prec == "bf16" else None
-
-
-# keys that cannot change what a run computes (where it writes, what it shows, when it checkpoints): a resume
-# that changes only these is the same run
-RUN_ONLY_KEYS = frozenset({
-    "run.dir", "run.resume", "run.progress", "run.tensorboard", "run.save_interval", "run.save_final",
-    "run.keep_last", "run.lock_stale_s", "train.log_interval", "data.prefetch", "data.cache_dir",
-    "parallel.timeout_s", "run.profile_step", "run.profile_trace", "parallel.fsdp_prefetch",
-})
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def run_defining_config(cfg: Config) -> dict:
-    """The config as dotted keys, without RUN_ONLY_KEYS."""
-    return {k: v for k, v in _flatten(config_to_dict(cfg)).items() if k not in RUN_ONLY_KEYS}
-
-
-def config_hash(cfg: Config) -> str:
-    """Fingerprint of what the config makes a run compute (RUN_ONLY_KEYS left out)."""
-    return hashlib.sha256(json.dumps(run_defining_config(cfg), sort_keys=True).encode()).hexdigest()[:16]
-
-
-def config_differences(saved_yaml: str, cfg: Config) -> list[str]:
-    """'key: A in the checkpoint, B now' for each run-defining key whose value differs from the config a
-    checkpoint was saved with (meta.json's "config")."""
-    import yaml
-
-    saved = {k: v for k, v in _flatten(yaml.safe_load(saved_yaml) or {}).items() if k not in RUN_ONLY_KEYS}
-    now = run_defining_config(cfg)
-    return [f"{k}: {saved.get(k, '(absent)')!r} in the checkpoint, {now.get(k, '(absent)')!r} now"
-            for k in sorted(set(saved) | set(now)) if saved.get(k, "(absent)") != now.get(k, "(absent)")]
-
-
-def _legacy_hash_matches(saved: str | None, cfg: Config) -> bool:
-    """Checkpoints saved before meta.json held the config: their hash covered the whole dump, run.resume too."""
-    import copy
-
-    for resume in {cfg.run.resume, "none", "auto"}:
-        c = copy.deepcopy(cfg)
-        c.run.resume = resume
-        if hashlib.sha256(dump_config(c).encode()).hexdigest()[:16] == saved:
-            return True
-    return False
-
-
-def write_resolved_config(cfg: Config, run_dir: str) -> str:
-    """Write run_dir/config.yaml atomically: temp name, then rename."""
-    os.makedirs(run_dir, exist_ok=True)
-    path = os.path.join(run_dir, "config.yaml")
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(dump_config(cfg))
-    os.replace(tmp, path)
-    return path
-
-
 @dataclass
 class StepResult:
     loss: float
@@ -219,10 +66,10 @@ class Trainer:
     def __init__(self, cfg: Config):
         check_supported(cfg)
         self.cfg = cfg
-        self.device = _pick_device(cfg)
+        self.device = pick_device(cfg)
         # multi-process: torch.distributed from torchrun's env, groups from megatron-core (megassm.parallel)
         self.groups, self.device = prt.setup(cfg, self.device)
-        self.amp_dtype = _autocast_dtype(cfg, self.device)
+        self.amp_dtype = autocast_dtype(cfg, self.device)
         if cfg.train.cuda_graph and self.device.type != "cuda":  # the layout was checked above; this run's device
             raise ConfigError(f"train.cuda_graph=true needs a CUDA device; this run uses {self.device}")
         self.run_dir = cfg.run.dir
@@ -430,7 +277,7 @@ class Trainer:
                 total += out.loss.item()
                 n += 1
         self.model.train()
-        self.engine.release()  # FSDP2: weights the evaluation gathered (parallel/engines.py)
+        self.engine.release()  # FSDP2: weights the evaluation gathered (parallel/fsdp2.py)
         if n == 0:
             return {}
         val = float(prt.mean_over_dp(torch.tensor(total / n, device=self.device), self.groups))
@@ -594,7 +441,7 @@ class Trainer:
             if diffs:
                 log.warning("resuming %s with a config that differs from the one it was saved with: %s", path,
                             "; ".join(diffs))
-        elif meta.get("config_hash") != config_hash(self.cfg) and not _legacy_hash_matches(meta.get("config_hash"),
+        elif meta.get("config_hash") != config_hash(self.cfg) and not legacy_hash_matches(meta.get("config_hash"),
                                                                                             self.cfg):
             log.warning("resuming %s with a config that differs from the one it was saved with (an older checkpoint "
                         "without its config: the keys cannot be named)", path)
@@ -605,13 +452,11 @@ class Trainer:
         def local(t):
             return t.to_local() if hasattr(t, "to_local") else t
 
-        bad = [n for n, q in self.model.named_parameters() if not torch.isfinite(local(q)).all()]
+        ckpt.refuse_nonfinite(path, "the model (this rank's pieces)",
+                              {n: local(q) for n, q in self.model.named_parameters()})
         state = getattr(self.optimizer, "state", {}) or {}
-        bad += [f"optimizer {k}" for st in state.values() for k, v in st.items()
-                if torch.is_tensor(v) and v.is_floating_point() and not torch.isfinite(local(v)).all()]
-        if bad:
-            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-            raise ckpt.CheckpointDamagedError(f"checkpoint {path}: non-finite values in {', '.join(bad[:3])}{more}")
+        ckpt.refuse_nonfinite(path, "the optimizer (this rank's pieces)",
+                              [{k: local(v) for k, v in st.items() if torch.is_tensor(v)} for st in state.values()])
 
     def _load(self, path: str) -> None:
         """Load a verified checkpoint into this rank's model, optimizer, scheduler, data, carried states and RNG."""

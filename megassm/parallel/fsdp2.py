@@ -1,0 +1,219 @@
+"""The fsdp2 engine (`parallel.engine=fsdp2`): torch fully_shard over the data-parallel group, with bf16
+all-gathers of the matmul weights and fp32 replicas of the small per-channel parameters (FSDP2Engine;
+docs/parallelism.md "Data-parallel engines")."""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+
+import torch
+
+from megassm.config import ConfigError
+
+from .dp import allreduce_grads
+from .engines import Engine
+
+log = logging.getLogger("megassm.parallel.engines")
+
+__all__ = ["FSDP2Engine", "fsdp_param_dtype", "sharded_params"]
+
+
+# the blocks whose matmul weights FSDP2 may gather in bf16: their Linear weights are consumed by F.linear
+# only (the seed mixers read some of theirs inside their own kernels, which take them as DDP gives them: fp32)
+_BF16_GATHER_KINDS = ("M", "*", "-")
+
+
+def sharded_params(module) -> list:
+    """Parameters of the nn.Linear / nn.Embedding modules under `module` (TP's parallel layers included):
+    the ones FSDP2 shards (the memory estimate prices them the same way). Everything else (norm weights,
+    A_log, dt_bias, D, conv weights and biases) is small and stays an fp32 replica on every DP rank."""
+    from torch import nn
+
+    return [p for m in module.modules() if isinstance(m, (nn.Linear, nn.Embedding)) for p in m.parameters(recurse=False)]
+
+
+class FSDP2Engine(Engine):
+    """torch fully_shard (FSDP2) over the DP group: one unit per residual block, the untied embedding its own
+    unit, the root (head) last. The matmul weights (nn.Linear / nn.Embedding) are sharded: fp32 shards, fp32
+    AdamW states, and with bf16 training they are all-gathered in bf16 (MixedPrecisionPolicy param_dtype,
+    parallel.fsdp_param_dtype), so no per-op autocast cast and no autocast weight cache exist; their gradients
+    are reduce-scattered in parallel.fsdp_reduce_dtype (fp32 by default) after every micro-batch's backward
+    into fp32 shards. The small per-channel parameters (norms, A_log, dt_bias, D, conv) are left out of FSDP
+    (ignored_params): fp32 replicas that the kernels read in fp32 as under DDP, their gradients averaged by one
+    flat all-reduce per step. Block inputs are not cast (cast_forward_inputs=False): the residual stream stays
+    fp32. parallel.fsdp_prefetch blocks ahead are all-gathered explicitly in forward and backward (the forward
+    reads seq_idx on the host at attention blocks, so the CPU cannot be relied on to run ahead)."""
+
+    name = "fsdp2"
+    handles_states = True
+
+    def __init__(self, model, groups, cfg, device, bf16: bool = False):
+        super().__init__(model, groups, cfg)
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+        p = cfg.parallel
+        mesh = DeviceMesh.from_group(groups.dp_group, device.type)
+        gather = fsdp_param_dtype(p.fsdp_param_dtype, bf16)
+        reduce = {"fp32": torch.float32, "bf16": torch.bfloat16}[p.fsdp_reduce_dtype]
+        low = MixedPrecisionPolicy(param_dtype=gather, reduce_dtype=reduce, cast_forward_inputs=False)
+        full = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce if gather is not None else None,
+                                    cast_forward_inputs=False)
+        sharded = {id(q) for q in sharded_params(model)}
+        self.replicated = [q for q in model.parameters() if id(q) not in sharded]
+        ignored = set(self.replicated)
+        layers = list(model.layers)
+        fp32_kinds = sorted({layer.kind for layer in layers if layer.kind not in _BF16_GATHER_KINDS})
+        for i, layer in enumerate(layers):
+            mp = low if layer.kind in _BF16_GATHER_KINDS else full
+            # the last block's backward comes right after its forward: keep it gathered
+            fully_shard(layer, mesh=mesh, mp_policy=mp, ignored_params=ignored,
+                        reshard_after_forward=p.fsdp_reshard == "block" and i < len(layers) - 1)
+        tied = model.lm_head is None
+        if not tied:  # the lookup reads fp32 rows, as under DDP (autocast leaves embeddings alone)
+            fully_shard(model.embedding, mesh=mesh, mp_policy=full, ignored_params=ignored,
+                        reshard_after_forward=p.fsdp_reshard == "block")
+        # the root: the head (bf16 matmul) or, tied, the embedding itself (gathered fp32: the lookup reads it,
+        # the head's matmul casts it under autocast)
+        fully_shard(model, mesh=mesh, mp_policy=full if tied else low, ignored_params=ignored)
+        k = p.fsdp_prefetch
+        if k > 0:
+            for i, layer in enumerate(layers):
+                if i + 1 < len(layers):
+                    layer.set_modules_to_forward_prefetch(layers[i + 1:i + 1 + k])
+                if i > 0:
+                    layer.set_modules_to_backward_prefetch(layers[max(0, i - k):i][::-1])
+        self.reshard = p.fsdp_reshard
+        self.units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        n_local = sum(q.to_local().numel() for q in model.parameters() if id(q) in sharded)
+        n_rep = sum(q.numel() for q in self.replicated)
+        log.info("engine fsdp2: fully_shard per block%s + root over %d DP ranks: %.2fM sharded parameter elements "
+                 "on this rank (fp32 shards and AdamW states), all-gathered in %s, gradients reduce-scattered in %s "
+                 "every micro-batch; %.3fM small parameters (norms, A_log, dt_bias, D, conv) kept as fp32 replicas, "
+                 "all-reduced once per step; gathered weights freed after each %s; prefetch %d block(s)%s", "" if tied else
+                 " + embedding", groups.dp, n_local / 1e6, "bf16" if gather is not None else "fp32", p.fsdp_reduce_dtype
+                 if gather is not None else "fp32", n_rep / 1e6, {"block": "block's forward and backward",
+                 "micro_batch": "micro-batch's backward", "step": "step's last backward"}[p.fsdp_reshard], k,
+                 f"; blocks {', '.join(fp32_kinds)} gathered in fp32 (their kernels read some weights directly)"
+                 if fp32_kinds and gather is not None else "")
+
+    def make_optimizer(self, build):
+        """AdamW over the canonical groups, each split in two: the sharded (DTensor) parameters and the fp32
+        replicas (torch's fused / foreach AdamW takes no mix of DTensors and plain tensors in one call)."""
+        from torch.distributed.tensor import DTensor
+
+        base = build()
+        name_of = {id(q): n for n, q in self.model.named_parameters()}
+        self._canonical = [({k: v for k, v in g.items() if k != "params"}, [name_of[id(q)] for q in g["params"]])
+                           for g in base.param_groups]
+        groups = []
+        for g in base.param_groups:
+            opts = {k: v for k, v in g.items() if k != "params"}
+            for want in (True, False):
+                params = [q for q in g["params"] if isinstance(q, DTensor) == want]
+                if params:
+                    groups.append({**opts, "params": params})
+        accepted = inspect.signature(torch.optim.AdamW).parameters
+        self.optimizer = torch.optim.AdamW(groups, **{k: v for k, v in base.defaults.items() if k in accepted})
+        return self.optimizer
+
+    def micro_batch(self, last: bool):
+        if self.reshard == "step":  # keep the gathered weights for the step's next micro-batch, free after the last
+            for unit in self.units:
+                unit.set_reshard_after_backward(last, recurse=False)
+        return contextlib.nullcontext()
+
+    def release(self) -> None:
+        """Free gathered weights that outlive a forward without backward (evaluation under reshard=step or
+        micro_batch), before the optimizer changes the shards or a checkpoint reads them."""
+        for unit in self.units:
+            unit.reshard()
+
+    def reduce_grads(self) -> None:
+        # the sharded gradients were reduce-scattered (averaged over DP) in the backward; the replicas' now
+        allreduce_grads(self.replicated, self.groups.dp_group)
+
+    @torch.no_grad()
+    def clip_and_step(self, max_norm: float, check) -> float:
+        import math
+
+        from torch.distributed.tensor import DTensor
+
+        from . import comm
+
+        grads = [q.grad for q in self.model.parameters() if q.grad is not None]
+        shards = [g.to_local() for g in grads if isinstance(g, DTensor)]
+        plain = [g for g in grads if not isinstance(g, DTensor)]  # identical on every DP rank
+        dev = (shards or plain)[0].device
+        def sq_sum(ts):  # one multi-tensor norm kernel, no squared copies of the gradients
+            if not ts:
+                return torch.zeros((), device=dev, dtype=torch.float32)
+            return torch.stack(torch._foreach_norm(ts)).float().pow(2).sum()
+
+        total = (comm.all_reduce(sq_sum(shards), self.groups.dp_group) + sq_sum(plain)).sqrt()
+        norm = float(total)
+        if max_norm > 0 and math.isfinite(norm):
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            torch._foreach_mul_(shards + plain, coef)
+        try:
+            check(norm)
+        except BaseException:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def _fqn_groups(self) -> list[list[str]]:
+        name_of = {id(q): n for n, q in self.model.named_parameters()}
+        return [[name_of[id(q)] for q in g["params"]] for g in self.optimizer.param_groups]
+
+    def gather_states(self):
+        """Full (canonical) model and AdamW states on rank 0 (collective over DP; None elsewhere), in the
+        canonical groups' order."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        msd, osd = get_state_dict(self.model, self.optimizer,
+                                  options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.groups.rank != 0:
+            return None, None
+        names = [n for _, ns in self._canonical for n in ns]
+        index = {n: i for i, n in enumerate(names)}
+        state = {index[n]: v for n, v in osd["state"].items()}
+        groups, off = [], 0
+        for opts, ns in self._canonical:
+            groups.append({**opts, "params": list(range(off, off + len(ns)))})
+            off += len(ns)
+        return msd, {"state": state, "param_groups": groups}
+
+    def load_states(self, model_state: dict, optim_state: dict | None) -> None:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        opts = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.model, model_state, options=opts)
+        if optim_state is None:
+            return
+        saved = optim_state["param_groups"]
+        if [len(g["params"]) for g in saved] != [len(ns) for _, ns in self._canonical]:
+            raise ConfigError(f"checkpoint optimizer groups {[len(g['params']) for g in saved]} do not match this "
+                              f"model's {[len(ns) for _, ns in self._canonical]}")
+        names, hyper = [], {}
+        for g, (_, ns) in zip(saved, self._canonical):
+            for i, n in zip(g["params"], ns):
+                names.append((int(i), n))
+                hyper[n] = {k: v for k, v in g.items() if k != "params"}
+        by_index = dict(names)
+        state = {by_index[int(i)]: v for i, v in optim_state["state"].items()}
+        groups = [{**hyper[fqns[0]], "params": fqns} for fqns in self._fqn_groups()]
+        set_optimizer_state_dict(self.model, self.optimizer, {"state": state, "param_groups": groups}, options=opts)
+
+
+def fsdp_param_dtype(setting: str, bf16: bool):
+    """parallel.fsdp_param_dtype -> the MixedPrecisionPolicy param_dtype (None: gather the fp32 shards)."""
+    if setting == "fp32" or (setting == "auto" and not bf16):
+        return None
+    return torch.bfloat16
+
+

@@ -1,0 +1,107 @@
+"""What a run is checked against before any model is built or a GPU is touched: the layouts this build
+refuses (`check_supported`, also the dry run's), the device and the autocast dtype a config asks for."""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from megassm.config import Config, ConfigError, data_parallel_size, world_size
+from megassm.parallel.engines import check_engine
+
+log = logging.getLogger("megassm.train")
+
+__all__ = ["check_supported", "pick_device", "autocast_dtype"]
+
+
+def check_supported(cfg: Config) -> None:
+    """Refuse layouts this build cannot run yet, before any model is built or a GPU is touched."""
+    p = cfg.parallel
+    if p.pp > 1 and p.cp > 1:
+        raise ConfigError(f"parallel.pp={p.pp} with parallel.cp={p.cp}: pipeline parallelism combined with context "
+                          "parallelism is not built; set one of them to 1 (PP x TP x DP is)")
+    if p.sp and p.tp == 1:
+        raise ConfigError("parallel.sp=true needs parallel.tp > 1 (sequence parallelism shards over the TP group)")
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size(cfg) != 1 and launched != world_size(cfg):
+        raise ConfigError(
+            f"parallel.tp={p.tp} with world size {world_size(cfg)} but WORLD_SIZE={os.environ.get('WORLD_SIZE', '1')}: "
+            "launch one process per rank with torchrun (torchrun --nproc_per_node N -m megassm.train ...)"
+        )
+    if p.world_size is not None and launched != p.world_size:  # e.g. 1 in the config, 2 processes launched
+        raise ConfigError(f"parallel.world_size={p.world_size}, but the launcher started {launched} processes "
+                          f"(WORLD_SIZE={launched}): set parallel.world_size={launched}, or leave it unset to follow "
+                          "the launcher")
+    check_engine(cfg)  # DDP / FSDP2 / DeepSpeed layouts (parallel/engines.py)
+    if cfg.train.bptt_windows != 1 and not cfg.train.bptt:
+        raise ConfigError(f"train.bptt_windows={cfg.train.bptt_windows} needs train.bptt=true")
+    if cfg.train.bptt and p.pp > 1 and cfg.train.bptt_windows > 1:  # BPTT: training/bptt.py, docs/bptt.md
+        raise ConfigError(
+            f"train.bptt_windows={cfg.train.bptt_windows} with parallel.pp={p.pp}: backpropagating through several "
+            "windows would need one graph across several pipeline schedule runs; pipeline stages carry state with "
+            "truncated BPTT (train.bptt_windows=1)"
+        )
+    if cfg.train.cuda_graph:
+        _check_cuda_graph(cfg)
+    _check_group_builder(cfg)
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA device is visible (use train.device=auto or cpu)")
+    if cfg.train.precision == "bf16" and pick_device(cfg).type == "cpu":
+        log.warning("train.precision=bf16 on CPU: autocast to bf16 on CPU is slow; fp32 is the CPU default")
+
+
+def _check_group_builder(cfg: Config) -> None:
+    """MEGASSM_PROCESS_GROUPS (parallel/state.py): a known value, and megatron-core installed when it is asked
+    for by a multi-process run."""
+    import importlib.util
+
+    from megassm.parallel.state import group_builder
+
+    try:
+        builder = group_builder()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if builder == "megatron" and world_size(cfg) > 1 and importlib.util.find_spec("megatron") is None:
+        raise ConfigError("MEGASSM_PROCESS_GROUPS=megatron, but megatron-core is not installed "
+                          "(pip install megatron-core, or MEGASSM_PROCESS_GROUPS=auto)")
+
+
+def _check_cuda_graph(cfg: Config) -> None:
+    """train.cuda_graph=true: refuse what a captured micro-batch cannot hold (training/cuda_graph.py)."""
+    from megassm.config import blocks_of
+    from megassm.training.cuda_graph import GRAPH_SAFE_LETTERS
+
+    p, t = cfg.parallel, cfg.train
+    why = None
+    if p.tp > 1 or p.cp > 1 or p.pp > 1:
+        why = (f"parallel.tp={p.tp}, parallel.cp={p.cp}, parallel.pp={p.pp}: their collectives run inside the "
+               "forward and backward; only data parallelism (parallel.engine=ddp) combines with it")
+    elif p.engine != "ddp" and data_parallel_size(cfg) > 1:
+        why = f"parallel.engine={p.engine}: FSDP2 and DeepSpeed hook the backward; use parallel.engine=ddp"
+    elif t.bptt:
+        why = "train.bptt=true: the carried state changes between windows"
+    elif t.activation_checkpointing:
+        why = "train.activation_checkpointing=true: recomputation under a capture is not tested"
+    else:
+        bad = sorted(set(blocks_of(cfg.model.pattern)) - set(GRAPH_SAFE_LETTERS))
+        if bad:
+            why = (f"model.pattern='{cfg.model.pattern}' has block(s) {', '.join(repr(c) for c in bad)}: their forward "
+                   "reads values on the host (attention picks its causal kernel per batch, COFFEE tests values, "
+                   "B'MOJO counts memory groups per batch of packed documents); graph-safe blocks: " + ", ".join(f"{k} {v}" for k, v in GRAPH_SAFE_LETTERS.items()))
+    if why is not None:
+        raise ConfigError(f"train.cuda_graph=true: {why}")
+
+
+def pick_device(cfg: Config) -> torch.device:
+    if cfg.train.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(cfg.train.device)
+
+
+def autocast_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
+    """None means plain fp32; otherwise autocast to this dtype (parameters stay fp32 masters)."""
+    prec = cfg.train.precision
+    if prec == "auto":
+        prec = "bf16" if device.type == "cuda" else "fp32"
+    return torch.bfloat16 if prec == "bf16" else None
