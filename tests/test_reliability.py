@@ -201,6 +201,9 @@ def test_failed_save_removes_its_temp_dir_and_temp_dirs_of_crashes_are_cleaned(t
     shutil.copytree(first, root / ".old-step_00000001-99")  # its successor exists: the old copy goes
     ckpt.clean_temp_dirs(tmp_path)
     assert sorted(os.listdir(root)) == ["step_00000001"]
+    os.rename(first, root / ".old-step_00000001-4242-1401")  # moved aside by a background writer (pid, thread)
+    ckpt.clean_temp_dirs(tmp_path)
+    assert sorted(os.listdir(root)) == ["step_00000001"] and ckpt.verify_checkpoint(first) == []
 
 
 # ----------------------------------------------------------------------------------------------------
