@@ -253,10 +253,16 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
 
-# Pattern letters: the ones built now. `|` is a pipeline-stage boundary (no block of its own).
-PATTERN_LETTERS = {"M": "Mamba-2", "*": "attention", "-": "gated MLP", "C": "COFFEE", "B": "B'MOJO"}
-PATTERN_LETTERS.update({"S": "Mamba-1", "L": "Longhorn"})
+# Pattern letters are the block kinds of megassm/models/registry.py (`block_letters()`); `|` is a
+# pipeline-stage boundary (no block of its own).
 PATTERN_SEPARATORS = {"|"}
+
+
+def block_letters() -> dict[str, str]:
+    """{letter: name} of the registered block kinds (imported on first use: the mixers import this module)."""
+    from megassm.models.registry import letters
+
+    return letters()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -476,106 +482,34 @@ def validate(cfg: Config) -> None:
             raise ConfigError(msg)
 
     # pattern
+    from megassm.models.registry import block_kind
+
+    known = block_letters()
     need(len(blocks_of(m.pattern)) > 0, f"model.pattern: '{m.pattern}' has no blocks")
     for i, c in enumerate(m.pattern):
         need(
-            c in PATTERN_LETTERS or c in PATTERN_SEPARATORS,
+            c in known or c in PATTERN_SEPARATORS,
             f"model.pattern: unknown letter '{c}' at position {i} of '{m.pattern}' "
-            f"(known: {', '.join(f'{k} {v}' for k, v in PATTERN_LETTERS.items())}, | stage boundary)",
+            f"(known: {', '.join(f'{k} {v}' for k, v in known.items())}, | stage boundary)",
         )
     need(m.d_model > 0, f"model.d_model must be positive, got {m.d_model}")
     need(m.pad_vocab_multiple > 0, "model.pad_vocab_multiple must be positive")
     need(m.vocab_size is None or m.vocab_size > 0, f"model.vocab_size must be positive, got {m.vocab_size}")
     letters = set(blocks_of(m.pattern))
+    kinds = [block_kind(c) for c in known if c in letters]  # registry order
 
-    if letters & {"M", "B"}:  # B'MOJO's SSM is a Mamba-2 mixer configured by model.mamba.*
-        mb = m.mamba
-        d_inner = mb.expand * m.d_model
-        need(d_inner % mb.headdim == 0,
-             f"model.mamba.headdim={mb.headdim} must divide d_inner = model.mamba.expand x model.d_model = {d_inner}")
-        nheads = d_inner // mb.headdim
-        need(mb.ngroups >= 1 and nheads % mb.ngroups == 0,
-             f"model.mamba.ngroups={mb.ngroups} must divide the number of heads {nheads} (d_inner {d_inner} / headdim {mb.headdim})")
-        need(2 <= mb.d_conv <= 4, f"model.mamba.d_conv must be 2..4, got {mb.d_conv}")
-        need(mb.chunk_size > 0, f"model.mamba.chunk_size must be positive, got {mb.chunk_size}")
-        need(0 < mb.dt_min <= mb.dt_max, "model.mamba.dt_min must be in (0, model.mamba.dt_max]")
-        need(0 < mb.A_init_min <= mb.A_init_max, "model.mamba.A_init_min must be in (0, model.mamba.A_init_max]")
-        if mb.dt_limit is not None:
-            need(len(mb.dt_limit) == 2 and mb.dt_limit[0] < mb.dt_limit[1],
-                 f"model.mamba.dt_limit must be [lo, hi] with lo < hi, got {mb.dt_limit}")
-        need(nheads % p.tp == 0, f"parallel.tp={p.tp} must divide the Mamba-2 heads ({nheads})")
-        need(mb.ngroups % p.tp == 0 or p.tp % mb.ngroups == 0,
-             f"parallel.tp={p.tp} and model.mamba.ngroups={mb.ngroups}: one must divide the other "
-             "(groups split across TP ranks, or B/C replicated when tp > ngroups)")
-    if letters & {"*", "B"}:  # B'MOJO's attention takes its heads from model.attn.*
-        a = attn_dims(m)
-        need(m.attn.n_heads > 0, "model.attn.n_heads must be positive")
-        need(m.attn.head_dim is not None or m.d_model % m.attn.n_heads == 0,
-             f"model.attn.n_heads={m.attn.n_heads} must divide model.d_model={m.d_model} (or set model.attn.head_dim)")
-        need(a["n_heads"] % a["n_kv_heads"] == 0,
-             f"model.attn.n_kv_heads={a['n_kv_heads']} must divide model.attn.n_heads={a['n_heads']}")
-        need("*" not in letters or not m.attn.rope or a["head_dim"] % 2 == 0, f"RoPE needs an even head dim, got {a['head_dim']}")
-        need(m.attn.sliding_window >= 0, "model.attn.sliding_window must be >= 0 (0 = full attention)")
-        need(a["n_heads"] % p.tp == 0, f"parallel.tp={p.tp} must divide model.attn.n_heads ({a['n_heads']})")
-        need(a["n_kv_heads"] % p.tp == 0 or p.tp % a["n_kv_heads"] == 0,
-             f"parallel.tp={p.tp} and model.attn.n_kv_heads={a['n_kv_heads']}: one must divide the other "
-             "(K/V heads split across TP ranks, or replicated when tp > n_kv_heads)")
-    if "C" in letters:
-        c = m.coffee
-        need(c.d_state >= 1, f"model.coffee.d_state must be >= 1, got {c.d_state}")
-        need(c.expand >= 1, f"model.coffee.expand must be >= 1, got {c.expand}")
-        need(c.proj or c.expand == 1,
-             f"model.coffee.proj=false (the bare layer: channels = model.d_model) needs model.coffee.expand=1, got {c.expand}")
-        need(c.lam_param in ("bounded", "free"), f"model.coffee.lam_param must be bounded or free, got '{c.lam_param}'")
-        need(len(c.lam_init) == 2 and c.lam_init[0] <= c.lam_init[1],
-             f"model.coffee.lam_init must be [lo, hi] with lo <= hi, got {c.lam_init}")
-        need(c.lam_param == "free" or (-2.0 < c.lam_init[0] and c.lam_init[1] < 0.0),
-             f"model.coffee.lam_init={c.lam_init}: with lam_param=bounded (lam = -2 sigmoid(raw)) it must lie inside "
-             "(-2, 0); use lam_param=free for the paper's lam = 0 init")
-        need(c.c_init_std >= 0 and c.w_init_std >= 0, "model.coffee.c_init_std and model.coffee.w_init_std must be >= 0")
-        need(c.solver in ("auto", "deer", "sequential"),
-             f"model.coffee.solver must be auto, deer or sequential, got '{c.solver}'")
-        need(c.deer_tol > 0, f"model.coffee.deer_tol must be positive, got {c.deer_tol}")
-        need(c.deer_max_iters >= 1, f"model.coffee.deer_max_iters must be >= 1, got {c.deer_max_iters}")
-        need(c.deer_jac_clip >= 0, f"model.coffee.deer_jac_clip must be >= 0 (0 = no clipping), got {c.deer_jac_clip}")
-        d_coffee = c.expand * m.d_model
-        need(p.tp == 1 or (c.proj and d_coffee % p.tp == 0),
-             f"parallel.tp={p.tp}: COFFEE shards its channels, so it needs model.coffee.proj=true and tp dividing "
-             f"model.coffee.expand x model.d_model = {d_coffee}")
-    if "B" in letters:
-        b = m.bmojo
-        need(b.window >= 1, f"model.bmojo.window must be >= 1, got {b.window}")
-        need(b.n_fading >= 0, f"model.bmojo.n_fading must be >= 0, got {b.n_fading}")
-        need(b.n_eidetic >= 0, f"model.bmojo.n_eidetic must be >= 0, got {b.n_eidetic}")
-        need(b.predictor_width >= 1, f"model.bmojo.predictor_width must be >= 1, got {b.predictor_width}")
-    for c, key in (("S", "mamba1"), ("L", "longhorn")):
-        if c in letters:
-            sec, k = getattr(m, key), f"model.{key}"
-            need(sec.d_state >= 1, f"{k}.d_state must be >= 1, got {sec.d_state}")
-            need(sec.expand >= 1, f"{k}.expand must be >= 1, got {sec.expand}")
-            need(2 <= sec.d_conv <= 4, f"{k}.d_conv must be 2..4, got {sec.d_conv}")
-            need(sec.dt_rank is None or sec.dt_rank >= 1, f"{k}.dt_rank must be >= 1 (or unset: ceil(d_model/16)), "
-                                                           f"got {sec.dt_rank}")
-            need(sec.init in ("paper", "normal"), f"{k}.init must be paper or normal, got '{sec.init}'")
-            need(scan_dims(m, c)["d_inner"] % p.tp == 0,
-                 f"parallel.tp={p.tp} must divide {k}.expand x model.d_model = {scan_dims(m, c)['d_inner']}")
-    if "S" in letters:
-        s1 = m.mamba1
-        need(0 < s1.dt_min <= s1.dt_max,
-             f"model.mamba1.dt_min={s1.dt_min} must be in (0, model.mamba1.dt_max={s1.dt_max}]")
-        need(s1.dt_init_floor >= 0, f"model.mamba1.dt_init_floor must be >= 0, got {s1.dt_init_floor}")
-        need(not (s1.lti and p.tp > 1), f"model.mamba1.lti=true with parallel.tp={p.tp}: the LTI ablation is a "
-                                        "single-device research setting and has no tensor-parallel plan")
-    for c, name in (("C", "COFFEE"), ("B", "B'MOJO"), ("S", "Mamba-1"), ("L", "Longhorn")):
-        if c in letters:
-            need(p.cp == 1, f"parallel.cp={p.cp}: context parallelism has no plan for {name} (`{c}` in model.pattern): "
-                            "its state hand-off between ranks is not built (docs/seeds.md)")
-            need(not t.bptt, f"train.bptt=true with {name} (`{c}` in model.pattern): the BPTT carrier "
-                             "(training/bptt.py) does not carry its state yet; its state object and step() support it "
-                             "(docs/seeds.md)")
-    if "-" in letters:
-        need(ffn_hidden(m) > 0, "model.mlp.ffn_hidden must be positive")
-        need(ffn_hidden(m) % p.tp == 0, f"parallel.tp={p.tp} must divide model.mlp.ffn_hidden ({ffn_hidden(m)})")
+    for kind in kinds:  # each kind's own sections (model.mamba.*, model.attn.*, ...)
+        if kind.check is not None:
+            kind.check(cfg, need)
+    for kind in kinds:
+        c, name = kind.letter, kind.name
+        need(p.cp == 1 or kind.cp is not None,
+             f"parallel.cp={p.cp}: context parallelism has no plan for {name} (`{c}` in model.pattern): "
+             "its state hand-off between ranks is not built (docs/seeds.md)")
+        need(not t.bptt or kind.bptt is not None,
+             f"train.bptt=true with {name} (`{c}` in model.pattern): the BPTT carrier "
+             "(training/bptt.py) does not carry its state yet; its state object and step() support it "
+             "(docs/seeds.md)")
 
     # training
     need(t.steps > 0, f"train.steps must be positive, got {t.steps}")
@@ -625,9 +559,9 @@ def validate(cfg: Config) -> None:
     need(t.seq_len % p.cp == 0,
          f"parallel.cp={p.cp}: train.seq_len={t.seq_len} must be divisible by parallel.cp (each rank holds one "
          "contiguous slice of every sequence)")
-    need(p.cp == 1 or "M" not in letters or t.seq_len // p.cp >= m.mamba.d_conv - 1,
-         f"parallel.cp={p.cp}: train.seq_len / parallel.cp = {t.seq_len // p.cp} tokens per rank is shorter than "
-         f"the Mamba-2 conv halo (model.mamba.d_conv - 1 = {m.mamba.d_conv - 1})")
+    for kind in kinds:  # the kinds' checks against the layout (e.g. the Mamba-2 conv halo under CP)
+        if kind.check_layout is not None:
+            kind.check_layout(cfg, need)
     need(m.vocab_size is None or (-(-m.vocab_size // m.pad_vocab_multiple) * m.pad_vocab_multiple) % p.tp == 0,
          f"parallel.tp={p.tp} must divide the padded vocabulary (model.vocab_size rounded up to "
          f"model.pad_vocab_multiple={m.pad_vocab_multiple})")

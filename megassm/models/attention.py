@@ -26,6 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from megassm.config import ModelConfig, attn_dims
 
 from .init import make_linear
+from .registry import BlockKind, Cut, Replicate, Split, TPLayout, causal_pairs, register
 from .state import KVCache
 
 __all__ = ["Attention", "doc_positions", "masked_sdpa", "rope_rotate", "sdpa_without_cudnn", "single_document"]
@@ -255,3 +256,77 @@ class Attention(nn.Module):
         out = self._sdpa(q, k_all, v_all, mask=valid[:, None, None, :])
         out = self.o_proj(out.transpose(1, 2).reshape(bsz, self.n_heads * self.head_dim))
         return out, KVCache(k=k_all, v=v_all, valid=valid, pos=state.pos + 1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the block kind `*`
+# ----------------------------------------------------------------------------------------------------
+def check_attn_section(cfg, need, rope: bool = True) -> None:
+    """model.attn.* (read by `*` and by B'MOJO's attention, which has no RoPE)."""
+    m, p = cfg.model, cfg.parallel
+    a = attn_dims(m)
+    need(m.attn.n_heads > 0, "model.attn.n_heads must be positive")
+    need(m.attn.head_dim is not None or m.d_model % m.attn.n_heads == 0,
+         f"model.attn.n_heads={m.attn.n_heads} must divide model.d_model={m.d_model} (or set model.attn.head_dim)")
+    need(a["n_heads"] % a["n_kv_heads"] == 0,
+         f"model.attn.n_kv_heads={a['n_kv_heads']} must divide model.attn.n_heads={a['n_heads']}")
+    need(not rope or not m.attn.rope or a["head_dim"] % 2 == 0, f"RoPE needs an even head dim, got {a['head_dim']}")
+    need(m.attn.sliding_window >= 0, "model.attn.sliding_window must be >= 0 (0 = full attention)")
+    need(a["n_heads"] % p.tp == 0, f"parallel.tp={p.tp} must divide model.attn.n_heads ({a['n_heads']})")
+    need(a["n_kv_heads"] % p.tp == 0 or p.tp % a["n_kv_heads"] == 0,
+         f"parallel.tp={p.tp} and model.attn.n_kv_heads={a['n_kv_heads']}: one must divide the other "
+         "(K/V heads split across TP ranks, or replicated when tp > n_kv_heads)")
+
+
+def attn_flops(m: ModelConfig, L: int) -> dict:
+    a = attn_dims(m)
+    d, nh, nkv, hd = m.d_model, a["n_heads"], a["n_kv_heads"], a["head_dim"]
+    proj = 2 * L * d * (nh * hd + 2 * nkv * hd) + 2 * L * nh * hd * d  # q, k, v, o
+    # q.k and p.v: 2 hd each per (query, key) pair and query head (GQA shares k/v, not the FLOPs)
+    scores = 2 * 2 * hd * nh * causal_pairs(L, m.attn.sliding_window)
+    return {"attn_proj": proj, "attn_scores": scores}
+
+
+def attn_activation_bytes(m, a: int, ctx) -> tuple[int, int]:
+    hq, hkv, hd = m.n_heads, m.n_kv_heads, m.head_dim
+    # q, k, v (SDPA saves them), SDPA output + logsumexp, the output made contiguous for o_proj
+    local = a * (2 * hq * hd + 2 * hkv * hd + hq * hd) + 4 * hq
+    if ctx.cp > 1:  # keys / values all-gathered over the CP group, saved at full length
+        local += a * 2 * hkv * hd * (ctx.cp - 1)
+    if m.window or ctx.doc_mask:  # explicit mask path: a [L, L] bias per row (memory-efficient SDPA)
+        local += a * ctx.seq_len  # (masked_sdpa's padding of 64 mod 128 key lengths is left out: <= 64 keys)
+    return local, 0
+
+
+def attn_tp_layout(attn, tp: int, sp: bool) -> TPLayout:
+    """q heads split, K/V heads split (or replicated when n_kv_heads < tp), o_proj row-parallel. Also the
+    attention half of B'MOJO (same projection names)."""
+    Hq, Hkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    if Hq % tp:
+        raise ValueError(f"tensor parallelism: tp={tp} must divide the attention heads ({Hq})")
+    if Hkv % tp and tp % Hkv:
+        raise ValueError(f"tensor parallelism: attention n_kv_heads={Hkv} and tp={tp}: one must divide the other")
+    q = Split(Hq * hd)
+    kv = Split(Hkv * hd) if Hkv % tp == 0 else Replicate(Hkv * hd, Hkv)
+    lay = TPLayout()
+    for n, pc in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+        lay.params[n + ".weight"] = Cut(0, (pc,))
+        lay.params[n + ".bias"] = Cut(0, (pc,))
+    lay.params["o_proj.weight"] = Cut(1, (q,))
+    lay.params["o_proj.bias"] = Cut(0, (Replicate(attn.o_proj.weight.shape[0], 1, partial=sp),))
+    lay.sizes = {"n_heads": Hq // tp, "n_kv_heads": max(Hkv // tp, 1)}
+    lay.row_parallel = {"o_proj": sp}
+    return lay
+
+
+def _attn_carried(mixer) -> str | None:
+    """BPTT: a sliding window carries its KV cache; full attention sees only the current window."""
+    return "window" if getattr(mixer, "window", 0) > 0 else None
+
+
+BLOCK_KIND = register(BlockKind(
+    letter="*", name="attention", mixer=Attention, sections=("attn",), state=KVCache,
+    check=check_attn_section, flop_keys=("attn_proj", "attn_scores"), flops=attn_flops,
+    activation_bytes=attn_activation_bytes, tp_layout=attn_tp_layout,
+    cp="attention", bptt=_attn_carried, cuda_graph="no", fsdp_bf16_gather=True, single_doc_hint=True,
+))

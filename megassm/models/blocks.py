@@ -17,34 +17,25 @@ from torch import nn
 
 from megassm.config import ModelConfig
 
-from .attention import Attention
-from .bmojo import BMojoMixer
-from .coffee import CoffeeMixer
-from .longhorn import LonghornMixer
-from .mamba1 import Mamba1Mixer
-from .mamba2 import Mamba2Mixer
-from .mlp import GatedMLP
 from .norm import RMSNorm
+from .registry import block_kind, block_kinds
 
 __all__ = ["Block", "MIXERS"]
 
-# Pattern letter -> mixer class. A mixer takes (cfg, n_layer) and, when its class sets `stateful = True`,
-# implements forward(u, seq_idx=None, state=None, return_state=False, **kw) -> (out, state or None),
-# step(u, state) -> (out, state) and allocate_state(batch_size, device=None). Stateless mixers are
-# forward(u) -> out. Seed mixers (S, L, C, B) register here; config.PATTERN_LETTERS names them.
-MIXERS = {"M": Mamba2Mixer, "*": Attention, "-": GatedMLP}
-MIXERS.update({"C": CoffeeMixer, "B": BMojoMixer})
-MIXERS.update({"S": Mamba1Mixer, "L": LonghornMixer})
+# Pattern letter -> mixer class, as the registry (models/registry.py) declares them. A mixer takes (cfg,
+# n_layer) and, when its class sets `stateful = True`, implements forward(u, seq_idx=None, state=None,
+# return_state=False, **kw) -> (out, state or None), step(u, state) -> (out, state) and
+# allocate_state(batch_size, device=None). Stateless mixers are forward(u) -> out.
+MIXERS = {k.letter: k.mixer for k in block_kinds()}
 
 
 class Block(nn.Module):
     def __init__(self, kind: str, cfg: ModelConfig, n_layer: int):
         super().__init__()
-        if kind not in MIXERS:
-            raise ValueError(f"unknown block letter {kind!r} (known: {', '.join(MIXERS)})")
+        spec = block_kind(kind)  # ValueError naming the known letters
         self.kind = kind
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mixer = MIXERS[kind](cfg, n_layer)
+        self.mixer = spec.mixer(cfg, n_layer)
 
     @property
     def has_state(self) -> bool:
@@ -64,7 +55,7 @@ class Block(nn.Module):
     ):
         """Returns (hidden, residual fp32, new state or None)."""
         normed, residual = self.norm.add_forward(hidden, residual)
-        if self.kind == "*":  # attention also takes the batch's single-document hint (skips the doc mask)
+        if block_kind(self.kind).single_doc_hint:  # attention: the batch's single-document hint skips the doc mask
             out, new_state = self.mixer(
                 normed, seq_idx=seq_idx, state=state, return_state=return_state, single_doc=single_doc
             )

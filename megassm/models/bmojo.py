@@ -27,7 +27,7 @@ State (BMojoState, models/state.py) for decoding and BPTT: the SSM state, the la
 current chunk's memory k/v, the top-m_e candidates (k/v, score, position), the last max(m_f, k) SSM outputs
 and the in-document position. Documents (`seq_idx`) restart everything: SSM state, window, memory, chunking.
 
-Tensor parallelism (parallel/tp.py `_plan_bmojo`): the SSM is split like a Mamba-2 layer and its out_proj
+Tensor parallelism (`bmojo_tp_layout` below): the SSM is split like a Mamba-2 layer and its out_proj
 all-reduces (the full y is needed on every rank: for the innovation scores, identical on every rank, so every
 rank selects the same tokens, and for the fading tokens); the attention heads are split and o_proj is
 row-parallel. Two all-reduces per layer forward (with sequence parallelism: all-gather in, one all-reduce,
@@ -43,10 +43,11 @@ from torch import nn
 
 from megassm.config import ModelConfig, attn_dims
 
-from .attention import doc_positions, masked_sdpa
+from .attention import attn_tp_layout, check_attn_section, doc_positions, masked_sdpa
 from .init import make_linear
-from .mamba2 import Mamba2Mixer, _fp32
+from .mamba2 import Mamba2Mixer, _fp32, check_mamba_section, mamba2_activation_bytes, mamba2_flops, mamba2_tp_layout
 from .norm import RMSNorm
+from .registry import BlockKind, Cut, Replicate, TPLayout, causal_pairs, register
 from .state import BMojoState, MambaState
 
 __all__ = ["BMojoMixer", "select_top"]
@@ -375,3 +376,59 @@ class BMojoMixer(nn.Module):
             pos=state.pos + 1, **cand,
         )
         return out, new
+
+
+# ----------------------------------------------------------------------------------------------------
+# the block kind `B`
+# ----------------------------------------------------------------------------------------------------
+def _check(cfg, need) -> None:
+    check_mamba_section(cfg, need)  # its SSM is a Mamba-2 mixer configured by model.mamba.*
+    check_attn_section(cfg, need, rope=False)  # its attention takes its heads from model.attn.*
+    b = cfg.model.bmojo
+    need(b.window >= 1, f"model.bmojo.window must be >= 1, got {b.window}")
+    need(b.n_fading >= 0, f"model.bmojo.n_fading must be >= 0, got {b.n_fading}")
+    need(b.n_eidetic >= 0, f"model.bmojo.n_eidetic must be >= 0, got {b.n_eidetic}")
+    need(b.predictor_width >= 1, f"model.bmojo.predictor_width must be >= 1, got {b.predictor_width}")
+
+
+def bmojo_flops(m: ModelConfig, L: int) -> dict:
+    """Its Mamba-2 SSM (every term of `M`), and its attention: q/k/v/o on the L tokens, k/v on the n_fading
+    SSM outputs of each of the ceil(L / w) chunks, scores over the w-token window (causal_pairs(L, w)) plus
+    the m_f + m_e memory tokens of every query past the first chunk."""
+    b = m.bmojo
+    a = attn_dims(m)
+    d, nh, nkv, hd = m.d_model, a["n_heads"], a["n_kv_heads"], a["head_dim"]
+    W, mem = b.window, b.n_fading + b.n_eidetic
+    n_fade = -(-L // W) * b.n_fading
+    proj = 2 * L * d * (nh * hd + 2 * nkv * hd) + 2 * L * nh * hd * d + 2 * n_fade * d * 2 * nkv * hd
+    pairs = causal_pairs(L, W) + max(L - W, 0) * mem
+    return {"bmojo_ssm": sum(mamba2_flops(m, L).values()), "bmojo_attn": proj + 2 * 2 * hd * nh * pairs}
+
+
+def bmojo_activation_bytes(m, a: int, ctx) -> tuple[int, int]:
+    """Rough (not measured): the SSM plus attention over window + memory tokens, its mask."""
+    local, stream = mamba2_activation_bytes(m.ssm, a)
+    hq, hkv, hd = m.n_heads, m.n_kv_heads, m.head_dim
+    local += a * (2 * hq * hd + 2 * hkv * hd + hq * hd + ctx.cfg.d_model) + a * (m.window + m.n_fading + m.n_eidetic)
+    return local, stream
+
+
+def bmojo_tp_layout(mixer, tp: int, sp: bool) -> TPLayout:
+    """The SSM as a Mamba-2 layer whose out_proj all-reduces (never reduce-scatters: y is needed for every
+    token on every rank, for the innovation scores -- identical on every rank, so every rank selects the same
+    eidetic tokens -- and the fading tokens); the attention heads split, o_proj row-parallel. Two all-reduces
+    per layer forward (SP: all-gather in, one all-reduce, reduce-scatter out). The `bmojo` variant feeds the
+    full y to the column-parallel fading projections."""
+    lay = TPLayout().merge(mamba2_tp_layout(mixer.ssm, tp, False), "ssm.")
+    lay.merge(attn_tp_layout(mixer, tp, sp), "")
+    lay.params["fade_norm.weight"] = Cut(0, (Replicate(mixer.d_model, 1, partial=True),))
+    lay.variants[""] = ("bmojo", {"sp": sp})
+    return lay
+
+
+BLOCK_KIND = register(BlockKind(
+    letter="B", name="B'MOJO", mixer=BMojoMixer, sections=("mamba", "attn", "bmojo"), state=BMojoState,
+    check=_check, flop_keys=("bmojo_ssm", "bmojo_attn"), flops=bmojo_flops,
+    activation_bytes=bmojo_activation_bytes, tp_layout=bmojo_tp_layout, cp=None, bptt=None,
+    cuda_graph="without_resets",
+))

@@ -16,7 +16,7 @@ token by token (solver=sequential: `kernels.coffee_scan`, one Triton kernel with
 the plain loop on CPU). Decoding is the one-token step. The number of Newton solves of
 the last forward is `mixer.last_info["iters"]` (`deer_stats(model)` collects them for logging).
 
-Tensor parallelism (parallel/tp.py `_plan_coffee`): channels are independent, so in_proj is column-parallel,
+Tensor parallelism (`coffee_tp_layout` below): channels are independent, so in_proj is column-parallel,
 lam / w / C / w_out are sharded by channel, out_proj is row-parallel: one all-reduce per layer forward, none
 inside the recurrence (each rank runs its own Newton iterations on its channels).
 
@@ -35,6 +35,7 @@ from megassm import kernels as K
 from megassm.kernels.reference.coffee import coffee_deer, coffee_readout, coffee_sequential, coffee_step
 
 from .init import InitRule, make_linear
+from .registry import BlockKind, Cut, Split, TPLayout, register
 from .state import CoffeeState
 
 __all__ = ["CoffeeMixer", "CoffeeCore", "distance_logits", "ih0_toy", "ih0_final_states", "IH0_SEQUENCES",
@@ -225,3 +226,79 @@ def ih0_final_states(model: CoffeeCore) -> dict:
     y = model.outputs(seqs)[:, -1]  # [8, D]
     pred = distance_logits(y, model.embedding).argmax(-1) + 1
     return {s: (tuple(round(float(v), 4) for v in y[i]), int(pred[i]), t) for i, (s, t) in enumerate(IH0_SEQUENCES)}
+
+
+# ----------------------------------------------------------------------------------------------------
+# the block kind `C`
+# ----------------------------------------------------------------------------------------------------
+def _check(cfg, need) -> None:
+    m, p = cfg.model, cfg.parallel
+    c = m.coffee
+    need(c.d_state >= 1, f"model.coffee.d_state must be >= 1, got {c.d_state}")
+    need(c.expand >= 1, f"model.coffee.expand must be >= 1, got {c.expand}")
+    need(c.proj or c.expand == 1,
+         f"model.coffee.proj=false (the bare layer: channels = model.d_model) needs model.coffee.expand=1, got {c.expand}")
+    need(c.lam_param in ("bounded", "free"), f"model.coffee.lam_param must be bounded or free, got '{c.lam_param}'")
+    need(len(c.lam_init) == 2 and c.lam_init[0] <= c.lam_init[1],
+         f"model.coffee.lam_init must be [lo, hi] with lo <= hi, got {c.lam_init}")
+    need(c.lam_param == "free" or (-2.0 < c.lam_init[0] and c.lam_init[1] < 0.0),
+         f"model.coffee.lam_init={c.lam_init}: with lam_param=bounded (lam = -2 sigmoid(raw)) it must lie inside "
+         "(-2, 0); use lam_param=free for the paper's lam = 0 init")
+    need(c.c_init_std >= 0 and c.w_init_std >= 0, "model.coffee.c_init_std and model.coffee.w_init_std must be >= 0")
+    need(c.solver in ("auto", "deer", "sequential"),
+         f"model.coffee.solver must be auto, deer or sequential, got '{c.solver}'")
+    need(c.deer_tol > 0, f"model.coffee.deer_tol must be positive, got {c.deer_tol}")
+    need(c.deer_max_iters >= 1, f"model.coffee.deer_max_iters must be >= 1, got {c.deer_max_iters}")
+    need(c.deer_jac_clip >= 0, f"model.coffee.deer_jac_clip must be >= 0 (0 = no clipping), got {c.deer_jac_clip}")
+    d_coffee = c.expand * m.d_model
+    need(p.tp == 1 or (c.proj and d_coffee % p.tp == 0),
+         f"parallel.tp={p.tp}: COFFEE shards its channels, so it needs model.coffee.proj=true and tp dividing "
+         f"model.coffee.expand x model.d_model = {d_coffee}")
+
+
+def coffee_flops(m: ModelConfig, L: int) -> dict:
+    """In/out projections d <-> D; per state element and token the recurrence x + sigmoid(w x) (lam x + u)
+    is 3 multiply-adds and the readout C.x one (two with the +OF gate). The extra DEER Newton iterations are
+    solver work, not model FLOPs (like recomputation)."""
+    c = m.coffee
+    D = c.expand * m.d_model if c.proj else m.d_model
+    n = c.d_state
+    proj = 2 * L * m.d_model * D * 2 if c.proj else 0
+    return {"coffee_proj": proj, "coffee_scan": 2 * L * D * n * (3 + 1 + (1 if c.output_filter else 0))}
+
+
+def coffee_activation_bytes(m, a: int, ctx) -> tuple[int, int]:
+    """Rough: the projections' tensors, then what the solver keeps."""
+    ch = getattr(m, "channels", ctx.cfg.d_model)
+    n = ctx.cfg.coffee.d_state
+    local = a * 3 * ch
+    if ctx.cfg.coffee.solver == "deer":  # every fp32 state [B, L, D, n] (auto is the token loop on a GPU)
+        local += 4 * ch * n
+    else:  # the fused token loop (kernels.coffee_scan): y in fp32 and a state checkpoint every 64 tokens
+        local += 4 * ch + 4 * ch * n // 64
+    return local, 0
+
+
+def coffee_tp_layout(mixer, tp: int, sp: bool) -> TPLayout:
+    """Channels are independent: in_proj column-parallel, lam / w / C / w_out cut by channel, out_proj
+    row-parallel (the layer's one all-reduce); each rank runs the recurrence / solver on its own channels."""
+    D = mixer.lam.shape[0]
+    if mixer.in_proj is None:
+        raise ValueError("tensor parallelism: COFFEE with model.coffee.proj=false has its channels on the residual "
+                         "stream and cannot be split; set model.coffee.proj=true")
+    if D % tp:
+        raise ValueError(f"tensor parallelism: tp={tp} must divide the COFFEE channels ({D})")
+    ch = Split(D)
+    lay = TPLayout()
+    lay.params = {n: Cut(0, (ch,)) for n in ("in_proj.weight", "lam", "w", "C", "w_out")}
+    lay.params["out_proj.weight"] = Cut(1, (ch,))
+    lay.sizes = {"channels": D // tp}
+    lay.row_parallel = {"out_proj": sp}
+    return lay
+
+
+BLOCK_KIND = register(BlockKind(
+    letter="C", name="COFFEE", mixer=CoffeeMixer, sections=("coffee",), state=CoffeeState, check=_check,
+    flop_keys=("coffee_proj", "coffee_scan"), flops=coffee_flops, activation_bytes=coffee_activation_bytes,
+    tp_layout=coffee_tp_layout, cp=None, bptt=None, cuda_graph="no",
+))

@@ -27,6 +27,7 @@ from .attention import single_document
 from .blocks import Block
 from .init import InitRule, canonical_init, make_linear, rule_of
 from .norm import RMSNorm
+from .registry import block_kind
 from .state import reset_states
 
 __all__ = ["LanguageModel", "LMOutput", "build_model", "padded_vocab_size"]
@@ -80,7 +81,8 @@ class LanguageModel(nn.Module):
         self.lm_head = (
             None if cfg.tie_embeddings else make_linear(cfg.d_model, self.vocab_size_padded, False, cfg.init_std)
         )
-        self._attn_doc_mask = "*" in self.block_kinds and cfg.attn.doc_mask
+        # a block that takes the single-document hint (attention) skips its document mask when a batch has one
+        self._attn_doc_mask = any(block_kind(k).single_doc_hint for k in self.block_kinds) and cfg.attn.doc_mask
 
     # ------------------------------------------------------------------------------------------------
     # parameters

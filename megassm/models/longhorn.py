@@ -17,7 +17,7 @@ update (Thm 3.1) has the full k k^T; eq. 7, the model the paper trains, is its d
 
 Init (`init: paper`, the official code's): every Linear bias zero (beta = 1/2 at init), beta_proj.weight
 ~ U(+-R^-1/2), D = 1; in_proj / x_proj ~ U(+-1/sqrt(fan_in)), out_proj the same / sqrt(blocks).
-Tensor parallelism as Mamba-1 (parallel/tp.py `_plan_mamba1`): two all-reduces per layer, since k, q and
+Tensor parallelism as Mamba-1 (`scan_tp_layout` in models/mamba1.py): two all-reduces per layer, since k, q and
 dt_low come from x_proj over all channels (and |k|^2 needs all of k).
 """
 from __future__ import annotations
@@ -28,7 +28,9 @@ from megassm import kernels
 from megassm.config import ModelConfig
 
 from .init import InitRule
-from .mamba1 import SelectiveScanMixer, _linear
+from .mamba1 import SelectiveScanMixer, _linear, check_scan_section, scan_activation_bytes, scan_flops, scan_tp_layout
+from .registry import BlockKind, register
+from .state import ScanState
 
 __all__ = ["LonghornMixer", "longhorn_eps"]
 
@@ -57,3 +59,12 @@ class LonghornMixer(SelectiveScanMixer):
     def scan_step(self, ssm_state, x, dt_low, Bm, Cm, z):
         return kernels.selective_scan_step(ssm_state, x, self._eps(dt_low, Bm), None, Bm, Cm, D=self.D, z=z,
                                            decay="longhorn")
+
+
+BLOCK_KIND = register(BlockKind(
+    letter="L", name="Longhorn", mixer=LonghornMixer, sections=("longhorn",), state=ScanState,
+    check=lambda cfg, need: check_scan_section(cfg, need, "L", "longhorn"),
+    flop_keys=("longhorn_proj", "longhorn_conv", "longhorn_scan"), flops=lambda m, L: scan_flops(m, L, "L"),
+    activation_bytes=lambda mixer, a, ctx: (scan_activation_bytes(mixer, a, "L"), 0),
+    tp_layout=scan_tp_layout, cp=None, bptt=None, cuda_graph="yes",
+))

@@ -18,7 +18,7 @@ A_log, D and the biases are fp32 and never weight-decayed.
 dt = softplus(dt_bias) per channel and B, C learned [N] vectors, none of them a function of x (no x_proj, no
 dt_proj; the same scan kernel with the constants broadcast over batch and time).
 
-Tensor-parallel layout (applied from outside, parallel/tp.py `_plan_mamba1`): in_proj rows [x | z] and every
+Tensor-parallel layout (`scan_tp_layout` below, applied from outside by parallel/tp.py): in_proj rows [x | z] and every
 per-channel tensor (conv, dt_proj rows, A_log, D) split by channel; x_proj contracts over all d_inner channels,
 so its small output (R + 2N per token) is all-reduced (the first of two all-reduces per layer); out_proj is
 row-parallel (the second).
@@ -36,6 +36,7 @@ from megassm.config import ModelConfig, scan_dims
 
 from .init import InitRule
 from .mamba2 import CausalConv1d
+from .registry import BlockKind, Cut, Replicate, Split, TPLayout, register
 from .state import ScanState
 
 __all__ = ["SelectiveScanMixer", "Mamba1Mixer"]
@@ -182,3 +183,84 @@ class Mamba1Mixer(SelectiveScanMixer):
         delta, bias = self._delta(dt_low, x)
         return kernels.selective_scan_step(ssm_state, x, delta, self._A(), Bm, Cm, D=self.D, z=z, delta_bias=bias,
                                            delta_softplus=True, decay="exp")
+
+
+# ----------------------------------------------------------------------------------------------------
+# the block kind `S` (and what Longhorn `L` shares with it)
+# ----------------------------------------------------------------------------------------------------
+def check_scan_section(cfg, need, letter: str, key: str) -> None:
+    """model.mamba1.* / model.longhorn.*: the selective-scan block's section."""
+    m, p = cfg.model, cfg.parallel
+    sec, k = getattr(m, key), f"model.{key}"
+    need(sec.d_state >= 1, f"{k}.d_state must be >= 1, got {sec.d_state}")
+    need(sec.expand >= 1, f"{k}.expand must be >= 1, got {sec.expand}")
+    need(2 <= sec.d_conv <= 4, f"{k}.d_conv must be 2..4, got {sec.d_conv}")
+    need(sec.dt_rank is None or sec.dt_rank >= 1, f"{k}.dt_rank must be >= 1 (or unset: ceil(d_model/16)), "
+                                                   f"got {sec.dt_rank}")
+    need(sec.init in ("paper", "normal"), f"{k}.init must be paper or normal, got '{sec.init}'")
+    need(scan_dims(m, letter)["d_inner"] % p.tp == 0,
+         f"parallel.tp={p.tp} must divide {k}.expand x model.d_model = {scan_dims(m, letter)['d_inner']}")
+
+
+def _check(cfg, need) -> None:
+    check_scan_section(cfg, need, "S", "mamba1")
+    s1, p = cfg.model.mamba1, cfg.parallel
+    need(0 < s1.dt_min <= s1.dt_max,
+         f"model.mamba1.dt_min={s1.dt_min} must be in (0, model.mamba1.dt_max={s1.dt_max}]")
+    need(s1.dt_init_floor >= 0, f"model.mamba1.dt_init_floor must be >= 0, got {s1.dt_init_floor}")
+    need(not (s1.lti and p.tp > 1), f"model.mamba1.lti=true with parallel.tp={p.tp}: the LTI ablation is a "
+                                    "single-device research setting and has no tensor-parallel plan")
+
+
+def scan_flops(m: ModelConfig, L: int, letter: str) -> dict:
+    """Mamba-1 (`S`) / Longhorn (`L`): in_proj d -> 2 Di, x_proj Di -> R + 2N, dt_proj (beta_proj) R -> Di,
+    out_proj Di -> d; the depthwise conv; per (token, channel, state) the scan: decay argument (dt A, or
+    eps k^2 and 1 - that), input (dt x) B, update a h + b (2) and readout C . h (2): 6 FLOPs for S, 7 for L.
+    The exp, softplus / sigmoid, |k|^2 and eps are elementwise over [L, Di] or [L, N] (not counted)."""
+    dims = scan_dims(m, letter)
+    d, di, R, N = m.d_model, dims["d_inner"], dims["dt_rank"], dims["d_state"]
+    sec, key = (m.mamba1, "mamba1") if letter == "S" else (m.longhorn, "longhorn")
+    proj = 2 * L * d * 2 * di + 2 * L * di * (R + 2 * N) + 2 * L * R * di + 2 * L * di * d
+    return {f"{key}_proj": proj, f"{key}_conv": 2 * L * sec.d_conv * di,
+            f"{key}_scan": L * di * N * (6 if letter == "S" else 7)}
+
+
+def scan_activation_bytes(m, a: int, letter: str) -> int:
+    """in_proj [x|z], conv out, x_proj out, y; then the step size. S: dt_proj's output (the kernel adds the
+    bias). L: eps = beta / (1 + beta |k|^2) is built in fp32 (models/longhorn.py), which saves sigmoid's output
+    and the denominator, and the kernel saves eps."""
+    di = m.d_inner
+    n = getattr(m, "d_state", 16)
+    r = getattr(m, "dt_rank", 0)
+    local = a * (4 * di + r + 2 * n)
+    return local + (a * di if letter == "S" else 12 * di)
+
+
+def scan_tp_layout(mixer, tp: int, sp: bool) -> TPLayout:
+    """Channels split across ranks; x_proj row-parallel with its small output (dt_low, B, C: R + 2N per
+    token) all-reduced because every channel needs it (the first all-reduce), out_proj row-parallel (the
+    second). SP: all-gather in, the x_proj all-reduce, reduce-scatter out."""
+    di = mixer.d_inner
+    if di % tp:
+        raise ValueError(f"tensor parallelism: tp={tp} must divide the {type(mixer).__name__} channels ({di})")
+    ch = Split(di)
+    lay = TPLayout()
+    lay.params = {"in_proj.weight": Cut(0, (ch, ch)), "in_proj.bias": Cut(0, (ch, ch))}
+    for n in ("conv1d.weight", "conv1d.bias", "dt_proj.weight", "dt_proj.bias", "beta_proj.weight",
+              "beta_proj.bias", "A_log", "D"):
+        lay.params[n] = Cut(0, (ch,))
+    lay.params["x_proj.weight"] = Cut(1, (ch,))
+    lay.params["out_proj.weight"] = Cut(1, (ch,))
+    lay.params["out_proj.bias"] = Cut(0, (Replicate(mixer.d_model, 1, partial=sp),))
+    lay.sizes = {"d_inner": di // tp}
+    lay.replicated_row = ("x_proj",)
+    lay.row_parallel = {"out_proj": sp}
+    return lay
+
+
+BLOCK_KIND = register(BlockKind(
+    letter="S", name="Mamba-1", mixer=Mamba1Mixer, sections=("mamba1",), state=ScanState, check=_check,
+    flop_keys=("mamba1_proj", "mamba1_conv", "mamba1_scan"), flops=lambda m, L: scan_flops(m, L, "S"),
+    activation_bytes=lambda mixer, a, ctx: (scan_activation_bytes(mixer, a, "S"), 0),
+    tp_layout=scan_tp_layout, cp=None, bptt=None, cuda_graph="yes",
+))

@@ -10,9 +10,9 @@
 All the math runs in megassm.kernels (ssd, causal_conv1d, gated_rmsnorm and their one-token steps), so the
 Triton kernels replace the references without touching this file.
 
-Tensor-parallel layout (applied from outside, not here): `in_proj.weight` rows are the concatenation of the
-five components listed in `in_proj_sizes`, `conv1d.weight`/`bias` rows are [x | B | C] (`conv_sizes`); a TP
-plan slices each component separately (heads and groups divide by TP) and keeps the canonical layout in
+Tensor-parallel layout (declared by `mamba2_tp_layout` below, applied from outside by parallel/tp.py):
+`in_proj.weight` rows are the concatenation of the five components listed in `in_proj_sizes`,
+`conv1d.weight`/`bias` rows are [x | B | C] (`conv_sizes`); a TP plan slices each component separately (heads and groups divide by TP) and keeps the canonical layout in
 checkpoints. A_log, dt_bias, D and the norm weight are per head/group and shard with the heads.
 """
 from __future__ import annotations
@@ -27,6 +27,7 @@ from megassm.config import ModelConfig, mamba_dims
 
 from .init import InitRule, make_linear
 from .norm import GatedRMSNorm
+from .registry import BlockKind, Cut, Replicate, Split, TPLayout, register, ssd_flops
 from .state import MambaState
 
 __all__ = ["Mamba2Mixer", "CausalConv1d"]
@@ -57,6 +58,7 @@ class CausalConv1d(nn.Module):
 
 class Mamba2Mixer(nn.Module):
     stateful = True  # carries a recurrent state (models/state.py)
+    norm_spans_ranks = False  # a TP variant sets it: the grouped norm's statistics are reduced with out_proj
 
     def __init__(self, cfg: ModelConfig, n_layer: int):
         super().__init__()
@@ -200,3 +202,120 @@ class Mamba2Mixer(nn.Module):
         )
         out = self.norm_out_proj(y.reshape(bsz, self.d_inner), z)
         return out, MambaState(conv=_fp32(conv_state), ssm=_fp32(ssm_state))
+
+
+# ----------------------------------------------------------------------------------------------------
+# the block kind `M`
+# ----------------------------------------------------------------------------------------------------
+def check_mamba_section(cfg, need) -> None:
+    """model.mamba.* (read by `M` and by B'MOJO's SSM)."""
+    m, p = cfg.model, cfg.parallel
+    mb = m.mamba
+    d_inner = mb.expand * m.d_model
+    need(d_inner % mb.headdim == 0,
+         f"model.mamba.headdim={mb.headdim} must divide d_inner = model.mamba.expand x model.d_model = {d_inner}")
+    nheads = d_inner // mb.headdim
+    need(mb.ngroups >= 1 and nheads % mb.ngroups == 0,
+         f"model.mamba.ngroups={mb.ngroups} must divide the number of heads {nheads} (d_inner {d_inner} / headdim {mb.headdim})")
+    need(2 <= mb.d_conv <= 4, f"model.mamba.d_conv must be 2..4, got {mb.d_conv}")
+    need(mb.chunk_size > 0, f"model.mamba.chunk_size must be positive, got {mb.chunk_size}")
+    need(0 < mb.dt_min <= mb.dt_max, "model.mamba.dt_min must be in (0, model.mamba.dt_max]")
+    need(0 < mb.A_init_min <= mb.A_init_max, "model.mamba.A_init_min must be in (0, model.mamba.A_init_max]")
+    if mb.dt_limit is not None:
+        need(len(mb.dt_limit) == 2 and mb.dt_limit[0] < mb.dt_limit[1],
+             f"model.mamba.dt_limit must be [lo, hi] with lo < hi, got {mb.dt_limit}")
+    need(nheads % p.tp == 0, f"parallel.tp={p.tp} must divide the Mamba-2 heads ({nheads})")
+    need(mb.ngroups % p.tp == 0 or p.tp % mb.ngroups == 0,
+         f"parallel.tp={p.tp} and model.mamba.ngroups={mb.ngroups}: one must divide the other "
+         "(groups split across TP ranks, or B/C replicated when tp > ngroups)")
+
+
+def _check_layout(cfg, need) -> None:
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    need(p.cp == 1 or t.seq_len // p.cp >= m.mamba.d_conv - 1,
+         f"parallel.cp={p.cp}: train.seq_len / parallel.cp = {t.seq_len // p.cp} tokens per rank is shorter than "
+         f"the Mamba-2 conv halo (model.mamba.d_conv - 1 = {m.mamba.d_conv - 1})")
+
+
+def mamba2_flops(m: ModelConfig, L: int) -> dict:
+    mc = m.mamba
+    dims = mamba_dims(m)
+    d, di, H = m.d_model, dims["d_inner"], dims["nheads"]
+    gn = mc.ngroups * mc.d_state
+    in_out = 2 * di + 2 * gn + H  # z | x | B | C | dt
+    conv_dim = di + 2 * gn
+    ssd = ssd_flops(L, mc.chunk_size, H, mc.headdim, mc.ngroups, mc.d_state)
+    return {
+        "mamba_proj": 2 * L * d * in_out + 2 * L * di * d,
+        "mamba_conv": 2 * L * mc.d_conv * conv_dim,
+        "mamba_ssd": sum(ssd.values()),
+    }
+
+
+def mamba2_activation_bytes(m, a: int, ctx=None) -> tuple[int, int]:
+    """(local, stream) bytes per token of a Mamba-2 mixer: in_proj output [z|x|B|C|dt] (conv and SSD read
+    views of it), conv output (SSD's x, B, C), SSD output y (the gated norm's input), gated-norm output
+    (out_proj's input); the Triton ops save only their inputs. When the norm groups span TP ranks (TP >
+    ngroups) the gated norm runs in fp32 PyTorch inside out_proj's all-reduce (parallel/tp.py): y, z, the gate
+    and y * gate in fp32, the normed product in y's dtype, and the reduced fp32 buffer [G x d_model + G]."""
+    gn = m.ngroups * m.d_state
+    zxbcdt = 2 * m.d_inner + 2 * gn + m.nheads
+    kept = _ssd_kept_state_bytes(m, a)
+    if m.norm_spans_ranks:
+        return a * (zxbcdt + m.conv_dim) + (16 + a) * m.d_inner + kept, 4 * m.n_slots * (m.d_model + 1)
+    return a * (zxbcdt + m.conv_dim + 2 * m.d_inner) + kept, 0
+
+
+def _ssd_kept_state_bytes(m, a: int) -> int:
+    """Per token: the chunk states the SSD forward keeps for the backward under MEGASSM_SSD_SAVE_STATES=1
+    (docs/kernels.md), H x P x N per chunk at 4 bytes (bf16 hi + lo planes, or fp32), 2 under
+    MEGASSM_SSD_PRECISION=bf16 with bf16 autocast; 0 by default (the backward recomputes them). Not priced: the
+    true segment ends a segmented chunk walk keeps (few long rows; segments x H x P x N x 4 bytes per row, ~1%
+    of a Mamba-2 layer's activations at 1 x 16K, where the GPU decides the segment count)."""
+    from megassm.kernels import env
+
+    if not env.ssd_save_states():
+        return 0
+    fast = a == 2 and env.ssd_precision() == "bf16"
+    return m.nheads * m.headdim * m.d_state * (2 if fast else 4) // m.chunk_size
+
+
+def mamba2_tp_layout(mixer: Mamba2Mixer, tp: int, sp: bool) -> TPLayout:
+    """in_proj per component [z|x|B|C|dt] column-parallel, conv / A_log / dt_bias / D / norm weight
+    rank-local, grouped norm over local groups, out_proj row-parallel. tp > ngroups: B/C rows of in_proj and
+    conv replicated, and the norm (whose group then spans ranks) becomes the `mamba2_norm_spans_ranks`
+    variant."""
+    H, G, N, di = mixer.nheads, mixer.ngroups, mixer.d_state, mixer.d_inner
+    if H % tp:
+        raise ValueError(f"tensor parallelism: tp={tp} must divide the Mamba-2 heads ({H})")
+    if G % tp and tp % G:
+        raise ValueError(f"tensor parallelism: Mamba-2 ngroups={G} and tp={tp}: one must divide the other")
+    gn = G * N
+    spans = G % tp != 0
+    bc = Replicate(gn, G) if spans else Split(gn)
+    zx, heads = Split(di), Split(H)
+    in_pieces = (zx, zx, bc, bc, heads)
+    lay = TPLayout()
+    lay.params = {"in_proj.weight": Cut(0, in_pieces), "in_proj.bias": Cut(0, in_pieces),
+                  "conv1d.weight": Cut(0, (zx, bc, bc)), "conv1d.bias": Cut(0, (zx, bc, bc))}
+    lay.params.update({n: Cut(0, (heads,)) for n in ("dt_bias", "A_log", "D")})
+    lay.params["norm.weight"] = Cut(0, (zx,))
+    lay.params["out_proj.weight"] = Cut(1, (zx,))
+    lay.params["out_proj.bias"] = Cut(0, (Replicate(mixer.d_model, 1, partial=sp),))
+    g_local = 1 if spans else G // tp
+    dl, hl, gnl = di // tp, H // tp, g_local * N
+    lay.sizes = {"d_inner": dl, "nheads": hl, "ngroups": g_local, "conv_dim": dl + 2 * gnl,
+                 "in_proj_sizes": [dl, dl, gnl, gnl, hl], "conv_sizes": [dl, gnl, gnl], "norm.ngroups": g_local}
+    lay.row_parallel = {"out_proj": sp}
+    if spans:
+        lay.variants[""] = ("mamba2_norm_spans_ranks", {"groups": G, "group_size": di // G, "sp": sp})
+    return lay
+
+
+BLOCK_KIND = register(BlockKind(
+    letter="M", name="Mamba-2", mixer=Mamba2Mixer, sections=("mamba",), state=MambaState,
+    check=check_mamba_section, check_layout=_check_layout,
+    flop_keys=("mamba_proj", "mamba_conv", "mamba_ssd"), flops=mamba2_flops,
+    activation_bytes=mamba2_activation_bytes, tp_layout=mamba2_tp_layout,
+    cp="mamba2", bptt=lambda mixer: "mamba", cuda_graph="yes", fsdp_bf16_gather=True,
+))

@@ -16,6 +16,8 @@ from torch.utils.checkpoint import checkpoint
 
 from megassm.models.blocks import Block
 
+from .substitute import substitute
+
 __all__ = ["apply_activation_checkpointing"]
 
 
@@ -31,8 +33,11 @@ _CLASSES: dict = {}
 
 
 def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
-    """Checkpoint every residual block of `model` (a LanguageModel, possibly already parallel)."""
-    for layer in model.layers:
+    """Checkpoint every residual block of `model` (a LanguageModel, possibly already parallel): each block is
+    replaced in `model.layers` (and in the pipeline stage modules that hold it) by a checkpointed variant
+    holding the same submodules."""
+    replaced = {}
+    for i, layer in enumerate(model.layers):
         if not isinstance(layer, Block):
             raise ValueError(f"activation checkpointing: {type(layer).__name__} is not a residual block")
         cls = type(layer)
@@ -40,5 +45,10 @@ def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
             continue
         if cls not in _CLASSES:
             _CLASSES[cls] = type(f"Checkpointed{cls.__name__}", (_CheckpointedBlock, cls), {})
-        layer.__class__ = _CLASSES[cls]
+        replaced[id(layer)] = substitute(model.layers, str(i), _CLASSES[cls])
+    plan = getattr(model, "pp_plan", None)
+    for stage in (plan.modules if plan is not None else ()):  # built before: they hold the blocks themselves
+        for j, block in enumerate(stage.blocks):
+            if id(block) in replaced:
+                stage.blocks[j] = replaced[id(block)]
     return model

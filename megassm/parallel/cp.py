@@ -38,6 +38,7 @@ boundaries (the whole seq_idx when the model has attention) and one all-reduce (
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -46,9 +47,11 @@ from torch import nn
 from megassm.models.attention import Attention, doc_positions, rope_rotate
 from megassm.models.lm import IGNORE_INDEX, LanguageModel
 from megassm.models.mamba2 import Mamba2Mixer
+from megassm.models.registry import block_kind
 from megassm.models.state import KVCache
 
 from . import comm
+from .substitute import substitute
 
 __all__ = ["CPPlan", "CPContext", "apply_context_parallel", "cp_plan_of", "local_slice", "global_mean_loss",
            "global_token_count", "allreduce_cp_grads"]
@@ -343,6 +346,25 @@ class _CPLanguageModel:
         return global_mean_loss(total, count, self.cp_plan.group)
 
 
+@dataclass(frozen=True)
+class CPTreatment:
+    """What context parallelism does to one kind of mixer: `mixin` goes before the mixer's class (its
+    exchanges), `base` is the class it expects, `halo` the pre-conv rows it needs from the previous rank,
+    `full_seq_idx` whether it reads the whole rows' document ids (masks, positions) or only the boundaries."""
+
+    mixin: type
+    base: type
+    halo: Callable = lambda mixer: 1
+    full_seq_idx: bool = False
+
+
+# the treatments a block kind may name (models/registry.py `cp`); None: position-wise, nothing to exchange
+CP_TREATMENTS = {
+    "local": None,
+    "mamba2": CPTreatment(_CPMamba2, Mamba2Mixer, halo=lambda mixer: mixer.d_conv - 1),
+    "attention": CPTreatment(_CPAttention, Attention, full_seq_idx=True),
+}
+
 _CLASSES: dict = {}
 
 
@@ -369,21 +391,19 @@ def apply_context_parallel(model: LanguageModel, cp_group) -> LanguageModel:
         return model
     if cp_plan_of(model) is not None:
         raise RuntimeError("apply_context_parallel: the model is already context-parallel")
-    halo = 1
+    halo, full = 1, False
     for i, layer in enumerate(model.layers):
-        mixer = layer.mixer
-        if layer.kind == "M":
-            if not isinstance(mixer, Mamba2Mixer):
-                raise ValueError(f"context parallelism: layer {i} is not a Mamba-2 mixer")
-            halo = max(halo, mixer.d_conv - 1)
-            mixer.__class__ = _with(_CPMamba2, type(mixer))
-        elif layer.kind == "*":
-            if not isinstance(mixer, Attention):
-                raise ValueError(f"context parallelism: layer {i} is not an attention mixer")
-            mixer.__class__ = _with(_CPAttention, type(mixer))
-        elif layer.kind != "-":
-            raise ValueError(f"context parallelism: no plan for block letter {layer.kind!r}")
-    full = any(layer.kind == "*" for layer in model.layers)
+        kind = block_kind(layer.kind)
+        if kind.cp is None or kind.cp not in CP_TREATMENTS:
+            raise ValueError(f"context parallelism: no plan for block letter {layer.kind!r} ({kind.name})")
+        treat = CP_TREATMENTS[kind.cp]
+        if treat is None:  # position-wise: nothing crosses ranks
+            continue
+        if not isinstance(layer.mixer, treat.base):
+            raise ValueError(f"context parallelism: layer {i} is not a {treat.base.__name__}")
+        halo = max(halo, treat.halo(layer.mixer))
+        full = full or treat.full_seq_idx
+        substitute(layer, "mixer", _with(treat.mixin, type(layer.mixer)))
     model.cp_plan = CPPlan(group=cp_group, world=R, rank=comm.rank(cp_group), halo=halo, full_seq_idx=full)
     model.__class__ = _with(_CPLanguageModel, type(model))
     return model

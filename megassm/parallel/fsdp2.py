@@ -10,6 +10,7 @@ import logging
 import torch
 
 from megassm.config import ConfigError
+from megassm.models.registry import block_kinds
 
 from .dp import allreduce_grads
 from .engines import Engine
@@ -19,9 +20,10 @@ log = logging.getLogger("megassm.parallel.engines")
 __all__ = ["FSDP2Engine", "fsdp_param_dtype", "sharded_params"]
 
 
-# the blocks whose matmul weights FSDP2 may gather in bf16: their Linear weights are consumed by F.linear
-# only (the seed mixers read some of theirs inside their own kernels, which take them as DDP gives them: fp32)
-_BF16_GATHER_KINDS = ("M", "*", "-")
+# the blocks whose matmul weights FSDP2 may gather in bf16 (models/registry.py `fsdp_bf16_gather`): their
+# Linear weights are consumed by F.linear only (the seed mixers read some of theirs inside their own kernels,
+# which take them as DDP gives them: fp32)
+_BF16_GATHER_KINDS = tuple(k.letter for k in block_kinds() if k.fsdp_bf16_gather)
 
 
 def sharded_params(module) -> list:

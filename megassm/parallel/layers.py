@@ -6,8 +6,8 @@ Regions (Megatron's f / g operators):
     copy_to_tp(x)      fwd identity      bwd all-reduce    (input of column-parallel projections)
     reduce_from_tp(x)  fwd all-reduce    bwd identity      (output of row-parallel projections)
 
-Modules (installed by megassm.parallel.tp by swapping the class of the single-device module, so parameter
-names and init rules stay those of the canonical model):
+Modules (substituted by megassm.parallel.tp for the single-device module, holding its parameters, so parameter
+names and init rules stay those of the canonical model; parallel/substitute.py):
     RowParallelLinear       nn.Linear holding columns [out, in/tp]; reduces (or reduce-scatters, SP) its
                             output before adding the (replicated) bias
     VocabParallelEmbedding  nn.Embedding holding rows [V/tp, d]; tokens outside the shard give 0; summed

@@ -37,6 +37,7 @@ from torch import nn
 
 from megassm.models.attention import single_document
 from megassm.models.init import draw, param_seed, rule_of
+from megassm.models.registry import block_kind
 
 from . import comm
 
@@ -252,7 +253,8 @@ class StageModule(nn.Module):
         self.norm_f = model.norm_f if last else None
         self.head = (model.lm_head if model.lm_head is not None else model.embedding) if last else None
         object.__setattr__(self, "lm", model)  # not a submodule: its parameters belong to the stages
-        self.doc_mask = bool(getattr(model, "_attn_doc_mask", False)) and any(b.kind == "*" for b in self.blocks)
+        self.doc_mask = bool(getattr(model, "_attn_doc_mask", False)) and any(
+            block_kind(b.kind).single_doc_hint for b in self.blocks)
         self.autocast = contextlib.nullcontext
         self.block_ids = list(blocks)  # local block indices (the BPTT carrier's keys)
         self.carrier = None  # BPTT (training/bptt.py): set by train_step(..., carrier=) for one schedule run

@@ -11,6 +11,11 @@ Mamba-2 B/C when tp > ngroups; attention K/V when tp > n_kv_heads). `partial` ma
 whose replicas hold partial gradients that `sync_tp_grads` sums (B/C and K/V always; every replicated
 weight under sequence parallelism, whose activations are sequence shards).
 
+Each block kind declares its layout as data (models/registry.py `TPLayout`, the `tp_layout` of the kind's
+entry in its mixer's file): which parameter pieces shard how, the local sizes, which Linears become
+row-parallel and which parallel variant (defined here) replaces a module. `apply_tensor_parallel` interprets
+it; modules are replaced in their parent by the parallel class (`substitute`), never retyped in place.
+
 Layer by layer:
   Mamba-2   in_proj per component [z|x|B|C|dt] column-parallel (plain local Linear), conv / A_log / dt_bias /
             D / norm weight rank-local, grouped norm over local groups, out_proj row-parallel: the layer's
@@ -41,14 +46,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megassm.models.lm import IGNORE_INDEX, LanguageModel
 from megassm.models.bmojo import BMojoMixer
+from megassm.models.lm import IGNORE_INDEX, LanguageModel
 from megassm.models.mamba2 import Mamba2Mixer
+from megassm.models.registry import Replicate, Split, TPLayout, block_kind
 
 from . import comm
 from .layers import (RowParallelLinear, VocabParallelEmbedding, copy_to_tp, reduce_from_tp, region_in,
                      region_out, vocab_parallel_cross_entropy)
 from .sp import split_to_sp
+from .substitute import substitute
 
 __all__ = ["Piece", "ShardSpec", "TPPlan", "apply_tensor_parallel", "sync_tp_grads", "clip_grad_norm_tp",
            "grad_norm_tp", "grad_sq_tp", "canonical_state_dict", "load_canonical_state_dict", "gather_canonical",
@@ -141,6 +148,7 @@ class _FusedNormMamba2Mixer(Mamba2Mixer):
     buffer [..., G*d_model + G] with this rank's partial output in its group's slot, and its partial sum of
     squares; after the reduction out = sum_g partial_g * rsqrt(ss_g / group_size + eps) (+ bias)."""
 
+    norm_spans_ranks = True
     tp_group = None
     sp = False
     n_slots = 1
@@ -190,94 +198,6 @@ class _TPLanguageModel(LanguageModel):
         return self.tp_plan.tp if self.tp_plan.sp else 1
 
 
-def _plan_mamba(mixer, pre: str, tp: int, rank: int, sp: bool, group, specs: dict) -> None:
-    H, G, N, di = mixer.nheads, mixer.ngroups, mixer.d_state, mixer.d_inner
-    if H % tp:
-        raise ValueError(f"tensor parallelism: tp={tp} must divide the Mamba-2 heads ({H})")
-    if G % tp and tp % G:
-        raise ValueError(f"tensor parallelism: Mamba-2 ngroups={G} and tp={tp}: one must divide the other")
-    gn = G * N
-    fused = G % tp != 0  # tp > ngroups: B/C replicated, norm statistics reduced with out_proj
-    bc = _replica(gn, G, tp) if fused else _sharded(gn, tp)
-    zx = _sharded(di, tp)
-    heads = _sharded(H, tp)
-    in_pieces = (zx, zx, bc, bc, heads)
-    specs[pre + "in_proj.weight"] = ShardSpec(0, in_pieces)
-    specs[pre + "in_proj.bias"] = ShardSpec(0, in_pieces)
-    specs[pre + "conv1d.weight"] = ShardSpec(0, (zx, bc, bc))
-    specs[pre + "conv1d.bias"] = ShardSpec(0, (zx, bc, bc))
-    for n in ("dt_bias", "A_log", "D"):
-        specs[pre + n] = ShardSpec(0, (heads,))
-    specs[pre + "norm.weight"] = ShardSpec(0, (zx,))
-    specs[pre + "out_proj.weight"] = ShardSpec(1, (zx,))
-    specs[pre + "out_proj.bias"] = ShardSpec(0, (_replica(mixer.d_model, 1, tp, partial=sp),))
-    # local sizes read by the mixer's forward
-    g_local = 1 if fused else G // tp
-    mixer.d_inner, mixer.nheads, mixer.ngroups = di // tp, H // tp, g_local
-    gnl = g_local * N
-    mixer.conv_dim = mixer.d_inner + 2 * gnl
-    mixer.in_proj_sizes = [mixer.d_inner, mixer.d_inner, gnl, gnl, mixer.nheads]
-    mixer.conv_sizes = [mixer.d_inner, gnl, gnl]
-    mixer.norm.ngroups = g_local
-    mixer.out_proj.__class__ = RowParallelLinear
-    mixer.out_proj.tp_group, mixer.out_proj.sp = group, sp
-    if fused:
-        mixer.__class__ = _FusedNormMamba2Mixer
-        mixer.tp_group, mixer.sp = group, sp
-        mixer.n_slots, mixer.slot, mixer.group_size = G, bc.parts[rank], di // G
-
-
-def _plan_attention(attn, pre: str, tp: int, sp: bool, group, specs: dict) -> None:
-    Hq, Hkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
-    if Hq % tp:
-        raise ValueError(f"tensor parallelism: tp={tp} must divide the attention heads ({Hq})")
-    if Hkv % tp and tp % Hkv:
-        raise ValueError(f"tensor parallelism: attention n_kv_heads={Hkv} and tp={tp}: one must divide the other")
-    q = _sharded(Hq * hd, tp)
-    kv = _sharded(Hkv * hd, tp) if Hkv % tp == 0 else _replica(Hkv * hd, Hkv, tp)
-    for n, pc in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-        specs[pre + n + ".weight"] = ShardSpec(0, (pc,))
-        specs[pre + n + ".bias"] = ShardSpec(0, (pc,))
-    specs[pre + "o_proj.weight"] = ShardSpec(1, (q,))
-    specs[pre + "o_proj.bias"] = ShardSpec(0, (_replica(attn.o_proj.weight.shape[0], 1, tp, partial=sp),))
-    attn.n_heads = Hq // tp
-    attn.n_kv_heads = max(Hkv // tp, 1)
-    attn.o_proj.__class__ = RowParallelLinear
-    attn.o_proj.tp_group, attn.o_proj.sp = group, sp
-
-
-def _plan_mlp(mlp, pre: str, tp: int, sp: bool, group, specs: dict) -> None:
-    if mlp.hidden % tp:
-        raise ValueError(f"tensor parallelism: tp={tp} must divide the MLP hidden size ({mlp.hidden})")
-    h = _sharded(mlp.hidden, tp)
-    for n in ("w1", "w3"):
-        specs[pre + n + ".weight"] = ShardSpec(0, (h,))
-        specs[pre + n + ".bias"] = ShardSpec(0, (h,))
-    specs[pre + "w2.weight"] = ShardSpec(1, (h,))
-    specs[pre + "w2.bias"] = ShardSpec(0, (_replica(mlp.w2.weight.shape[0], 1, tp, partial=sp),))
-    mlp.hidden //= tp
-    mlp.w2.__class__ = RowParallelLinear
-    mlp.w2.tp_group, mlp.w2.sp = group, sp
-
-
-def _plan_coffee(mixer, pre: str, tp: int, sp: bool, group, specs: dict) -> None:
-    """COFFEE: channels are independent, so in_proj is column-parallel, lam / w / C / w_out are cut by channel,
-    out_proj is row-parallel: the layer's one all-reduce; the recurrence (and its Newton solver) is local."""
-    D = mixer.lam.shape[0]
-    if mixer.in_proj is None:
-        raise ValueError("tensor parallelism: COFFEE with model.coffee.proj=false has its channels on the residual "
-                         "stream and cannot be split; set model.coffee.proj=true")
-    if D % tp:
-        raise ValueError(f"tensor parallelism: tp={tp} must divide the COFFEE channels ({D})")
-    ch = _sharded(D, tp)
-    for n in ("in_proj.weight", "lam", "w", "C", "w_out"):
-        specs[pre + n] = ShardSpec(0, (ch,))
-    specs[pre + "out_proj.weight"] = ShardSpec(1, (ch,))
-    mixer.channels = D // tp
-    mixer.out_proj.__class__ = RowParallelLinear
-    mixer.out_proj.tp_group, mixer.out_proj.sp = group, sp
-
-
 class _TPBMojoMixer(BMojoMixer):
     """The full SSM output y (all-reduced by the SSM's out_proj) enters the column-parallel fading k/v
     projections: identity forward, all-reduce of its gradient backward."""
@@ -294,18 +214,6 @@ class _TPBMojoMixer(BMojoMixer):
         return split_to_sp(y, self.tp_group) if self.sp and y.dim() == 3 else y
 
 
-def _plan_bmojo(mixer, pre: str, tp: int, rank: int, sp: bool, group, specs: dict) -> None:
-    """B'MOJO: the SSM as a Mamba-2 layer whose out_proj all-reduces (never reduce-scatters: y is needed for
-    every token on every rank, for the innovation scores -- identical on every rank, so every rank selects the
-    same eidetic tokens -- and the fading tokens); the attention heads split, o_proj row-parallel. Two
-    all-reduces per layer forward (SP: all-gather in, one all-reduce, reduce-scatter out)."""
-    _plan_mamba(mixer.ssm, pre + "ssm.", tp, rank, False, group, specs)
-    _plan_attention(mixer, pre, tp, sp, group, specs)
-    specs[pre + "fade_norm.weight"] = ShardSpec(0, (_replica(mixer.d_model, 1, tp, partial=True),))
-    mixer.__class__ = _TPBMojoMixer
-    mixer.tp_group, mixer.sp = group, sp
-
-
 class _ReplicatedRowLinear(nn.Linear):
     """Row-parallel Linear whose output every rank needs in full for its own channels' work (Mamba-1 /
     Longhorn x_proj): all-reduce forward (whatever SP says: the input is the full sequence), and the gradient
@@ -318,33 +226,62 @@ class _ReplicatedRowLinear(nn.Linear):
         return y if self.bias is None else y + self.bias
 
 
-def _plan_mamba1(mixer, pre: str, tp: int, sp: bool, group, specs: dict) -> None:
-    """Mamba-1 (`S`) and Longhorn (`L`): channels split across ranks; x_proj's output all-reduced (every channel
-    reads all of dt_low, B / k, C / q), out_proj row-parallel. Two all-reduces per layer."""
-    di = mixer.d_inner
-    if di % tp:
-        raise ValueError(f"tensor parallelism: tp={tp} must divide the {type(mixer).__name__} channels ({di})")
-    ch = _sharded(di, tp)
-    specs[pre + "in_proj.weight"] = ShardSpec(0, (ch, ch))
-    specs[pre + "in_proj.bias"] = ShardSpec(0, (ch, ch))
-    for n in ("conv1d.weight", "conv1d.bias", "dt_proj.weight", "dt_proj.bias", "beta_proj.weight",
-              "beta_proj.bias", "A_log", "D"):
-        specs[pre + n] = ShardSpec(0, (ch,))
-    specs[pre + "x_proj.weight"] = ShardSpec(1, (ch,))
-    specs[pre + "out_proj.weight"] = ShardSpec(1, (ch,))
-    specs[pre + "out_proj.bias"] = ShardSpec(0, (_replica(mixer.d_model, 1, tp, partial=sp),))
-    mixer.d_inner = di // tp
-    mixer.x_proj.__class__ = _ReplicatedRowLinear
-    mixer.x_proj.tp_group = group
-    mixer.out_proj.__class__ = RowParallelLinear
-    mixer.out_proj.tp_group, mixer.out_proj.sp = group, sp
-
-
 def _region_hook(group, sp):
     def hook(module, args):
         return (region_in(args[0], group, sp and args[0].dim() == 3),) + tuple(args[1:])
 
     return hook
+
+
+def _piece(pc, tp: int) -> Piece:
+    """A layout piece (models/registry.py) as this TP group's Piece."""
+    if isinstance(pc, Split):
+        return _sharded(pc.size, tp)
+    if isinstance(pc, Replicate):
+        return _replica(pc.size, pc.groups, tp, pc.partial)
+    raise TypeError(f"tensor parallelism: unknown layout piece {pc!r}")
+
+
+def _variant_mamba2_norm_spans_ranks(mixer, plan: TPPlan, groups: int, group_size: int, sp: bool):
+    """TP > ngroups: each rank's B/C group is its slot in the fused out_proj all-reduce."""
+    return _FusedNormMamba2Mixer, dict(tp_group=plan.group, sp=sp, n_slots=groups,
+                                       slot=plan.rank // (plan.tp // groups), group_size=group_size)
+
+
+def _variant_bmojo(mixer, plan: TPPlan, sp: bool):
+    return _TPBMojoMixer, dict(tp_group=plan.group, sp=sp)
+
+
+# the parallel module variants a TPLayout may name (models/registry.py TPLayout.variants): name ->
+# (module, plan, **args) -> (class, attributes)
+TP_VARIANTS = {"mamba2_norm_spans_ranks": _variant_mamba2_norm_spans_ranks, "bmojo": _variant_bmojo}
+
+
+def _set_path(module: nn.Module, path: str, value) -> None:
+    owner, _, attr = path.rpartition(".")
+    setattr(module.get_submodule(owner) if owner else module, attr, value)
+
+
+def apply_layout(block: nn.Module, layout: TPLayout, pre: str, plan: TPPlan) -> None:
+    """Apply one mixer's TPLayout: its parameters' ShardSpecs into plan.specs (names prefixed by `pre`), its
+    local sizes, its row-parallel projections and variants substituted in place of the single-device
+    modules. `block` is the mixer's parent (the mixer is its `mixer`)."""
+    tp = plan.tp
+    for name, cut in layout.params.items():
+        plan.specs[pre + name] = ShardSpec(cut.dim, tuple(_piece(pc, tp) for pc in cut.pieces))
+    mixer = block.mixer
+    for path, value in layout.sizes.items():
+        _set_path(mixer, path, value)
+    for path, sp in layout.row_parallel.items():
+        substitute(mixer, path, RowParallelLinear, tp_group=plan.group, sp=sp)
+    for path in layout.replicated_row:
+        substitute(mixer, path, _ReplicatedRowLinear, tp_group=plan.group)
+    # submodules first, the mixer itself last (its variant then holds the substituted children)
+    for path, (name, args) in sorted(layout.variants.items(), key=lambda kv: -len(kv[0])):
+        if name not in TP_VARIANTS:
+            raise ValueError(f"tensor parallelism: no parallel variant named {name!r}")
+        cls, attrs = TP_VARIANTS[name](mixer.get_submodule(path), plan, **args)
+        substitute(block, "mixer." + path if path else "mixer", cls, **attrs)
 
 
 @torch.no_grad()
@@ -364,32 +301,19 @@ def apply_tensor_parallel(model: LanguageModel, tp_group, sp: bool = False) -> L
     d = model.config.d_model
     rep = ShardSpec(0, (_replica(d, 1, tp, partial=sp),))
     for i, layer in enumerate(model.layers):
-        pre = f"layers.{i}.mixer."
+        kind = block_kind(layer.kind)
+        if kind.tp_layout is None:
+            raise ValueError(f"tensor parallelism: no plan for block letter {layer.kind!r} ({kind.name})")
         specs[f"layers.{i}.norm.weight"] = rep
-        if layer.kind == "M":
-            _plan_mamba(layer.mixer, pre, tp, rank, sp, tp_group, specs)
-        elif layer.kind == "*":
-            _plan_attention(layer.mixer, pre, tp, sp, tp_group, specs)
-        elif layer.kind == "-":
-            _plan_mlp(layer.mixer, pre, tp, sp, tp_group, specs)
-        elif layer.kind == "C":
-            _plan_coffee(layer.mixer, pre, tp, sp, tp_group, specs)
-        elif layer.kind == "B":
-            _plan_bmojo(layer.mixer, pre, tp, rank, sp, tp_group, specs)
-        elif layer.kind in ("S", "L"):
-            _plan_mamba1(layer.mixer, pre, tp, sp, tp_group, specs)
-        else:
-            raise ValueError(f"tensor parallelism: no plan for block letter {layer.kind!r}")
+        apply_layout(layer, kind.tp_layout(layer.mixer, tp, sp), f"layers.{i}.mixer.", plan)
         layer.mixer.register_forward_pre_hook(_region_hook(tp_group, sp))
     specs["norm_f.weight"] = rep
     vp = model.vocab_size_padded
     specs["embedding.weight"] = ShardSpec(0, (_sharded(vp, tp),))
     specs["lm_head.weight"] = ShardSpec(0, (_sharded(vp, tp),))
     plan.vocab_start = rank * (vp // tp)
-    emb = model.embedding
-    if emb is not None:  # a pipeline stage without the embedding (parallel/pp.py) has none
-        emb.__class__ = VocabParallelEmbedding
-        emb.tp_group, emb.sp, emb.vocab_start = tp_group, sp, plan.vocab_start
+    if model.embedding is not None:  # a pipeline stage without the embedding (parallel/pp.py) has none
+        substitute(model, "embedding", VocabParallelEmbedding, tp_group=tp_group, sp=sp, vocab_start=plan.vocab_start)
 
     for name, p in list(model.named_parameters()):
         if name not in specs:

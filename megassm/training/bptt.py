@@ -43,6 +43,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from megassm.models.registry import block_kind
 from megassm.models.state import KVCache, MambaState, detach_states, reset_states
 from megassm.parallel.cp import global_token_count
 from megassm.parallel.pp import pp_plan_of
@@ -73,15 +74,11 @@ def block_layout(model) -> tuple[list[int], int]:
 
 def carried_kinds(model) -> list[str | None]:
     """Per block: "mamba" (conv + ssm carried), "window" (sliding-window KV cache carried), or None
-    (full attention, MLP: nothing carried)."""
+    (full attention, MLP: nothing carried), as each block kind's `bptt` declares (models/registry.py)."""
     kinds = []
     for layer in _unwrap(model).layers:
-        if layer.kind == "M":
-            kinds.append("mamba")
-        elif layer.kind == "*" and getattr(layer.mixer, "window", 0) > 0:
-            kinds.append("window")
-        else:
-            kinds.append(None)
+        carried = block_kind(layer.kind).bptt
+        kinds.append(None if carried is None else carried(layer.mixer))
     return kinds
 
 

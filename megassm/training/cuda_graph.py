@@ -34,16 +34,20 @@ from collections.abc import Callable
 
 import torch
 
+from megassm.models.registry import block_kinds
+
 log = logging.getLogger("megassm.training.cuda_graph")
 
 __all__ = ["GraphedMicroBatch", "GRAPH_SAFE_LETTERS", "GRAPH_SAFE_WITHOUT_RESETS"]
 
-# pattern letters whose forward and backward run no host sync and no collective (at tp = cp = 1)
-GRAPH_SAFE_LETTERS = {"M": "Mamba-2", "-": "gated MLP", "S": "Mamba-1", "L": "Longhorn"}
-# and these only when batches carry no document resets (seq_idx None), as the synthetic runner's do: B'MOJO's
-# number of memory groups is static without resets and read on the host with them (the trainer's packed
-# batches always have them)
-GRAPH_SAFE_WITHOUT_RESETS = {"B": "B'MOJO (without document resets)"}
+# pattern letters whose forward and backward run no host sync and no collective (at tp = cp = 1): the block
+# kinds declaring cuda_graph="yes" (models/registry.py)
+GRAPH_SAFE_LETTERS = {k.letter: k.name for k in block_kinds() if k.cuda_graph == "yes"}
+# and these only when batches carry no document resets (seq_idx None), as the synthetic runner's do: e.g.
+# B'MOJO's number of memory groups is static without resets and read on the host with them (the trainer's
+# packed batches always have them)
+GRAPH_SAFE_WITHOUT_RESETS = {k.letter: f"{k.name} (without document resets)" for k in block_kinds()
+                             if k.cuda_graph == "without_resets"}
 
 
 class GraphedMicroBatch:

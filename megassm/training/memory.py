@@ -33,7 +33,8 @@ import contextlib
 import json
 from dataclasses import dataclass
 
-from megassm.config import Config, blocks_of, data_parallel_size, world_size
+from megassm.config import Config, data_parallel_size, world_size
+from megassm.models.registry import ActivationContext, block_kind
 
 __all__ = ["ENGINE_BYTES", "engine_bytes", "fsdp2_terms", "block_bytes", "head_bytes", "checkpointed_bytes", "inflight_microbatches",
            "rank_models", "estimate", "layout_warnings", "format_table", "to_json", "GiB", "GPU_MEMORY_GIB"]
@@ -116,74 +117,14 @@ def block_bytes(block, a: int, cfg: Config, *, sp_tp: int = 1, cp: int = 1, seq_
     # fused add + RMSNorm saves its input x (the previous mixer's output), the new fp32 residual and its
     # output (the mixer's input, saved again by the first projection: the same tensor)
     stream = (2 * a + 4) * d
-    m = block.mixer
-    kind = block.kind
+    kind = block_kind(block.kind)
+    if kind.activation_bytes is None:
+        raise ValueError(f"memory estimate: no activation model for block letter {block.kind!r}")
     extra = a * d if sp_tp > 1 else 0  # SP: the all-gathered mixer input is saved by the first projection
-    if kind in ("M", "B"):
-        local, fused = _mamba2_bytes(m.ssm if kind == "B" else m, a)
-        stream += fused
-        if kind == "B":  # rough (not measured): the SSM plus attention over window + memory tokens, its mask
-            hq, hkv, hd = m.n_heads, m.n_kv_heads, m.head_dim
-            local += a * (2 * hq * hd + 2 * hkv * hd + hq * hd + d) + a * (m.window + m.n_fading + m.n_eidetic)
-    elif kind == "*":
-        hq, hkv, hd = m.n_heads, m.n_kv_heads, m.head_dim
-        # q, k, v (SDPA saves them), SDPA output + logsumexp, the output made contiguous for o_proj
-        local = a * (2 * hq * hd + 2 * hkv * hd + hq * hd) + 4 * hq
-        if cp > 1:  # keys / values all-gathered over the CP group, saved at full length
-            local += a * 2 * hkv * hd * (cp - 1)
-        if m.window or doc_mask:  # explicit mask path: a [L, L] bias per row (memory-efficient SDPA)
-            local += a * seq_len  # (masked_sdpa's padding of 64 mod 128 key lengths is left out: <= 64 keys)
-    elif kind == "-":
-        local = a * 4 * m.hidden  # w1 out, silu(w1 out), w3 out, their product (w2's input)
-    elif kind in ("S", "L"):  # in_proj [x|z], conv out, x_proj out, y; then the step size
-        di = m.d_inner
-        n = getattr(m, "d_state", 16)
-        r = getattr(m, "dt_rank", 0)
-        local = a * (4 * di + r + 2 * n)
-        # S: dt_proj's output (the kernel adds the bias). L: eps = beta / (1 + beta |k|^2) is built in fp32
-        # (models/longhorn.py), which saves sigmoid's output and the denominator, and the kernel saves eps
-        local += a * di if kind == "S" else 12 * di
-    elif kind == "C":  # rough: the projections' tensors, then what the solver keeps
-        ch = getattr(m, "channels", d)
-        n = cfg.model.coffee.d_state
-        local = a * 3 * ch
-        if cfg.model.coffee.solver == "deer":  # every fp32 state [B, L, D, n] (auto is the token loop on a GPU)
-            local += 4 * ch * n
-        else:  # the fused token loop (kernels.coffee_scan): y in fp32 and a state checkpoint every 64 tokens
-            local += 4 * ch + 4 * ch * n // 64
-    else:
-        raise ValueError(f"memory estimate: no activation model for block letter {kind!r}")
-    return {"stream": stream, "local": local + extra}
-
-
-def _mamba2_bytes(m, a: int) -> tuple[int, int]:
-    """(local, stream) bytes per token of a Mamba-2 mixer: in_proj output [z|x|B|C|dt] (conv and SSD read
-    views of it), conv output (SSD's x, B, C), SSD output y (the gated norm's input), gated-norm output
-    (out_proj's input); the Triton ops save only their inputs. Under TP > ngroups the gated norm runs in
-    fp32 PyTorch inside out_proj's all-reduce (parallel/tp.py `_FusedNormMamba2Mixer`): y, z, the gate and
-    y * gate in fp32, the normed product in y's dtype, and the reduced fp32 buffer [G x d_model + G]."""
-    from megassm.parallel.tp import _FusedNormMamba2Mixer
-
-    gn = m.ngroups * m.d_state
-    zxbcdt = 2 * m.d_inner + 2 * gn + m.nheads
-    kept = _ssd_kept_state_bytes(m, a)
-    if isinstance(m, _FusedNormMamba2Mixer):
-        return a * (zxbcdt + m.conv_dim) + (16 + a) * m.d_inner + kept, 4 * m.n_slots * (m.d_model + 1)
-    return a * (zxbcdt + m.conv_dim + 2 * m.d_inner) + kept, 0
-
-
-def _ssd_kept_state_bytes(m, a: int) -> int:
-    """Per token: the chunk states the SSD forward keeps for the backward under MEGASSM_SSD_SAVE_STATES=1
-    (docs/kernels.md), H x P x N per chunk at 4 bytes (bf16 hi + lo planes, or fp32), 2 under
-    MEGASSM_SSD_PRECISION=bf16 with bf16 autocast; 0 by default (the backward recomputes them). Not priced: the
-    true segment ends a segmented chunk walk keeps (few long rows; segments x H x P x N x 4 bytes per row, ~1%
-    of a Mamba-2 layer's activations at 1 x 16K, where the GPU decides the segment count)."""
-    from megassm.kernels import env
-
-    if not env.ssd_save_states():
-        return 0
-    fast = a == 2 and env.ssd_precision() == "bf16"
-    return m.nheads * m.headdim * m.d_state * (2 if fast else 4) // m.chunk_size
+    # the kind's own tensors (models/registry.py `activation_bytes`, in the mixer's file)
+    ctx = ActivationContext(cfg=cfg.model, sp_tp=sp_tp, cp=cp, seq_len=seq_len, doc_mask=doc_mask)
+    local, more_stream = kind.activation_bytes(block.mixer, a, ctx)
+    return {"stream": stream + more_stream, "local": local + extra}
 
 
 def head_bytes(vocab_local: int, a: int) -> int:
