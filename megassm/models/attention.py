@@ -174,6 +174,7 @@ class Attention(nn.Module):
         state: KVCache | None = None,
         return_state: bool = False,
         single_doc: bool | None = None,
+        cp=None,  # the context-parallel context: read by parallel/cp.py's variant of this mixer
     ) -> tuple[torch.Tensor, KVCache | None]:
         """u [B, L, d_model] -> (out [B, L, d_model], new cache or None). `single_doc` (every row is one
         document) may be passed by the caller so that the host sync happens once per model call."""

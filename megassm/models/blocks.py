@@ -52,15 +52,18 @@ class Block(nn.Module):
         state=None,
         return_state: bool = False,
         single_doc: bool | None = None,
+        cp=None,
     ):
-        """Returns (hidden, residual fp32, new state or None)."""
+        """Returns (hidden, residual fp32, new state or None). `cp`: the context-parallel context of this
+        forward (parallel/cp.py), handed to the mixer; None on one device."""
         normed, residual = self.norm.add_forward(hidden, residual)
+        kw = {} if cp is None else {"cp": cp}
         if block_kind(self.kind).single_doc_hint:  # attention: the batch's single-document hint skips the doc mask
             out, new_state = self.mixer(
-                normed, seq_idx=seq_idx, state=state, return_state=return_state, single_doc=single_doc
+                normed, seq_idx=seq_idx, state=state, return_state=return_state, single_doc=single_doc, **kw
             )
         elif self.has_state:
-            out, new_state = self.mixer(normed, seq_idx=seq_idx, state=state, return_state=return_state)
+            out, new_state = self.mixer(normed, seq_idx=seq_idx, state=state, return_state=return_state, **kw)
         else:
             out, new_state = self.mixer(normed), None
         return out, residual, new_state

@@ -61,6 +61,14 @@ class LMOutput:
 
 
 class LanguageModel(nn.Module):
+    # Where the parallel plans plug in (they never retype the model):
+    #   vocab_parallel    parallel/tp.py: head and loss over this rank's vocabulary shard (.head(model, h),
+    #                     .loss_terms(logits, labels), .sp_ways)
+    #   context_parallel  parallel/cp.py: .begin(tokens, seq_idx) -> (seq_idx, context) once per forward, the
+    #                     context handed to every block as `cp=`; .finish_loss(total, count): the global mean
+    vocab_parallel = None
+    context_parallel = None
+
     def __init__(self, cfg: ModelConfig, vocab_size: int):
         super().__init__()
         self.config = cfg
@@ -134,6 +142,8 @@ class LanguageModel(nn.Module):
                                "through megassm.parallel.pp.train_step / eval_losses")
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
+        if self.vocab_parallel is not None:
+            return self.vocab_parallel.head(self, h)
         if self.lm_head is None:
             return F.linear(h, self.embedding.weight)
         return self.lm_head(h)
@@ -149,6 +159,9 @@ class LanguageModel(nn.Module):
         """tokens [B, L] int64; seq_idx [B, L] document ids (nondecreasing per row; no state crosses a
         change); labels [B, L] (-100 = ignored); states: per-block initial states, applied to the first
         document of each row (zero a row's state first if that row starts a new document)."""
+        cp = None
+        if self.context_parallel is not None:  # this rank's slice of the rows: the document boundaries of all
+            seq_idx, cp = self.context_parallel.begin(tokens, seq_idx)
         self._check_whole()
         if states is not None and len(states) != self.n_layers:
             raise ValueError(f"states has {len(states)} entries, the model has {self.n_layers} blocks")
@@ -170,6 +183,7 @@ class LanguageModel(nn.Module):
                 state=None if states is None else states[i],
                 return_state=return_states,
                 single_doc=single_doc,
+                cp=cp,
             )
             if return_states:
                 new_states.append(st)
@@ -184,6 +198,8 @@ class LanguageModel(nn.Module):
 
     def loss_terms(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of the fp32 cross-entropy over labels != -100, their count); no host sync."""
+        if self.vocab_parallel is not None:
+            return self.vocab_parallel.loss_terms(logits, labels)
         flat = labels.reshape(-1)
         total = F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).float(), flat, ignore_index=IGNORE_INDEX, reduction="sum"
@@ -191,7 +207,9 @@ class LanguageModel(nn.Module):
         return total, (flat != IGNORE_INDEX).sum()
 
     def finish_loss(self, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-        """Mean over the labelled tokens (0 when every label is ignored)."""
+        """Mean over the labelled tokens (0 when every label is ignored; over every CP rank's under CP)."""
+        if self.context_parallel is not None:
+            return self.context_parallel.finish_loss(total, count)
         return total / count.clamp(min=1)
 
     def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -200,7 +218,7 @@ class LanguageModel(nn.Module):
 
     def _sp_ways(self) -> int:
         """Ranks the final hidden's sequence is split over (sequence parallelism), 1 without it."""
-        return 1
+        return 1 if self.vocab_parallel is None else self.vocab_parallel.sp_ways
 
     def head_loss(self, normed: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The head and the loss of the final-norm output. With `loss_chunk_tokens` > 0 the tokens go

@@ -12,8 +12,8 @@ Triton kernels replace the references without touching this file.
 
 Tensor-parallel layout (declared by `mamba2_tp_layout` below, applied from outside by parallel/tp.py):
 `in_proj.weight` rows are the concatenation of the five components listed in `in_proj_sizes`,
-`conv1d.weight`/`bias` rows are [x | B | C] (`conv_sizes`); a TP plan slices each component separately (heads and groups divide by TP) and keeps the canonical layout in
-checkpoints. A_log, dt_bias, D and the norm weight are per head/group and shard with the heads.
+`conv1d.weight`/`bias` rows are [x | B | C] (`conv_sizes`); a TP plan slices each component separately
+(heads and groups divide by TP) and keeps the canonical layout in checkpoints. A_log, dt_bias, D and the norm weight are per head/group and shard with the heads.
 """
 from __future__ import annotations
 
@@ -122,13 +122,15 @@ class Mamba2Mixer(nn.Module):
         seq_idx: torch.Tensor | None = None,
         state: MambaState | None = None,
         return_state: bool = False,
+        cp=None,
     ) -> tuple[torch.Tensor, MambaState | None]:
         """u [B, L, d_model]; seq_idx [B, L] int32 document ids; state: carried into the first document of
-        each row. Returns (out [B, L, d_model], final state or None)."""
+        each row; cp: the context-parallel context (read by parallel/cp.py's conv and scan). Returns (out
+        [B, L, d_model], final state or None)."""
         bsz, seqlen, _ = u.shape
         zxbcdt = self.in_proj(u)
         z, xBC, dt = torch.split(zxbcdt, [self.d_inner, self.conv_dim, self.nheads], dim=-1)
-        xBC, conv_state = self.conv(xBC, seq_idx, None if state is None else state.conv, return_state)
+        xBC, conv_state = self.conv(xBC, seq_idx, None if state is None else state.conv, return_state, cp=cp)
         x, B, C = torch.split(xBC, self.conv_sizes, dim=-1)
         y, ssm_state = self.scan(
             x.reshape(bsz, seqlen, self.nheads, self.headdim),
@@ -138,13 +140,14 @@ class Mamba2Mixer(nn.Module):
             seq_idx,
             None if state is None else state.ssm,
             return_state,
+            cp=cp,
         )
         out = self.norm_out_proj(y.reshape(bsz, seqlen, self.d_inner), z)
         new_state = MambaState(conv=_fp32(conv_state), ssm=_fp32(ssm_state)) if return_state else None
         return out, new_state
 
     # conv and scan are methods so that a context-parallel plan (parallel/cp.py) can replace them
-    def conv(self, xBC, seq_idx, conv_state, return_state):
+    def conv(self, xBC, seq_idx, conv_state, return_state, cp=None):
         """silu(causal_conv1d(xBC)) [B, L, conv_dim] and, if asked, the final conv state (else None)."""
         out = kernels.causal_conv1d(
             xBC,
@@ -157,7 +160,7 @@ class Mamba2Mixer(nn.Module):
         )
         return out if return_state else (out, None)
 
-    def scan(self, x, dt, B, C, seq_idx, ssm_state, return_state):
+    def scan(self, x, dt, B, C, seq_idx, ssm_state, return_state, cp=None):
         """SSD with the D skip (the gate is applied later, in the grouped norm): x [B, L, H, P], dt [B, L, H],
         B/C [B, L, G, N]. Returns (y [B, L, H, P], final state [B, H, P, N] fp32 or None)."""
         out = kernels.ssd(

@@ -6,8 +6,8 @@ TP/SP, CP and PP plans:
 Each residual block keeps only its inputs in the forward and recomputes its activations in the backward
 (torch.utils.checkpoint, non-reentrant): activation memory drops from all of a block's intermediates to
 one [B, L, d_model] pair per block, for about one extra forward. Non-reentrant checkpointing calls the
-block again with the very same argument objects, which the context-parallel plan relies on (its per-forward
-context rides on the seq_idx tensor), and it supports the block's (hidden, residual, state) outputs.
+block again with the very same arguments (the context-parallel context `cp=` included), and it supports the
+block's (hidden, residual, state) outputs.
 """
 from __future__ import annotations
 

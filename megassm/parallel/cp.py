@@ -53,7 +53,7 @@ from megassm.models.state import KVCache
 from . import comm
 from .substitute import substitute
 
-__all__ = ["CPPlan", "CPContext", "apply_context_parallel", "cp_plan_of", "local_slice", "global_mean_loss",
+__all__ = ["CPPlan", "CPContext", "ContextParallel", "apply_context_parallel", "cp_plan_of", "local_slice", "global_mean_loss",
            "global_token_count", "allreduce_cp_grads"]
 
 
@@ -101,12 +101,11 @@ def local_slice(t: torch.Tensor, cp_group, dim: int = 1) -> torch.Tensor:
     return t.chunk(n, dim=dim)[comm.rank(cp_group)]
 
 
-def _context(seq_idx: torch.Tensor) -> CPContext:
-    ctx = getattr(seq_idx, "cp_context", None)
-    if ctx is None:
-        raise RuntimeError("context parallelism: a layer got a seq_idx without its CP context; call the model "
+def _context(cp: CPContext | None) -> CPContext:
+    if cp is None:
+        raise RuntimeError("context parallelism: a layer was called without its CP context (cp=); call the model "
                            "itself (its forward gathers the document boundaries), not a layer alone")
-    return ctx
+    return cp
 
 
 def _build_context(plan: CPPlan, sid: torch.Tensor) -> CPContext:
@@ -191,8 +190,8 @@ class _StateReadout(torch.autograd.Function):
 class _CPMamba2:
     """Mixin over Mamba2Mixer (or its TP variants): the conv halo and the chunk-state hand-off."""
 
-    def conv(self, xBC, seq_idx, conv_state, return_state):
-        ctx = _context(seq_idx)
+    def conv(self, xBC, seq_idx, conv_state, return_state, cp=None):
+        ctx = _context(cp)
         R, r, k = ctx.plan.world, ctx.plan.rank, self.d_conv - 1
         bsz, L, _ = xBC.shape
         cdt = torch.promote_types(xBC.dtype, torch.float32)
@@ -210,8 +209,8 @@ class _CPMamba2:
             final = final.transpose(1, 2).to(cdt).contiguous()
         return y, final
 
-    def scan(self, x, dt, B, C, seq_idx, ssm_state, return_state):
-        ctx = _context(seq_idx)
+    def scan(self, x, dt, B, C, seq_idx, ssm_state, return_state, cp=None):
+        ctx = _context(cp)
         R, r = ctx.plan.world, ctx.plan.rank
         y, S = super().scan(x, dt, B, C, seq_idx, ssm_state if r == 0 else None, True)
         bsz, L, H, P = x.shape
@@ -242,8 +241,8 @@ class _CPMamba2:
 class _CPAttention:
     """Mixin over Attention: K/V all-gathered over the CP group, masks and RoPE positions offset."""
 
-    def forward(self, u, seq_idx=None, state=None, return_state=False, single_doc=None):
-        ctx = _context(seq_idx)
+    def forward(self, u, seq_idx=None, state=None, return_state=False, single_doc=None, cp=None):
+        ctx = _context(cp)
         R, r = ctx.plan.world, ctx.plan.rank
         bsz, L, _ = u.shape
         Lg, dev = R * L, u.device
@@ -321,11 +320,15 @@ def global_token_count(model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
     return n if plan is None else comm.all_reduce(n.clone(), plan.group)
 
 
-class _CPLanguageModel:
-    """Mixin over LanguageModel (or its TP variant): per-forward document boundaries, global loss."""
+class ContextParallel:
+    """The model's side of context parallelism (LanguageModel.context_parallel): per forward, the document
+    boundaries of every rank (the context handed to each block as `cp=`); the loss as the global mean."""
 
-    def forward(self, tokens, seq_idx=None, labels=None, states=None, return_states=False):
-        plan = self.cp_plan
+    def __init__(self, plan: CPPlan):
+        self.plan = plan
+
+    def begin(self, tokens: torch.Tensor, seq_idx: torch.Tensor | None) -> tuple[torch.Tensor, CPContext]:
+        plan = self.plan
         if seq_idx is None:
             sid = torch.zeros(tokens.shape, dtype=torch.int32, device=tokens.device)
         else:
@@ -335,15 +338,11 @@ class _CPLanguageModel:
         if tokens.shape[1] < plan.halo:
             raise ValueError(f"context parallelism: {tokens.shape[1]} tokens per rank, fewer than the conv halo "
                              f"({plan.halo}); use longer sequences or a smaller parallel.cp")
-        # a fresh tensor object per forward carries this forward's context to every layer (activation
-        # checkpointing recomputes a block with the very same argument objects)
-        sid = sid.view_as(sid)
-        sid.cp_context = _build_context(plan, sid)
-        return super().forward(tokens, seq_idx=sid, labels=labels, states=states, return_states=return_states)
+        return sid, _build_context(plan, sid)
 
-    def finish_loss(self, total, count):
+    def finish_loss(self, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         # this rank's sum over its labelled tokens -> the mean over every CP rank's
-        return global_mean_loss(total, count, self.cp_plan.group)
+        return global_mean_loss(total, count, self.plan.group)
 
 
 @dataclass(frozen=True)
@@ -405,7 +404,7 @@ def apply_context_parallel(model: LanguageModel, cp_group) -> LanguageModel:
         full = full or treat.full_seq_idx
         substitute(layer, "mixer", _with(treat.mixin, type(layer.mixer)))
     model.cp_plan = CPPlan(group=cp_group, world=R, rank=comm.rank(cp_group), halo=halo, full_seq_idx=full)
-    model.__class__ = _with(_CPLanguageModel, type(model))
+    model.context_parallel = ContextParallel(model.cp_plan)
     return model
 
 

@@ -180,22 +180,27 @@ class _FusedNormMamba2Mixer(Mamba2Mixer):
         return out if self.out_proj.bias is None else out + self.out_proj.bias
 
 
-class _TPLanguageModel(LanguageModel):
-    """Vocab-parallel head and loss (logits are this rank's vocabulary shard)."""
+class VocabParallelHead:
+    """The model's vocab-parallel head and loss (LanguageModel.vocab_parallel): logits are this rank's
+    vocabulary shard, the cross-entropy is reduced over the TP group."""
 
-    def _head(self, h: torch.Tensor) -> torch.Tensor:
-        plan = self.tp_plan
+    def __init__(self, plan: TPPlan):
+        self.plan = plan
+
+    @property
+    def sp_ways(self) -> int:
+        return self.plan.tp if self.plan.sp else 1
+
+    def head(self, model: LanguageModel, h: torch.Tensor) -> torch.Tensor:
+        plan = self.plan
         h = region_in(h, plan.group, plan.sp and h.dim() == 3)
-        w = self.embedding.weight if self.lm_head is None else self.lm_head.weight
+        w = model.embedding.weight if model.lm_head is None else model.lm_head.weight
         return F.linear(h, w)
 
     def loss_terms(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        plan = self.tp_plan
+        plan = self.plan
         per_token = vocab_parallel_cross_entropy(logits, labels, plan.vocab_start, plan.group)
         return per_token.sum(), (labels.reshape(-1) != IGNORE_INDEX).sum()
-
-    def _sp_ways(self) -> int:
-        return self.tp_plan.tp if self.tp_plan.sp else 1
 
 
 class _TPBMojoMixer(BMojoMixer):
@@ -326,8 +331,8 @@ def apply_tensor_parallel(model: LanguageModel, tp_group, sp: bool = False) -> L
         mod._parameters[local] = new
     names = {n for n, _ in model.named_parameters()}
     plan.specs = {k: v for k, v in specs.items() if k in names}
-    model.__class__ = _TPLanguageModel
     model.tp_plan = plan
+    model.vocab_parallel = VocabParallelHead(plan)
     return model
 
 
