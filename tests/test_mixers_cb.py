@@ -548,7 +548,8 @@ TP_CASES = [
 
 @pytest.mark.parametrize("sp", [False, True])
 def test_tp2_matches_single_device(tmp_path, sp):
-    from megassm.parallel.testing import equivalence_worker, spawn
+    from multiproc import spawn
+    from parallel_cases import equivalence_worker
 
     out = tmp_path / "report.json"
     spawn(equivalence_worker, 2, 2, sp, [dict(c) for c in TP_CASES], str(out))

@@ -9,8 +9,10 @@ import pytest
 
 from megassm.config import load_config
 from megassm.config import ConfigError
-from megassm.parallel.testing import equivalence_worker, spawn
+
 from conftest import use_megatron_groups
+from multiproc import spawn
+from parallel_cases import equivalence_worker
 
 CASES = [
     dict(pattern="MM", ngroups=2),  # tp=2: ngroups % tp == 0 (fast path); tp=4: tp > ngroups > 1 (2 slots)
@@ -89,7 +91,7 @@ def test_megatron_groups_on_gloo_match_layout(tmp_path):
     groups of the plain builder (tp, dp, cp, pp and the embedding groups, ranks and indices), laid out
     tp-cp-dp-pp. The rest of the CPU suite builds its groups with the plain builder (conftest.py); a few tests
     go through megatron-core end to end (megatron_groups)."""
-    from megassm.parallel.testing import layout_worker
+    from parallel_cases import layout_worker
 
     out = tmp_path / "layout.json"
     layouts = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4), (4, 1, 1)]

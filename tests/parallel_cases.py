@@ -1,102 +1,14 @@
-"""Helpers for the multi-process tests (tests/test_parallel_*.py): spawn gloo/nccl workers, tiny configs,
-and the TP-vs-single-device equivalence check. Importable so torch.multiprocessing.spawn can pickle them."""
+"""Tiny model configs and batches of the parallel tests, the comparison helpers of every equivalence check,
+and the TP-vs-single-device equivalence worker (run through multiproc.spawn)."""
 from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
-import traceback
-import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megassm.config import ModelConfig, MambaConfig, AttentionConfig, MLPConfig
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# free_port() releases the port before the launcher binds it, so a process beside this one (another pytest
-# worker's group) can take it first: the launcher's store then fails to listen (EADDRINUSE) before any worker
-# starts. Such a run is started again on a new port; any other failure is reported as it is.
-_PORT_TRIES = 3
-
-
-def _port_clash(text: str) -> bool:
-    return "EADDRINUSE" in text or "address already in use" in text.lower()
-
-
-def launch(cwd: str, args: list[str], nproc: int = 1, env: dict | None = None,
-           timeout: int = 400) -> subprocess.CompletedProcess:
-    """Run `megassm.train` with `args` as one process (nproc 1) or under torchrun (nproc ranks on this host),
-    one thread per process, in `cwd`, and return its CompletedProcess whatever the exit code (`.seconds`: the
-    wall time of the launch that counted)."""
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
-    for _ in range(_PORT_TRIES if launcher else 1):
-        port = ["--master_port", str(free_port())] if launcher else []
-        cmd = [sys.executable, *launcher, *port, "-m", "megassm.train", *args]
-        t0 = time.monotonic()
-        r = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=full_env, timeout=timeout)
-        r.seconds = time.monotonic() - t0
-        if r.returncode == 0 or not _port_clash(r.stderr):
-            break
-    return r
-
-
-def run_train(cwd: str, args: list[str], nproc: int = 1, env: dict | None = None, timeout: int = 400) -> list[dict]:
-    """launch(), assert it succeeded (its stderr's tail as the message) and return the run's metrics.jsonl
-    records. `args` must set run.dir."""
-    run_dir = next((a.split("=", 1)[1] for a in args if a.startswith("run.dir=")), None)
-    assert run_dir is not None, "run_train: args must set run.dir"
-    r = launch(cwd, args, nproc, env, timeout)
-    assert r.returncode == 0, r.stderr[-5000:]
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def losses(records: list[dict], key: str = "loss") -> dict[int, float]:
-    """{step: value} of the metrics records that carry `key` (loss, loss_val, ...)."""
-    return {d["step"]: d[key] for d in records if key in d}
-
-
-def _entry(rank, world, port, backend, fn, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    warnings.simplefilter("ignore")
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world)
-    try:
-        fn(rank, world, *args)
-    except BaseException:
-        # Print now and leave without tearing the group down: the other ranks may sit in a collective this
-        # rank will never join (NCCL would hang in destroy), and mp.spawn stops them once this one exits.
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    from .state import destroy
-
-    destroy()
-
-
-def spawn(fn, world: int, *args, backend: str = "gloo") -> None:
-    for attempt in range(_PORT_TRIES):
-        try:
-            mp.spawn(_entry, args=(world, free_port(), backend, fn, args), nprocs=world, join=True)
-            return
-        except mp.ProcessRaisedException as e:  # a port taken between free_port() and the bind: a new port
-            if not _port_clash(str(e)) or attempt == _PORT_TRIES - 1:
-                raise
 
 
 def tiny_model_config(pattern: str, ngroups: int = 1, n_kv_heads: int = 2, tie: bool = True,
@@ -138,9 +50,10 @@ def equivalence_worker(rank, world, tp, sp, cases, out_path, steps=3, device="cp
     from megassm.models import build_model
     from megassm.training.optim import clip_grad_norm
 
-    from . import comm
-    from .state import build_groups
-    from .tp import apply_tensor_parallel, canonical_grads, canonical_state_dict, clip_grad_norm_tp, sync_tp_grads
+    from megassm.parallel import comm
+    from megassm.parallel.state import build_groups
+    from megassm.parallel.tp import (apply_tensor_parallel, canonical_grads, canonical_state_dict, clip_grad_norm_tp,
+                                     sync_tp_grads)
 
     groups = build_groups(tp=tp)
     dev = torch.device(device)
@@ -256,7 +169,7 @@ def layout_worker(rank, world, layouts, out_path):
     plain builder's are the same groups (tp, dp, cp, pp, embedding: ranks and this rank's indices) and follow
     state.rank_layout / cp_layout / pp_layout. What lets the CPU suite build its groups with the plain builder.
     Rank 0 writes the megatron-core groups it saw, per layout, to out_path."""
-    from .state import _build_groups_torch, build_groups, cp_layout, pp_layout, rank_layout
+    from megassm.parallel.state import _build_groups_torch, build_groups, cp_layout, pp_layout, rank_layout
 
     def ranks(g):
         return dist.get_process_group_ranks(g) if g is not None else None

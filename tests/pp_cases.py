@@ -1,6 +1,6 @@
-"""The pipeline-parallel equivalence check (tests/test_parallel_pp*.py): PP (optionally x TP, x DP) against
-the single-device model on the same canonical weights and the same micro-batches. Importable so
-torch.multiprocessing.spawn can pickle it.
+"""The pipeline-parallel equivalence check (test_parallel_pp*.py): PP (optionally x TP, x DP) against
+the single-device model on the same canonical weights and the same micro-batches. Run through
+multiproc.spawn.
 
 Per case, every rank runs the single-device reference on all micro-batches of the global batch (tiny
 models) and its pipelined stage(s) on its data-parallel share, through the same calls the trainer makes:
@@ -16,7 +16,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from .testing import _rel, make_batch, tiny_model_config
+from parallel_cases import _rel, make_batch, tiny_model_config
 
 __all__ = ["build_pipeline", "pp_equivalence_worker"]
 
@@ -27,8 +27,8 @@ def build_pipeline(mcfg, groups, virtual: int = 1, schedule: str = "1f1b", sp: b
     activation checkpointing)."""
     from megassm.models import build_model
 
-    from .pp import apply_pipeline_parallel, init_stage_weights, split_model
-    from .tp import apply_tensor_parallel
+    from megassm.parallel.pp import apply_pipeline_parallel, init_stage_weights, split_model
+    from megassm.parallel.tp import apply_tensor_parallel
 
     model = build_model(mcfg, device="meta")
     split_model(model, groups.pp, groups.pp_rank, virtual=virtual, group=groups.pp_group, emb_group=groups.emb_group)
@@ -39,16 +39,16 @@ def build_pipeline(mcfg, groups, virtual: int = 1, schedule: str = "1f1b", sp: b
         apply_tensor_parallel(model, groups.tp_group, sp=sp)
     apply_pipeline_parallel(model, schedule=schedule)
     if ac:
-        from .checkpointing import apply_activation_checkpointing
+        from megassm.parallel.checkpointing import apply_activation_checkpointing
 
         apply_activation_checkpointing(model)
     return model
 
 
 def _finish(model, groups):
-    from .dp import allreduce_grads
-    from .pp import sync_embedding_grads
-    from .tp import sync_tp_grads
+    from megassm.parallel.dp import allreduce_grads
+    from megassm.parallel.pp import sync_embedding_grads
+    from megassm.parallel.tp import sync_tp_grads
 
     sync_tp_grads(model)
     sync_embedding_grads(model)
@@ -57,16 +57,16 @@ def _finish(model, groups):
 
 def _stage_grads(model) -> dict:
     """{global name: canonical (TP-gathered) gradient} of this rank's stages."""
-    from .pp import pp_plan_of
-    from .tp import canonical_grads
+    from megassm.parallel.pp import pp_plan_of
+    from megassm.parallel.tp import canonical_grads
 
     plan = pp_plan_of(model)
     return {plan.global_name(k): v for k, v in canonical_grads(model).items()}
 
 
 def _stage_params(model) -> dict:
-    from .pp import pp_plan_of
-    from .tp import canonical_state_dict
+    from megassm.parallel.pp import pp_plan_of
+    from megassm.parallel.tp import canonical_state_dict
 
     plan = pp_plan_of(model)
     return {plan.global_name(k): v for k, v in canonical_state_dict(model).items()}
@@ -79,8 +79,8 @@ def pp_equivalence_worker(rank, world, tp, pp, cases, out_path, device="cpu", to
     from megassm.models import build_model
     from megassm.training.optim import clip_grad_norm
 
-    from .pp import clip_grad_norm_pp, eval_losses, gather_canonical_states, load_canonical_states, train_step
-    from .state import build_groups
+    from megassm.parallel.pp import clip_grad_norm_pp, eval_losses, gather_canonical_states, load_canonical_states, train_step
+    from megassm.parallel.state import build_groups
 
     groups = build_groups(tp=tp, pp=pp)
     dev = torch.device(device)

@@ -1,5 +1,5 @@
-"""The context-parallel equivalence check (tests/test_parallel_cp*.py): CP (optionally x TP) against the
-single-device model on the same canonical weights. Importable so torch.multiprocessing.spawn can pickle it.
+"""The context-parallel equivalence check (test_parallel_cp*.py): CP (optionally x TP) against the
+single-device model on the same canonical weights. Run through multiproc.spawn.
 
 The batch has documents crossing rank boundaries, resets exactly at rank boundaries, a one-token document
 and a row that is one document; carried initial states are given (leaves, so their gradients are checked
@@ -14,9 +14,9 @@ from dataclasses import replace
 import torch
 
 from megassm.models.state import KVCache, MambaState
+from megassm.parallel.tp import state_shard_specs
 
-from .testing import _rel, tiny_model_config
-from .tp import state_shard_specs
+from parallel_cases import _rel, tiny_model_config
 
 __all__ = ["cp_batch", "cp_equivalence_worker", "shard_states"]
 
@@ -45,7 +45,7 @@ def cp_batch(vocab: int, seqlen: int = 28, seed: int = 0, device="cpu") -> dict:
 
 def shard_states(states: list, model) -> list:
     """Canonical (single-device) states -> this TP rank's layout (heads / channels of its shard)."""
-    from .tp import plan_of, shard_canonical
+    from megassm.parallel.tp import plan_of, shard_canonical
 
     plan = plan_of(model)
     specs = state_shard_specs(states, model)
@@ -63,7 +63,7 @@ def shard_states(states: list, model) -> list:
 def _canonical_state_grad(g: torch.Tensor, spec, plan) -> torch.Tensor:
     """A TP-local state gradient -> canonical: every rank places its pieces in a zero canonical tensor and
     the TP group sums them (replicated channels, e.g. B/C when tp > ngroups, hold partial gradients)."""
-    from . import comm
+    from megassm.parallel import comm
 
     if spec is None:
         return g
@@ -115,13 +115,13 @@ def cp_equivalence_worker(rank, world, cp, tp, cases, out_path, device="cpu", to
     sees it."""
     from megassm.models import build_model
 
-    from . import comm
-    from .cp import allreduce_cp_grads, apply_context_parallel, global_token_count, local_slice
-    from .state import build_groups
-    from .tp import apply_tensor_parallel, canonical_grads, sync_tp_grads
+    from megassm.parallel import comm
+    from megassm.parallel.cp import allreduce_cp_grads, apply_context_parallel, global_token_count, local_slice
+    from megassm.parallel.state import build_groups
+    from megassm.parallel.tp import apply_tensor_parallel, canonical_grads, sync_tp_grads
 
     groups = build_groups(tp=tp, cp=cp)
-    assert groups.cp == cp and comm.world(groups.cp_group) == cp  # the layout itself: testing.layout_worker
+    assert groups.cp == cp and comm.world(groups.cp_group) == cp  # the layout itself: parallel_cases.layout_worker
     dev = torch.device(device)
     if dev.type == "cuda":
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -194,7 +194,7 @@ def cp_equivalence_worker(rank, world, cp, tp, cases, out_path, device="cpu", to
         gp = canonical_grads(par)
         grad_rel = {n: _rel(gp[n], p.grad.detach().cpu()) for n, p in ref.named_parameters()}
         worst = max(grad_rel, key=grad_rel.get)
-        from .tp import plan_of
+        from megassm.parallel.tp import plan_of
 
         ig_p, ig_r = _tensors(init_par, grads=True), _tensors([_grad_state(s) for s in init_ref])
         specs = state_shard_specs(init_par, par)
