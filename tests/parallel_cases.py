@@ -10,19 +10,24 @@ import torch.distributed as dist
 
 from megassm.config import ModelConfig, MambaConfig, AttentionConfig, MLPConfig
 
+from compare import close, randomize_, rel, worst
+
 
 def tiny_model_config(pattern: str, ngroups: int = 1, n_kv_heads: int = 2, tie: bool = True,
-                      norm_before_gate: bool = False, proj_bias: bool = False, big: bool = False) -> ModelConfig:
+                      norm_before_gate: bool = False, proj_bias: bool = False, attn_bias: bool = False,
+                      big: bool = False) -> ModelConfig:
+    """proj_bias: biases on the Mamba projections and the MLP; attn_bias: on the attention projections."""
     if big:  # GPU checks: real-ish shapes
         return ModelConfig(pattern=pattern, d_model=1024, vocab_size=32000, tie_embeddings=tie,
                            mamba=MambaConfig(d_state=128, headdim=64, ngroups=ngroups, chunk_size=128,
                                              norm_before_gate=norm_before_gate, proj_bias=proj_bias),
-                           attn=AttentionConfig(n_heads=16, n_kv_heads=n_kv_heads), mlp=MLPConfig(ffn_hidden=2048))
+                           attn=AttentionConfig(n_heads=16, n_kv_heads=n_kv_heads, bias=attn_bias),
+                           mlp=MLPConfig(ffn_hidden=2048, bias=proj_bias))
     return ModelConfig(
         pattern=pattern, d_model=32, vocab_size=100, pad_vocab_multiple=16, tie_embeddings=tie,
         mamba=MambaConfig(d_state=8, headdim=8, expand=2, ngroups=ngroups, chunk_size=8,
                           norm_before_gate=norm_before_gate, proj_bias=proj_bias),
-        attn=AttentionConfig(n_heads=4, n_kv_heads=n_kv_heads),
+        attn=AttentionConfig(n_heads=4, n_kv_heads=n_kv_heads, bias=attn_bias),
         mlp=MLPConfig(ffn_hidden=64, bias=proj_bias),
     )
 
@@ -38,15 +43,11 @@ def make_batch(vocab: int, bsz: int, seqlen: int, seed: int = 0, device="cpu"):
     return {k: v.to(device) for k, v in dict(tokens=tokens, labels=labels, seq_idx=seq_idx).items()}
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp(min=1e-30))
-
-
 def equivalence_worker(rank, world, tp, sp, cases, out_path, steps=3, device="cpu", tol=1e-5, seqlen=24, bsz=2):
     """For each case (dict of tiny_model_config kwargs): single-device reference vs TP (this group) on the
     same batch: loss, logits (gathered), every canonical gradient, `steps` AdamW steps with clipping, and the
-    collectives of one layer forward/backward. Rank 0 writes a JSON report to out_path."""
+    collectives of one layer forward/backward. Every parameter (biases and norm weights too) is moved off its
+    init first. Raises on any mismatch or non-finite value; rank 0 writes a JSON report to out_path."""
     from megassm.models import build_model
     from megassm.training.optim import clip_grad_norm
 
@@ -73,9 +74,11 @@ def equivalence_worker(rank, world, tp, sp, cases, out_path, steps=3, device="cp
             case["sections"] = sections
         ref = build_model(mcfg, device="cpu")
         ref.init_weights(7)
+        randomize_(ref.named_parameters(), 7)
         ref.to(dev)
         par = build_model(mcfg, device="cpu")
         par.init_weights(7)
+        randomize_(par.named_parameters(), 7)
         par.to(dev)
         apply_tensor_parallel(par, groups.tp_group, sp=sp)
         batch = make_batch(mcfg.vocab_size, bsz, seqlen, seed=1, device=dev)
@@ -85,7 +88,7 @@ def equivalence_worker(rank, world, tp, sp, cases, out_path, steps=3, device="cp
             lref = ref(batch["tokens"], seq_idx=batch["seq_idx"]).logits
             lpar = par(batch["tokens"], seq_idx=batch["seq_idx"]).logits
             lpar = comm.all_gather_dim(lpar, 2, groups.tp_group)
-        logits_rel = _rel(lpar, lref)
+        logits_rel = rel(lpar, lref)
         # one-token decoding (states hold this rank's heads / channels)
         with torch.no_grad():
             st_r, st_p = ref.allocate_states(bsz), par.allocate_states(bsz)
@@ -93,8 +96,8 @@ def equivalence_worker(rank, world, tp, sp, cases, out_path, steps=3, device="cp
             for t in range(4):
                 lr_, st_r = ref.step(batch["tokens"][:, t], st_r)
                 lp_, st_p = par.step(batch["tokens"][:, t], st_p)
-                dec.append(_rel(comm.all_gather_dim(lp_, 1, groups.tp_group), lr_))
-        decode_rel = max(dec)
+                dec.append(rel(comm.all_gather_dim(lp_, 1, groups.tp_group), lr_))
+        decode_rel = worst(dec)
 
         # per-layer collectives of one forward and backward
         counts = []
@@ -119,8 +122,8 @@ def equivalence_worker(rank, world, tp, sp, cases, out_path, steps=3, device="cp
         ref_out.loss.backward()
         sync_tp_grads(par)
         gp, gr = canonical_grads(par), {n: p.grad.detach().cpu() for n, p in ref.named_parameters()}
-        grad_rel = {n: _rel(gp[n], gr[n]) for n in gr}
-        worst = max(grad_rel, key=grad_rel.get)
+        grad_rel = {n: rel(gp[n], gr[n]) for n in gr}
+        worst_grad = max(grad_rel, key=grad_rel.get)
         loss_rel = abs(out.loss.item() - ref_out.loss.item()) / abs(ref_out.loss.item())
         norm_p = clip_grad_norm_tp(par, 0.0)
         norm_r = clip_grad_norm(ref.parameters(), 0.0)
@@ -143,19 +146,19 @@ def equivalence_worker(rank, world, tp, sp, cases, out_path, steps=3, device="cp
                 o.step()
                 lst.append(loss.item())
         final = canonical_state_dict(par)
-        prel = {n: _rel(final[n], p.detach().cpu()) for n, p in ref.named_parameters()}
+        prel = {n: rel(final[n], p.detach().cpu()) for n, p in ref.named_parameters()}
         worst_param = max(prel, key=prel.get)
         param_rel = prel[worst_param]
-        step_rel = max(abs(a - b) / abs(b) for a, b in zip(losses_p, losses_r))
-        rec = dict(case=case, tp=tp, sp=sp, logits_rel=logits_rel, decode_rel=decode_rel, loss_rel=loss_rel, worst_grad=worst,
-                   worst_grad_rel=grad_rel[worst], grad_norm=(norm_p, norm_r), step_losses=losses_p,
+        step_rel = worst(abs(a - b) / abs(b) for a, b in zip(losses_p, losses_r))
+        rec = dict(case=case, tp=tp, sp=sp, logits_rel=logits_rel, decode_rel=decode_rel, loss_rel=loss_rel,
+                   worst_grad=worst_grad, worst_grad_rel=grad_rel[worst_grad], grad_norm=(norm_p, norm_r), step_losses=losses_p,
                    step_loss_rel=step_rel, param_rel_after_steps=param_rel, worst_param=worst_param, per_layer_fwd=counts,
                    kinds=list(par.block_kinds), fwd_total=fwd_total, bwd_total=bwd_total)
         report.append(rec)
         bad = [k for k in ("logits_rel", "decode_rel", "loss_rel", "worst_grad_rel", "step_loss_rel") if not rec[k] <= tol]
-        if abs(norm_p - norm_r) > tol * norm_r:
+        if not close(norm_p, norm_r, tol):
             bad.append("grad_norm")
-        if param_rel > 10 * tol:
+        if not param_rel <= 10 * tol:
             bad.append("param_rel_after_steps")
         if bad:
             raise AssertionError(f"rank {rank}: TP={tp} sp={sp} case {case}: {bad}: {json.dumps(rec, default=str)}")

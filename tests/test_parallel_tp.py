@@ -1,7 +1,8 @@
 """Tensor (+ sequence) parallelism over gloo, as real processes: TP in {2, 4}, with and without SP, pure
 Mamba-2 (ngroups divisible by TP, and TP > ngroups) and the M*M- hybrid. Against the single-device model
-on the same canonical weights: logits, loss, every gradient (gathered to the canonical layout), the global
-grad norm, three clipped AdamW steps; and the collectives each layer's forward issues."""
+on the same canonical weights (every parameter, biases and norm weights included, moved off its init): logits,
+loss, every gradient (gathered to the canonical layout), the global grad norm, three clipped AdamW steps, with
+any non-finite value failing; and the collectives each layer's forward issues."""
 import importlib.util
 import json
 
@@ -17,7 +18,9 @@ from parallel_cases import equivalence_worker
 CASES = [
     dict(pattern="MM", ngroups=2),  # tp=2: ngroups % tp == 0 (fast path); tp=4: tp > ngroups > 1 (2 slots)
     dict(pattern="MM", ngroups=1, norm_before_gate=True, proj_bias=True),  # tp > ngroups: B/C replicated
-    dict(pattern="M*M-", tie=False),  # hybrid; n_kv_heads=2: K/V split at tp=2, replicated at tp=4
+    # hybrid with biases on every projection (row-parallel: added once, after the reduction); n_kv_heads=2:
+    # K/V split at tp=2, replicated at tp=4
+    dict(pattern="M*M-", tie=False, proj_bias=True, attn_bias=True),
 ]
 
 
