@@ -210,6 +210,8 @@ MIXER_VARIANTS = {
 def test_mixer_vs_naive(variant):
     model = make(tiny("M", **MIXER_VARIANTS[variant]), seed=7)
     mix = model.layers[0].mixer
+    want_bias = MIXER_VARIANTS[variant].get("proj_bias", False)  # the naive follows the module's biases
+    assert (mix.in_proj.bias is not None) == want_bias and (mix.out_proj.bias is not None) == want_bias
     randomize_(mix.named_parameters(), seed=1, scale=0.3)  # every parameter matters: biases, D, norm weight
     assert all(p.abs().max() > 0 for p in mix.parameters())
     g = torch.Generator().manual_seed(1)
