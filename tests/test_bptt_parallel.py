@@ -3,12 +3,14 @@ gloo train the same tiny hybrid (Mamba-2 + sliding-window attention, whose KV ca
 process, step for step; their checkpoints hold the canonical carried states, so a run resumes in another
 layout. (CP with BPTT: tests/test_parallel_cp.py.)"""
 import os
+from functools import partial
 
 import pytest
 import torch
 
 from megassm.config import ConfigError, load_config
-from megassm.parallel.testing import losses, run_train
+
+from multiproc import train_losses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,11 +23,7 @@ TINY = [
 ]
 
 
-def _run(run_dir, nproc=1, extra=(), resume=None, kernels=None) -> dict:
-    args = ["--config", "configs/tiny.yaml", *TINY, f"run.dir={run_dir}", *extra]
-    if resume:
-        args += ["--resume", str(resume)]
-    return losses(run_train(ROOT, args, nproc, env={"MEGASSM_KERNELS": kernels} if kernels else None, timeout=300))
+_run = partial(train_losses, base=TINY)
 
 
 def _close(a, b, rel=2e-5):
@@ -108,6 +106,6 @@ def test_nccl_parallel_bptt_matches_one_gpu(tmp_path, layout, kernels, rel):
     nproc, extra = LAYOUTS[layout]
     if not torch.cuda.is_available() or torch.cuda.device_count() < nproc:
         pytest.skip(f"needs {nproc} CUDA GPUs")
-    one = _run(tmp_path / "one", extra=GPU, kernels=kernels)
-    par = _run(tmp_path / "par", nproc=nproc, extra=[*GPU, *extra], kernels=kernels)
+    one = _run(tmp_path / "one", extra=GPU, env={"MEGASSM_KERNELS": kernels})
+    par = _run(tmp_path / "par", nproc=nproc, extra=[*GPU, *extra], env={"MEGASSM_KERNELS": kernels})
     assert _close(par, one, rel), (par, one)

@@ -14,12 +14,12 @@ import sys
 import textwrap
 
 import pytest
-import torch.multiprocessing as mp
 
 from megassm.config import ConfigError, load_config
-from megassm.parallel.testing import free_port, launch, losses, run_train
 from megassm.training import checkpoint as ckpt
 from megassm.training import faults
+
+from multiproc import launch, losses, run_train, spawn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--config", "configs/tiny.yaml", "data.builtin=stdlib", "model.d_model=32", "model.mamba.d_state=8",
@@ -136,7 +136,7 @@ def test_checkpoint_writer_killed_mid_save_leaves_no_complete_looking_checkpoint
         assert [n for n in os.listdir(os.path.join(run, "checkpoints")) if n.startswith(".tmp-step_00000002-")]
 
 
-def _group_timeout_worker(rank, world, port):
+def _group_timeout_worker(rank, world):
     import datetime
     import importlib.util
 
@@ -145,9 +145,7 @@ def _group_timeout_worker(rank, world, port):
 
     from megassm.parallel import state
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    assert state.init_distributed("cpu", timeout_s=7)
+    assert state.init_distributed("cpu", timeout_s=7)  # the group itself (spawn: the environment only)
     want = datetime.timedelta(seconds=7)
     builders = ["torch"] + (["megatron"] if importlib.util.find_spec("megatron") else [])
     for builder in builders:
@@ -164,4 +162,4 @@ def _group_timeout_worker(rank, world, port):
 def test_every_process_group_gets_the_configured_timeout():
     """torch gives a group created without a timeout its own default (30 min on gloo), not the world group's:
     the groups of both builders (plain torch, megatron-core when installed) and a foreign one all get 7 s."""
-    mp.spawn(_group_timeout_worker, args=(2, free_port()), nprocs=2, join=True)
+    spawn(_group_timeout_worker, 2, group=False)

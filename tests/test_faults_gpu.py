@@ -11,8 +11,9 @@ import os
 import pytest
 import torch
 
-from megassm.parallel.testing import launch, losses, run_train
 from test_faults import GRACE_S, _assert_no_rank_alive, _checkpoint_steps
+
+from multiproc import launch, losses, run_train
 
 pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,7 +1,9 @@
 """Pure-PyTorch reference ops (megassm.kernels.reference) against literal oracles.
 
-The chunked SSD is checked against the token-by-token recurrence (outputs, final states and the gradient of
-every input), across padding, groups, document resets, chunk sizes and sequence splits. Conv and norms are
+The chunked SSD, the reference's own token loop (ssd_sequential, the Triton tests' oracle) and the decode
+step are checked against ssd_oracle, the recurrence written here from its definition without any of the
+reference's helpers (outputs, final states and the gradient of every input), across padding, groups,
+document resets, chunk sizes and sequence splits. Conv and norms are
 checked against naive loops and with gradcheck. Everything is CPU and small.
 """
 import inspect
@@ -34,6 +36,43 @@ def rel_err(a, b):
 
 # --------------------------------------------------------------------------------------------------------
 # SSD helpers
+
+
+def ssd_oracle(x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_limit=None,
+               initial_states=None, seq_idx=None, return_final_states=False):
+    """The SSD from its definition, in fp64, one token at a time:
+        dt_t = clamp(softplus(dt_t + dt_bias), dt_limit)
+        h_t  = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T        (h = 0 at a document start, initial state before)
+        y_t  = (h_t C_t + D x_t) * silu(z_t)
+    Head h reads group h // (H / G) of B and C."""
+    f = lambda t: t.to(F64)  # noqa: E731
+    bsz, L, H, P = x.shape
+    G, N = B.shape[2], B.shape[3]
+    group = torch.arange(H) // (H // G)
+    d = f(dt) + (f(dt_bias) if dt_bias is not None else 0.0)
+    if dt_softplus:
+        d = torch.log1p(torch.exp(d))
+    if dt_limit is not None:
+        d = d.clamp(dt_limit[0], dt_limit[1])
+    h = f(initial_states) if initial_states is not None else torch.zeros(bsz, H, P, N, dtype=F64)
+    ys = []
+    for t in range(L):
+        if seq_idx is not None and t > 0:
+            same = (seq_idx[:, t] == seq_idx[:, t - 1]).to(F64)
+            h = h * same[:, None, None, None]
+        Bt, Ct = f(B[:, t])[:, group], f(C[:, t])[:, group]  # [b, H, N]
+        xt = f(x[:, t])  # [b, H, P]
+        h = torch.exp(d[:, t] * f(A))[:, :, None, None] * h + (d[:, t, :, None] * xt)[..., None] * Bt[:, :, None, :]
+        y = (h * Ct[:, :, None, :]).sum(-1)
+        if D is not None:
+            Dd = f(D)
+            y = y + (Dd[:, None] if Dd.dim() == 1 else Dd) * xt
+        if z is not None:
+            zt = f(z[:, t])
+            y = y * zt * torch.sigmoid(zt)
+        ys.append(y)
+    y = torch.stack(ys, 1) if ys else torch.zeros(x.shape, dtype=F64)
+    return (y, h) if return_final_states else y
 
 # Document starts per batch row (chunk 16 in the tests): length-1 documents, resets exactly on a chunk edge
 # (16, 32, 48), a reset on the last token, and rows with different layouts.
@@ -120,16 +159,16 @@ def variant_call(name, seqlen, ngroups, dtype=F64, seed=0):
 
 
 # --------------------------------------------------------------------------------------------------------
-# SSD: chunked vs sequential
+# SSD: chunked, sequential and step vs the oracle
 
 
 @pytest.mark.parametrize("variant", list(SSD_VARIANTS))
 @pytest.mark.parametrize("ngroups", [1, 2])
 @pytest.mark.parametrize("seqlen", [1, 7, 37, 64])
-def test_ssd_matches_sequential_fp64(seqlen, ngroups, variant):
+def test_ssd_matches_oracle_fp64(seqlen, ngroups, variant):
     inp, kw = variant_call(variant, seqlen, ngroups)
     y, f, g = run_with_grads(ssd, leaf(inp), chunk_size=16, **kw)
-    y_ref, f_ref, g_ref = run_with_grads(ssd_sequential, leaf(inp), **kw)
+    y_ref, f_ref, g_ref = run_with_grads(ssd_oracle, leaf(inp), **kw)
     assert y.dtype == F64 and f.shape == (2, 4, 3, 5)
     assert rel_err(y, y_ref) < 1e-12
     assert rel_err(f, f_ref) < 1e-12
@@ -138,12 +177,24 @@ def test_ssd_matches_sequential_fp64(seqlen, ngroups, variant):
         assert rel_err(g[k], g_ref[k]) < 1e-10, k
 
 
+@pytest.mark.parametrize("variant", list(SSD_VARIANTS))
+@pytest.mark.parametrize("seqlen", [7, 37])
+def test_ssd_sequential_matches_oracle(seqlen, variant):
+    """The reference's token loop, which the Triton tests use as their oracle, against the definition."""
+    inp, kw = variant_call(variant, seqlen, ngroups=2)
+    y, f, g = run_with_grads(ssd_sequential, leaf(inp), **kw)
+    y_ref, f_ref, g_ref = run_with_grads(ssd_oracle, leaf(inp), **kw)
+    assert rel_err(y, y_ref) < 1e-12 and rel_err(f, f_ref) < 1e-12
+    for k in inp:
+        assert rel_err(g[k], g_ref[k]) < 1e-10, k
+
+
 @pytest.mark.parametrize("variant", ["Dhead_init", "all_dtlimit"])
 @pytest.mark.parametrize("seqlen", [37, 64])
 def test_ssd_fp32_against_fp64_oracle(seqlen, variant):
     inp, kw = variant_call(variant, seqlen, ngroups=2, dtype=torch.float32)
     y, f, g = run_with_grads(ssd, leaf(inp), chunk_size=16, **kw)
-    y_ref, f_ref, g_ref = run_with_grads(ssd_sequential, leaf(inp, F64), **kw)
+    y_ref, f_ref, g_ref = run_with_grads(ssd_oracle, leaf(inp, F64), **kw)
     assert y.dtype == torch.float32 and f.dtype == torch.float32
     assert rel_err(y, y_ref) < 1e-5
     assert rel_err(f, f_ref) < 1e-5
@@ -158,7 +209,7 @@ def test_ssd_bf16_inputs():
     for k in ("x", "dt", "B", "C", "z"):
         inp[k] = inp[k].to(torch.bfloat16)
     y, f, g = run_with_grads(ssd, leaf(inp), chunk_size=16, **kw)
-    y_ref, f_ref, g_ref = run_with_grads(ssd_sequential, leaf(inp, F64), **kw)  # same rounded inputs
+    y_ref, f_ref, g_ref = run_with_grads(ssd_oracle, leaf(inp, F64), **kw)  # same rounded inputs
     assert y.dtype == torch.bfloat16 and f.dtype == torch.float32
     assert rel_err(y, y_ref) < 1e-2  # bf16 rounding of y only: ~2^-9
     assert rel_err(f, f_ref) < 1e-5  # the state never leaves fp32
@@ -181,7 +232,7 @@ def test_ssd_defaults_and_plain_return():
     inp = make_ssd_inputs(seqlen=7, d_mode=None, gate=False, bias=False)
     y = ssd(**inp)  # default chunk 256 > L, no final state requested
     assert isinstance(y, torch.Tensor) and y.shape == inp["x"].shape
-    torch.testing.assert_close(y, ssd_sequential(**inp), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(y, ssd_oracle(**inp), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("splits", [[23], [30], [16], [5, 17, 31, 32]])
@@ -250,7 +301,7 @@ def test_ssd_extreme_decay_is_finite_and_accurate():
     for k, v in params.items():
         assert torch.isfinite(v.grad).all(), k
     with torch.no_grad():
-        y_ref, f_ref = ssd_sequential(**leaf(inp, F64), seq_idx=seq_idx, return_final_states=True)
+        y_ref, f_ref = ssd_oracle(**leaf(inp, F64), seq_idx=seq_idx, return_final_states=True)
     assert rel_err(y, y_ref) < 1e-5 and rel_err(f, f_ref) < 1e-5
 
 
@@ -264,7 +315,7 @@ def test_ssd_decay_after_large_accumulated_decay_is_exact():
     inp = dict(x=torch.randn(1, seqlen, 2, 3, generator=g), dt=dt, A=-torch.tensor([100.0, 90.0]),
                B=torch.randn(1, seqlen, 1, 2, generator=g), C=torch.randn(1, seqlen, 1, 2, generator=g))
     y, f = ssd(**inp, dt_softplus=False, chunk_size=chunk, return_final_states=True)
-    y_ref, f_ref = ssd_sequential(**leaf(inp, F64), dt_softplus=False, return_final_states=True)
+    y_ref, f_ref = ssd_oracle(**leaf(inp, F64), dt_softplus=False, return_final_states=True)
     assert rel_err(y, y_ref) < 1e-5 and rel_err(f, f_ref) < 1e-5
 
 
@@ -295,7 +346,7 @@ def test_ssd_step_matches_ssd():
     seqlen = 37
     inp = make_ssd_inputs(seqlen=seqlen, d_mode="chan", init=True, seed=5)
     seq_idx = make_seq_idx(DOC_STARTS[seqlen], seqlen)
-    y_ref, f_ref = ssd(**inp, seq_idx=seq_idx, chunk_size=16, dt_limit=(0.0, 2.0), return_final_states=True)
+    y_ref, f_ref = ssd_oracle(**inp, seq_idx=seq_idx, dt_limit=(0.0, 2.0), return_final_states=True)
     state, ys = inp["initial_states"], []
     for t in range(seqlen):
         if t > 0:

@@ -2,13 +2,16 @@
 whole-sequence loss (value and every gradient; fp32 and bf16 autocast; chunks that do not divide the
 length; ignored labels), and trains identically under TP + SP and PP over gloo."""
 import os
+from functools import partial
 
 import pytest
 import torch
 
 from megassm.config import ConfigError, load_config
 from megassm.models import build_model
-from megassm.parallel.testing import losses, make_batch, run_train, tiny_model_config
+
+from multiproc import train_losses
+from parallel_cases import make_batch, tiny_model_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,8 +74,7 @@ TINY = [
 ]
 
 
-def _run(run_dir, nproc, extra=()):
-    return losses(run_train(ROOT, ["--config", "configs/tiny.yaml", *TINY, f"run.dir={run_dir}", *extra], nproc))
+_run = partial(train_losses, base=TINY, timeout=400)
 
 
 @pytest.fixture(scope="module")

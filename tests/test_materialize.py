@@ -9,7 +9,9 @@ import torch.distributed as dist
 
 from megassm.models import build_model
 from megassm.parallel.materialize import deal, draw_threads, materialize
-from megassm.parallel.testing import spawn, tiny_model_config
+
+from multiproc import spawn
+from parallel_cases import tiny_model_config
 
 PATTERNS = ["M*M-", "MS-L"]  # Mamba-2, attention, MLP; Mamba-1 and Longhorn (rules of their own)
 

@@ -486,12 +486,13 @@ def test_lm_decode_and_bptt_states():
 def test_bf16_autocast_forward(pattern):
     model = build_model(_lm_cfg(pattern))
     model.init_weights(0)
-    tokens = torch.randint(0, 64, (2, 24))
+    tokens = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(tokens, seq_idx=_seq_idx(2, 24), labels=tokens, return_states=True)
     assert torch.isfinite(out.loss) and out.loss.item() < 10
     ref = model(tokens, seq_idx=_seq_idx(2, 24), labels=tokens).loss
-    assert abs(out.loss.item() - ref.item()) < 0.05
+    # measured |bf16 - fp32| loss: 1.5e-5 .. 3.7e-4 over 5 seeds and both patterns (loss ~3.6-4.0)
+    assert abs(out.loss.item() - ref.item()) < 2e-3
     out.loss.backward()
 
 
@@ -548,7 +549,8 @@ TP_CASES = [
 
 @pytest.mark.parametrize("sp", [False, True])
 def test_tp2_matches_single_device(tmp_path, sp):
-    from megassm.parallel.testing import equivalence_worker, spawn
+    from multiproc import spawn
+    from parallel_cases import equivalence_worker
 
     out = tmp_path / "report.json"
     spawn(equivalence_worker, 2, 2, sp, [dict(c) for c in TP_CASES], str(out))

@@ -287,7 +287,8 @@ def test_tp2_matches_single_device(tmp_path, sp):
     """Logits, decode steps, loss, every gradient, clipped AdamW steps (the harness of test_parallel_tp.py), and
     the collectives: two per S / L layer forward -- the x_proj all-reduce and the out_proj all-reduce (SP: the
     all-gather in, the x_proj all-reduce, the reduce-scatter out)."""
-    from megassm.parallel.testing import equivalence_worker, spawn
+    from multiproc import spawn
+    from parallel_cases import equivalence_worker
 
     out = tmp_path / "report.json"
     spawn(equivalence_worker, 2, 2, sp, [json.loads(json.dumps(c)) for c in TP_CASES], str(out))

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from megassm.config import AttentionConfig, MambaConfig, MLPConfig, ModelConfig
 from megassm.models import build_model, reset_states
 
+from compare import randomize_
+
 V = 97
 
 
@@ -208,10 +210,11 @@ MIXER_VARIANTS = {
 def test_mixer_vs_naive(variant):
     model = make(tiny("M", **MIXER_VARIANTS[variant]), seed=7)
     mix = model.layers[0].mixer
-    with torch.no_grad():  # make every parameter matter: random D, norm weight, biases
-        g = torch.Generator().manual_seed(1)
-        mix.D.copy_(torch.randn(mix.D.shape, generator=g))
-        mix.norm.weight.copy_(1 + 0.3 * torch.randn(mix.norm.weight.shape, generator=g))
+    want_bias = MIXER_VARIANTS[variant].get("proj_bias", False)  # the naive follows the module's biases
+    assert (mix.in_proj.bias is not None) == want_bias and (mix.out_proj.bias is not None) == want_bias
+    randomize_(mix.named_parameters(), seed=1, scale=0.3)  # every parameter matters: biases, D, norm weight
+    assert all(p.abs().max() > 0 for p in mix.parameters())
+    g = torch.Generator().manual_seed(1)
     u = torch.randn(2, 11, 32, generator=g)
     ref, ref_conv, ref_ssm = naive_mamba2(mix, u)
     with torch.no_grad():

@@ -1,7 +1,7 @@
 """Context parallelism (chunk states passed between ranks) over gloo, as real processes.
 
 CP in {2, 4} and TP x CP = 2 x 2 against the single-device model on the same canonical weights
-(megassm/parallel/cp_testing.py): pure Mamba-2 and the M*M- hybrid with full and sliding-window attention,
+(tests/cp_cases.py): pure Mamba-2 and the M*M- hybrid with full and sliding-window attention,
 rows whose documents cross rank boundaries, resets exactly at rank boundaries, one-token documents, carried
 initial states, and two windows chained through their final states with one backward: logits, loss, final
 states, every parameter gradient and the initial states' gradients to 1e-5 (fp32). Then the collectives
@@ -10,14 +10,16 @@ BPTT + sliding window + activation checkpointing) giving the single-process loss
 at CP=1, and the config refusals."""
 import json
 import os
+from functools import partial
 
 import pytest
 import torch
 
 from megassm.config import ConfigError, load_config
-from megassm.parallel.cp_testing import cp_equivalence_worker
-from megassm.parallel.testing import losses, run_train, spawn
+
 from conftest import use_megatron_groups
+from cp_cases import cp_equivalence_worker
+from multiproc import spawn, train_losses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -103,11 +105,7 @@ TINY = [
 ]
 
 
-def _run(run_dir, nproc=1, extra=(), resume=None):
-    args = ["--config", "configs/tiny.yaml", *TINY, f"run.dir={run_dir}", *extra]
-    if resume:
-        args += ["--resume", str(resume)]
-    return losses(run_train(ROOT, args, nproc, timeout=300))
+_run = partial(train_losses, base=TINY)
 
 
 def _close(a, b, rel=1e-5):
@@ -186,7 +184,7 @@ def test_config_refusals(monkeypatch):
 def test_local_slice_and_single_rank_noop():
     from megassm.models import build_model
     from megassm.parallel.cp import apply_context_parallel, local_slice
-    from megassm.parallel.testing import tiny_model_config
+    from parallel_cases import tiny_model_config
 
     t = torch.arange(12).view(2, 6)
     assert torch.equal(local_slice(t, None), t)
@@ -199,8 +197,8 @@ def test_activation_checkpointing_same_gradients():
     final states as the plain model (and keeps states flowing through the checkpointed blocks)."""
     from megassm.models import build_model
     from megassm.parallel.checkpointing import apply_activation_checkpointing
-    from megassm.parallel.cp_testing import cp_batch
-    from megassm.parallel.testing import tiny_model_config
+    from cp_cases import cp_batch
+    from parallel_cases import tiny_model_config
 
     cfg = tiny_model_config("M*M-")
     cfg.attn.sliding_window = 6

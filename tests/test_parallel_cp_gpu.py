@@ -6,14 +6,14 @@ nvidia-h200-x4). Skipped when fewer GPUs are visible.
 """
 import json
 import os
-import subprocess
-import sys
+from functools import partial
 
 import pytest
 import torch
 
-from megassm.parallel.cp_testing import cp_equivalence_worker
-from megassm.parallel.testing import free_port, spawn
+from cp_cases import cp_equivalence_worker
+from multiproc import spawn, train_losses
+
 
 pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,19 +53,9 @@ def test_nccl_cp_triton_real_shapes(tmp_path, monkeypatch, cp):
     assert len(json.loads(out.read_text())) == len(BIG)
 
 
-def _train(run_dir, nproc, extra=()):
-    env = dict(os.environ, MEGASSM_KERNELS="torch")
-    args = ["--config", "configs/tiny.yaml", "train.steps=4", "train.log_interval=1", "train.eval_interval=0",
-            "train.precision=fp32", "train.device=cuda", "run.progress=false", "run.tensorboard=false",
-            f"run.dir={run_dir}", *extra]
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "megassm.train", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-               str(free_port()), "-m", "megassm.train", *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return {d["step"]: d["loss"] for d in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "loss" in d}
+GPU_BASE = ["train.steps=4", "train.log_interval=1", "train.eval_interval=0",
+            "train.precision=fp32", "train.device=cuda", "run.progress=false", "run.tensorboard=false"]
+_train = partial(train_losses, base=GPU_BASE, env={"MEGASSM_KERNELS": "torch"}, timeout=600)
 
 
 @pytest.mark.parametrize("n", [2, 4], ids=["cp2", "cp4"])

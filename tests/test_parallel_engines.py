@@ -4,12 +4,14 @@ resumes exactly in any engine (and back in a single process), BPTT under DDP and
 is derived from ours, and bad layouts are refused before any model is built."""
 import json
 import os
+from functools import partial
 
 import pytest
 import torch
 
 from megassm.config import ConfigError, load_config
-from megassm.parallel.testing import losses, run_train
+
+from multiproc import train_losses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [
@@ -45,11 +47,7 @@ def _needs(name: str):
         pytest.skip("DeepSpeed is not installed (pip install 'megassm[deepspeed]')")
 
 
-def _run(run_dir, nproc=1, extra=(), resume=None):
-    args = ["--config", "configs/tiny.yaml", *TINY, f"run.dir={run_dir}", *extra]
-    if resume:
-        args += ["--resume", str(resume)]
-    return losses(run_train(ROOT, args, nproc, env={"DS_ACCELERATOR": "cpu"}))
+_run = partial(train_losses, base=TINY, env={"DS_ACCELERATOR": "cpu"}, timeout=400)
 
 
 def _ckpt(run_dir, step):

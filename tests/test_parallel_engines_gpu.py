@@ -4,15 +4,13 @@ every engine. Skipped with fewer than 2 GPUs; the DeepSpeed cases also without D
 
     pytest -m gpu tests/test_parallel_engines_gpu.py
 """
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from megassm.parallel.testing import free_port
+from multiproc import train_losses
+
 
 pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,19 +31,13 @@ def _need(name):
         pytest.importorskip("deepspeed")
 
 
-def _train(run_dir, nproc, extra=(), kernels="torch"):
-    env = dict(os.environ, MEGASSM_KERNELS=kernels)
-    args = ["--config", "configs/tiny.yaml", "train.steps=4", "train.log_interval=1", "train.eval_interval=0",
+GPU_BASE = ["train.steps=4", "train.log_interval=1", "train.eval_interval=0",
             "train.micro_batch=2", "train.global_batch=8", "train.device=cuda", "run.progress=false",
-            "run.tensorboard=false", "run.save_interval=2", f"run.dir={run_dir}", *extra]
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "megassm.train", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-               str(free_port()), "-m", "megassm.train", *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return {d["step"]: d["loss"] for d in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "loss" in d}
+            "run.tensorboard=false", "run.save_interval=2"]
+
+
+def _train(run_dir, nproc, extra=(), kernels="torch"):
+    return train_losses(run_dir, nproc, extra, base=GPU_BASE, env={"MEGASSM_KERNELS": kernels}, timeout=600)
 
 
 @pytest.fixture(scope="module")

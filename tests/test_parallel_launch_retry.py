@@ -1,14 +1,15 @@
-"""The multi-process test helpers start a group again on a new port when the one free_port() picked was taken
-before the rendezvous bound it (seen in CI: two pytest workers' groups, EADDRINUSE), and report any other
-failure at once."""
+"""The multi-process test helpers (multiproc.py) start a group again on a new port when the one free_port()
+picked was taken before the rendezvous bound it (seen in CI: two pytest workers' groups, EADDRINUSE), report
+any other failure at once with every failed rank's traceback, stop ranks that outlive their timeout, and
+return every rank's result."""
 import socket
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from megassm.parallel import testing
+import multiproc as testing
 
 
 def sum_ranks_worker(rank, world, out):
@@ -21,6 +22,16 @@ def sum_ranks_worker(rank, world, out):
 
 def failing_worker(rank, world):
     raise ValueError("not a port clash")
+
+
+def result_worker(rank, world):
+    return {"rank": rank, "world": world}
+
+
+def hanging_worker(rank, world):
+    if rank == 1:
+        time.sleep(600)
+    dist.barrier()
 
 
 def _ports_from(monkeypatch, first):
@@ -49,9 +60,21 @@ def test_spawn_retries_a_taken_port(tmp_path, monkeypatch):
 
 def test_spawn_reports_other_failures_without_retry(monkeypatch):
     handed = _ports_from(monkeypatch, testing.free_port())
-    with pytest.raises(mp.ProcessExitedException):  # _entry prints the worker's error and exits 1
+    with pytest.raises(testing.RankError, match="not a port clash") as e:
         testing.spawn(failing_worker, 2)
+    assert sorted(e.value.errors) == [0, 1] and all("ValueError" in t for t in e.value.errors.values())
     assert len(handed) == 1
+
+
+def test_spawn_returns_every_rank_result():
+    assert testing.spawn(result_worker, 3) == [{"rank": r, "world": 3} for r in range(3)]
+
+
+def test_spawn_stops_ranks_past_the_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(testing.RankError, match="still running after 5 s"):
+        testing.spawn(hanging_worker, 2, timeout=5)
+    assert time.monotonic() - t0 < 60
 
 
 def test_run_train_retries_a_taken_port_only(tmp_path, monkeypatch):

@@ -16,9 +16,11 @@ import torch
 from megassm.config import ConfigError, load_config
 from megassm.models import build_model
 from megassm.parallel.pp import balance_stages, init_stage_weights, split_model, stage_layout
-from megassm.parallel.pp_testing import pp_equivalence_worker
-from megassm.parallel.testing import losses, run_train, spawn, tiny_model_config
+
 from conftest import use_megatron_groups
+from multiproc import losses, spawn, train_records
+from parallel_cases import tiny_model_config
+from pp_cases import pp_equivalence_worker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -196,10 +198,7 @@ TINY = [
 
 
 def _run(run_dir, nproc=1, extra=(), resume=None):
-    args = ["--config", "configs/tiny.yaml", *TINY, f"run.dir={run_dir}", *extra]
-    if resume:
-        args += ["--resume", str(resume)]
-    records = run_train(ROOT, args, nproc, timeout=300)
+    records = train_records(run_dir, nproc, extra, resume, base=TINY)
     return losses(records), losses(records, "loss_val")
 
 

@@ -1,7 +1,8 @@
 """Tensor (+ sequence) parallelism over gloo, as real processes: TP in {2, 4}, with and without SP, pure
 Mamba-2 (ngroups divisible by TP, and TP > ngroups) and the M*M- hybrid. Against the single-device model
-on the same canonical weights: logits, loss, every gradient (gathered to the canonical layout), the global
-grad norm, three clipped AdamW steps; and the collectives each layer's forward issues."""
+on the same canonical weights (every parameter, biases and norm weights included, moved off its init): logits,
+loss, every gradient (gathered to the canonical layout), the global grad norm, three clipped AdamW steps, with
+any non-finite value failing; and the collectives each layer's forward issues."""
 import importlib.util
 import json
 
@@ -9,13 +10,17 @@ import pytest
 
 from megassm.config import load_config
 from megassm.config import ConfigError
-from megassm.parallel.testing import equivalence_worker, spawn
+
 from conftest import use_megatron_groups
+from multiproc import spawn
+from parallel_cases import equivalence_worker
 
 CASES = [
     dict(pattern="MM", ngroups=2),  # tp=2: ngroups % tp == 0 (fast path); tp=4: tp > ngroups > 1 (2 slots)
     dict(pattern="MM", ngroups=1, norm_before_gate=True, proj_bias=True),  # tp > ngroups: B/C replicated
-    dict(pattern="M*M-", tie=False),  # hybrid; n_kv_heads=2: K/V split at tp=2, replicated at tp=4
+    # hybrid with biases on every projection (row-parallel: added once, after the reduction); n_kv_heads=2:
+    # K/V split at tp=2, replicated at tp=4
+    dict(pattern="M*M-", tie=False, proj_bias=True, attn_bias=True),
 ]
 
 
@@ -89,7 +94,7 @@ def test_megatron_groups_on_gloo_match_layout(tmp_path):
     groups of the plain builder (tp, dp, cp, pp and the embedding groups, ranks and indices), laid out
     tp-cp-dp-pp. The rest of the CPU suite builds its groups with the plain builder (conftest.py); a few tests
     go through megatron-core end to end (megatron_groups)."""
-    from megassm.parallel.testing import layout_worker
+    from parallel_cases import layout_worker
 
     out = tmp_path / "layout.json"
     layouts = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4), (4, 1, 1)]

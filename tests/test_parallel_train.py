@@ -1,12 +1,14 @@
 """`torchrun -m megassm.train ... parallel.tp=N` on CPU (gloo): losses equal the single-process run, and
 checkpoints are canonical: saved at TP=2, resumed at TP=1 and at TP=4 (+SP) with the same next-step loss."""
 import os
+from functools import partial
 
 import pytest
 import torch
 
-from megassm.parallel.testing import losses, run_train
 from conftest import use_megatron_groups
+from multiproc import train_losses
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [
@@ -18,11 +20,7 @@ TINY = [
 ]
 
 
-def _run(run_dir, nproc=1, extra=(), resume=None):
-    args = ["--config", "configs/tiny.yaml", *TINY, f"run.dir={run_dir}", *extra]
-    if resume:
-        args += ["--resume", str(resume)]
-    return losses(run_train(ROOT, args, nproc, timeout=300))
+_run = partial(train_losses, base=TINY)
 
 
 @pytest.fixture(scope="module")

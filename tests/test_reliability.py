@@ -549,16 +549,10 @@ def test_sigint_checkpoints_and_exits_99(tmp_path):
 
 
 def _torchrun(args, timeout=300):
-    from megassm.parallel.testing import _port_clash, free_port
+    from multiproc import launch
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    for _ in range(3):
-        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                            str(free_port()), "-m", "megassm.train", "--config", "configs/tiny.yaml", *SMALL, *args],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        if not _port_clash(r.stderr):
-            return r
-    return r
+    return launch(ROOT, ["--config", "configs/tiny.yaml", *SMALL, *args], nproc=2, env={"CUDA_VISIBLE_DEVICES": ""},
+                  timeout=timeout)
 
 
 def test_two_ranks_share_the_lock_refusal_and_the_fallback(base_run, tmp_path, live_process):

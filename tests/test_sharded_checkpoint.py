@@ -6,14 +6,16 @@ import json
 import os
 import shutil
 import threading
+from functools import partial
 
 import pytest
 import torch
 
 from megassm.config import ConfigError, load_config
-from megassm.parallel.testing import losses, run_train
 from megassm.training import checkpoint as ckpt
 from megassm.training import sharded, sharded_chunks
+
+from multiproc import train_losses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [
@@ -256,11 +258,7 @@ ENGINES = {"ddp": ["parallel.engine=ddp"], "fsdp2": ["parallel.engine=fsdp2"],
            "zero1": ["parallel.engine=ddp", "parallel.zero_stage=1"]}
 
 
-def _run(run_dir, nproc=1, extra=(), resume=None):
-    args = ["--config", "configs/tiny.yaml", *TINY, f"run.dir={run_dir}", *extra]
-    if resume:
-        args += ["--resume", str(resume)]
-    return losses(run_train(ROOT, args, nproc, timeout=300))
+_run = partial(train_losses, base=TINY)
 
 
 @pytest.mark.parametrize("name,resumes", [

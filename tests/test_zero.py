@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megassm.parallel.testing import spawn
+from multiproc import spawn
 
 
 def _params(sizes, seed=0, device="cpu"):

@@ -157,7 +157,7 @@ class DeepSpeedEngine(Engine):
             raise RuntimeError("deepspeed engine: clip_and_step called off the accumulation boundary")
         pre = None
         if self.stage == 0 and not self.bf16:  # plain fp32 DeepSpeed keeps no norm: the grads are whole here
-            from megassm.training.optim import clip_grad_norm
+            from .clipping import clip_grad_norm
 
             pre = clip_grad_norm(self.model.parameters(), 0.0)  # the norm only
         self.ds.step()

@@ -10,7 +10,7 @@
     clip_grad_norm(model, groups, max_norm)      norm of the canonical gradient (replicas counted once)
     mean_over_dp(x, groups)                      average a scalar tensor over data-parallel ranks
     model_state, optim_state = gather_states(model, optimizer, groups)   canonical (collective)
-    load_states(path, model, optimizer)          canonical checkpoint -> this rank's shards
+    load_states(model, optimizer, model_state, optim_state)   canonical states -> this rank's shards
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import torch.distributed as dist
 from . import comm
 from .cp import allreduce_cp_grads, apply_context_parallel, local_slice
 from . import pp as ppl
+from .clipping import clip_grad_norm as clip_local
 from .dp import allreduce_grads
 from .state import ParallelGroups, build_groups, init_distributed, single_process_groups
 from .tp import (apply_tensor_parallel, canonical_state_dict, clip_grad_norm_tp, load_canonical_optimizer_state,
@@ -111,9 +112,7 @@ def clip_grad_norm(model, groups: ParallelGroups, max_norm: float) -> float:
         return ppl.clip_grad_norm_pp(model, max_norm)
     if plan_of(model) is not None:
         return clip_grad_norm_tp(model, max_norm)
-    from megassm.training.optim import clip_grad_norm as single
-
-    return single(model.parameters(), max_norm)
+    return clip_local(model.parameters(), max_norm)
 
 
 def mean_over_dp(x: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
@@ -134,10 +133,8 @@ def gather_states(model, optimizer, groups: ParallelGroups):
     return canonical_state_dict(model), optimizer_state_to_canonical(optimizer, model)
 
 
-def load_states(path: str, model, optimizer) -> None:
-    from megassm.training.checkpoint import read_model_and_optim
-
-    model_state, optim_state = read_model_and_optim(path)
+def load_states(model, optimizer, model_state: dict, optim_state: dict | None) -> None:
+    """Canonical states (as read from a checkpoint) -> this rank's shards / stages."""
     if ppl.pp_plan_of(model) is not None:
         ppl.load_canonical_states(model, optimizer, model_state, optim_state)
         return

@@ -17,11 +17,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Iterable
 
 import torch
 
 from megassm.config import OptimConfig
+from megassm.parallel.clipping import clip_grad_norm  # noqa: F401  (re-exported: the trainer's entry)
 
 log = logging.getLogger("megassm.optim")
 
@@ -155,33 +155,3 @@ class LRScheduler:
         if self.next_step > 0:
             self.step_to(self.next_step - 1)  # the groups carry the lr of the last step taken, as saved
             self.next_step = int(state["next_step"])
-
-
-def clip_grad_norm(params: Iterable[torch.nn.Parameter] | torch.Tensor, max_norm: float) -> float:
-    """Total L2 norm of the gradients (float); scales them to `max_norm` when above it.
-
-    max_norm == 0 only computes the norm. A non-finite norm (inf/nan) is returned as is and the gradients
-    are left untouched (the caller decides what to do: the trainer stops). One host sync per call.
-    The norm is over the gradients this process holds: under sharded layouts (FSDP/TP) the caller must
-    reduce across shards.
-    """
-    if isinstance(params, torch.Tensor):
-        params = [params]
-    params = [p for p in params if p.grad is not None]
-    if not params:
-        return 0.0
-    grads = [p.grad for p in params]
-    if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
-        total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False)
-    else:
-        dev = grads[0].device
-        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g).to(dev) for g in grads]))
-    value = float(total.item())
-    if max_norm > 0 and math.isfinite(value):
-        if hasattr(torch.nn.utils, "clip_grads_with_norm_"):
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-        else:
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            for g in grads:
-                g.mul_(coef.to(g.device))
-    return value

@@ -469,7 +469,7 @@ class Trainer:
             self.engine.load_states(*ckpt.read_model_and_optim(path))
         elif self.groups.tp > 1 or self.groups.pp > 1:  # canonical checkpoint -> this rank's shards / stages
             extra = ckpt.load_checkpoint(path, model=None, optimizer=None, verify=False)
-            prt.load_states(path, self.model, self.optimizer)
+            prt.load_states(self.model, self.optimizer, *ckpt.read_model_and_optim(path))
         else:
             extra = ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer, verify=False)
         self.step = int(extra["step"])

@@ -1,6 +1,6 @@
-"""The pipeline-parallel equivalence check (tests/test_parallel_pp*.py): PP (optionally x TP, x DP) against
-the single-device model on the same canonical weights and the same micro-batches. Importable so
-torch.multiprocessing.spawn can pickle it.
+"""The pipeline-parallel equivalence check (test_parallel_pp*.py): PP (optionally x TP, x DP) against
+the single-device model on the same canonical weights and the same micro-batches. Run through
+multiproc.spawn.
 
 Per case, every rank runs the single-device reference on all micro-batches of the global batch (tiny
 models) and its pipelined stage(s) on its data-parallel share, through the same calls the trainer makes:
@@ -16,7 +16,8 @@ import json
 import torch
 import torch.distributed as dist
 
-from .testing import _rel, make_batch, tiny_model_config
+from compare import close, randomize_, rel, worst
+from parallel_cases import make_batch, tiny_model_config
 
 __all__ = ["build_pipeline", "pp_equivalence_worker"]
 
@@ -27,28 +28,30 @@ def build_pipeline(mcfg, groups, virtual: int = 1, schedule: str = "1f1b", sp: b
     activation checkpointing)."""
     from megassm.models import build_model
 
-    from .pp import apply_pipeline_parallel, init_stage_weights, split_model
-    from .tp import apply_tensor_parallel
+    from megassm.parallel.pp import apply_pipeline_parallel, init_stage_weights, pp_plan_of, split_model
+    from megassm.parallel.tp import apply_tensor_parallel
 
     model = build_model(mcfg, device="meta")
     split_model(model, groups.pp, groups.pp_rank, virtual=virtual, group=groups.pp_group, emb_group=groups.emb_group)
     model.to_empty(device="cpu")
     init_stage_weights(model, seed)
+    plan = pp_plan_of(model)  # every parameter off its init, by global name: as randomize_ does on the reference
+    randomize_(((plan.global_name(n), p) for n, p in model.named_parameters()), seed)
     model.to(device)
     if groups.tp > 1:
         apply_tensor_parallel(model, groups.tp_group, sp=sp)
     apply_pipeline_parallel(model, schedule=schedule)
     if ac:
-        from .checkpointing import apply_activation_checkpointing
+        from megassm.parallel.checkpointing import apply_activation_checkpointing
 
         apply_activation_checkpointing(model)
     return model
 
 
 def _finish(model, groups):
-    from .dp import allreduce_grads
-    from .pp import sync_embedding_grads
-    from .tp import sync_tp_grads
+    from megassm.parallel.dp import allreduce_grads
+    from megassm.parallel.pp import sync_embedding_grads
+    from megassm.parallel.tp import sync_tp_grads
 
     sync_tp_grads(model)
     sync_embedding_grads(model)
@@ -57,16 +60,16 @@ def _finish(model, groups):
 
 def _stage_grads(model) -> dict:
     """{global name: canonical (TP-gathered) gradient} of this rank's stages."""
-    from .pp import pp_plan_of
-    from .tp import canonical_grads
+    from megassm.parallel.pp import pp_plan_of
+    from megassm.parallel.tp import canonical_grads
 
     plan = pp_plan_of(model)
     return {plan.global_name(k): v for k, v in canonical_grads(model).items()}
 
 
 def _stage_params(model) -> dict:
-    from .pp import pp_plan_of
-    from .tp import canonical_state_dict
+    from megassm.parallel.pp import pp_plan_of
+    from megassm.parallel.tp import canonical_state_dict
 
     plan = pp_plan_of(model)
     return {plan.global_name(k): v for k, v in canonical_state_dict(model).items()}
@@ -79,8 +82,8 @@ def pp_equivalence_worker(rank, world, tp, pp, cases, out_path, device="cpu", to
     from megassm.models import build_model
     from megassm.training.optim import clip_grad_norm
 
-    from .pp import clip_grad_norm_pp, eval_losses, gather_canonical_states, load_canonical_states, train_step
-    from .state import build_groups
+    from megassm.parallel.pp import clip_grad_norm_pp, eval_losses, gather_canonical_states, load_canonical_states, train_step
+    from megassm.parallel.state import build_groups
 
     groups = build_groups(tp=tp, pp=pp)
     dev = torch.device(device)
@@ -98,6 +101,7 @@ def pp_equivalence_worker(rank, world, tp, pp, cases, out_path, device="cpu", to
 
         ref = build_model(mcfg, device="cpu")
         ref.init_weights(7)
+        randomize_(ref.named_parameters(), 7)
         ref.to(dev)
         par = build_pipeline(mcfg, groups, virtual, schedule, sp, device=dev, ac=ac)
 
@@ -121,8 +125,8 @@ def pp_equivalence_worker(rank, world, tp, pp, cases, out_path, device="cpu", to
         _finish(par, groups)
         gp = _stage_grads(par)
         gr = {name: p.grad.detach().cpu() for name, p in ref.named_parameters()}
-        grad_rel = {name: _rel(g, gr[name]) for name, g in gp.items()}
-        worst = max(grad_rel, key=grad_rel.get)
+        grad_rel = {name: rel(g, gr[name]) for name, g in gp.items()}
+        worst_grad = max(grad_rel, key=grad_rel.get)
         norm_p = clip_grad_norm_pp(par, 0.0)
         norm_r = clip_grad_norm(ref.parameters(), 0.0)
 
@@ -145,7 +149,7 @@ def pp_equivalence_worker(rank, world, tp, pp, cases, out_path, device="cpu", to
             opt_r.step()
         pp_params = _stage_params(par)
         rparams = {name: p.detach().cpu() for name, p in ref.named_parameters()}
-        prel = {name: _rel(v, rparams[name]) for name, v in pp_params.items()}
+        prel = {name: rel(v, rparams[name]) for name, v in pp_params.items()}
         worst_param = max(prel, key=prel.get)
 
         # eval (forward only), on batches of another step
@@ -160,13 +164,13 @@ def pp_equivalence_worker(rank, world, tp, pp, cases, out_path, device="cpu", to
         if rank == 0:
             ref_sd, ref_os = ref.state_dict(), opt_r.state_dict()
             assert list(ms) == list(ref_sd), (list(ms), list(ref_sd))
-            ckpt_rel = max(_rel(ms[k], ref_sd[k].cpu()) for k in ref_sd)
+            ckpt_rel = worst(rel(ms[k], ref_sd[k].cpu()) for k in ref_sd)
             assert [g["params"] for g in os_["param_groups"]] == [g["params"] for g in ref_os["param_groups"]]
             assert sorted(os_["state"]) == sorted(ref_os["state"])
             for i, st in ref_os["state"].items():
                 for k in ("exp_avg", "exp_avg_sq"):
-                    r = _rel(os_["state"][i][k], st[k].cpu())
-                    assert r <= 10 * tol, (case, i, k, r)
+                    r = rel(os_["state"][i][k], st[k].cpu())
+                    assert r <= 10 * tol, (case, i, k, r)  # rel() is inf for a non-finite value
         fresh = build_pipeline(mcfg, groups, virtual, schedule, sp, seed=123, device=dev, ac=ac)
         opt_f = torch.optim.AdamW(fresh.param_groups(0.1), lr=1e-3)
         load_canonical_states(fresh, opt_f, {k: v.cpu() for k, v in ref.state_dict().items()},
@@ -184,31 +188,31 @@ def pp_equivalence_worker(rank, world, tp, pp, cases, out_path, device="cpu", to
         opt_r.step()
         fparams = _stage_params(fresh)
         rparams = {name: p.detach().cpu() for name, p in ref.named_parameters()}
-        load_rels = {name: _rel(v, rparams[name]) for name, v in fparams.items()}
+        load_rels = {name: rel(v, rparams[name]) for name, v in fparams.items()}
         load_worst = max(load_rels, key=load_rels.get)
         load_rel = load_rels[load_worst]
 
-        rec = dict(case=case, tp=tp, pp=pp, dp=dp, loss=(loss_p, loss_r), worst_grad=worst,
-                   worst_grad_rel=grad_rel[worst], grad_norm=(norm_p, norm_r), step_losses=step_losses,
+        rec = dict(case=case, tp=tp, pp=pp, dp=dp, loss=(loss_p, loss_r), worst_grad=worst_grad,
+                   worst_grad_rel=grad_rel[worst_grad], grad_norm=(norm_p, norm_r), step_losses=step_losses,
                    worst_param=worst_param, param_rel=prel[worst_param], eval=(ev_p, ev_r), ckpt_rel=ckpt_rel,
                    load_step_loss=(lf, lr2), load_param_rel=load_rel, load_worst=load_worst, grads_checked=sorted(gp))
         report.append(rec)
         bad = []
-        if abs(loss_p - loss_r) > tol * abs(loss_r):
+        if not close(loss_p, loss_r, tol):
             bad.append("loss")
-        if grad_rel[worst] > tol:
+        if not grad_rel[worst_grad] <= tol:
             bad.append("grads")
-        if abs(norm_p - norm_r) > tol * norm_r:
+        if not close(norm_p, norm_r, tol):
             bad.append("grad_norm")
-        if any(abs(a - b) > tol * abs(b) for a, b in step_losses):
+        if not all(close(a, b, tol) for a, b in step_losses):
             bad.append("step_losses")
-        if prel[worst_param] > 10 * tol:
+        if not prel[worst_param] <= 10 * tol:
             bad.append("params_after_steps")
-        if abs(ev_p - ev_r) > tol * abs(ev_r):
+        if not close(ev_p, ev_r, tol):
             bad.append("eval")
-        if ckpt_rel is not None and ckpt_rel > 10 * tol:
+        if ckpt_rel is not None and not ckpt_rel <= 10 * tol:
             bad.append("checkpoint")
-        if abs(lf - lr2) > tol * abs(lr2) or load_rel > 10 * tol:
+        if not close(lf, lr2, tol) or not load_rel <= 10 * tol:
             bad.append("canonical_load")
         if bad:
             raise AssertionError(f"rank {rank}: PP={pp} TP={tp} DP={dp} case {case}: {bad}: "

@@ -1,5 +1,5 @@
-"""The context-parallel equivalence check (tests/test_parallel_cp*.py): CP (optionally x TP) against the
-single-device model on the same canonical weights. Importable so torch.multiprocessing.spawn can pickle it.
+"""The context-parallel equivalence check (test_parallel_cp*.py): CP (optionally x TP) against the
+single-device model on the same canonical weights. Run through multiproc.spawn.
 
 The batch has documents crossing rank boundaries, resets exactly at rank boundaries, a one-token document
 and a row that is one document; carried initial states are given (leaves, so their gradients are checked
@@ -14,9 +14,10 @@ from dataclasses import replace
 import torch
 
 from megassm.models.state import KVCache, MambaState
+from megassm.parallel.tp import state_shard_specs
 
-from .testing import _rel, tiny_model_config
-from .tp import state_shard_specs
+from compare import randomize_, rel, worst
+from parallel_cases import tiny_model_config
 
 __all__ = ["cp_batch", "cp_equivalence_worker", "shard_states"]
 
@@ -45,7 +46,7 @@ def cp_batch(vocab: int, seqlen: int = 28, seed: int = 0, device="cpu") -> dict:
 
 def shard_states(states: list, model) -> list:
     """Canonical (single-device) states -> this TP rank's layout (heads / channels of its shard)."""
-    from .tp import plan_of, shard_canonical
+    from megassm.parallel.tp import plan_of, shard_canonical
 
     plan = plan_of(model)
     specs = state_shard_specs(states, model)
@@ -63,7 +64,7 @@ def shard_states(states: list, model) -> list:
 def _canonical_state_grad(g: torch.Tensor, spec, plan) -> torch.Tensor:
     """A TP-local state gradient -> canonical: every rank places its pieces in a zero canonical tensor and
     the TP group sums them (replicated channels, e.g. B/C when tp > ngroups, hold partial gradients)."""
-    from . import comm
+    from megassm.parallel import comm
 
     if spec is None:
         return g
@@ -115,13 +116,13 @@ def cp_equivalence_worker(rank, world, cp, tp, cases, out_path, device="cpu", to
     sees it."""
     from megassm.models import build_model
 
-    from . import comm
-    from .cp import allreduce_cp_grads, apply_context_parallel, global_token_count, local_slice
-    from .state import build_groups
-    from .tp import apply_tensor_parallel, canonical_grads, sync_tp_grads
+    from megassm.parallel import comm
+    from megassm.parallel.cp import allreduce_cp_grads, apply_context_parallel, global_token_count, local_slice
+    from megassm.parallel.state import build_groups
+    from megassm.parallel.tp import apply_tensor_parallel, canonical_grads, sync_tp_grads
 
     groups = build_groups(tp=tp, cp=cp)
-    assert groups.cp == cp and comm.world(groups.cp_group) == cp  # the layout itself: testing.layout_worker
+    assert groups.cp == cp and comm.world(groups.cp_group) == cp  # the layout itself: parallel_cases.layout_worker
     dev = torch.device(device)
     if dev.type == "cuda":
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -137,9 +138,11 @@ def cp_equivalence_worker(rank, world, cp, tp, cases, out_path, device="cpu", to
         mcfg.attn.sliding_window = window
         ref = build_model(mcfg, device="cpu")
         ref.init_weights(7)
+        randomize_(ref.named_parameters(), 7)
         ref.to(dev)
         par = build_model(mcfg, device="cpu")
         par.init_weights(7)
+        randomize_(par.named_parameters(), 7)
         par.to(dev)
         apply_tensor_parallel(par, groups.tp_group, sp=sp)
         apply_context_parallel(par, cpg)
@@ -158,7 +161,7 @@ def cp_equivalence_worker(rank, world, cp, tp, cases, out_path, device="cpu", to
             lref = ref(b1["tokens"], seq_idx=b1["seq_idx"], states=st0).logits
             lpar = par(loc[0]["tokens"], seq_idx=loc[0]["seq_idx"], states=shard_states(st0, par)).logits
             lpar = comm.all_gather_dim(comm.all_gather_dim(lpar, 1, cpg), 2, groups.tp_group)
-        logits_rel = _rel(lpar, lref)
+        logits_rel = rel(lpar, lref)
 
         # two windows with the states handed over with their graph, one backward
         def run(model, batches, init):
@@ -186,26 +189,26 @@ def cp_equivalence_worker(rank, world, cp, tp, cases, out_path, device="cpu", to
                 if tr_[k].dtype in (torch.bool, torch.int64):
                     state_rel[f"{tag}.{k}"] = 0.0 if torch.equal(tp_[k], tr_[k]) else 1.0
                 else:
-                    state_rel[f"{tag}.{k}"] = _rel(tp_[k], tr_[k]) if tr_[k].norm() > 0 else float(tp_[k].norm())
+                    state_rel[f"{tag}.{k}"] = rel(tp_[k], tr_[k]) if tr_[k].norm() > 0 else float(tp_[k].norm())
 
         # gradients: parameters (summed over CP, TP replicas synced, gathered canonical) and initial states
         allreduce_cp_grads(list(par.parameters()), cpg)
         sync_tp_grads(par)
         gp = canonical_grads(par)
-        grad_rel = {n: _rel(gp[n], p.grad.detach().cpu()) for n, p in ref.named_parameters()}
-        worst = max(grad_rel, key=grad_rel.get)
-        from .tp import plan_of
+        grad_rel = {n: rel(gp[n], p.grad.detach().cpu()) for n, p in ref.named_parameters()}
+        worst_grad = max(grad_rel, key=grad_rel.get)
+        from megassm.parallel.tp import plan_of
 
         ig_p, ig_r = _tensors(init_par, grads=True), _tensors([_grad_state(s) for s in init_ref])
         specs = state_shard_specs(init_par, par)
         init_rel = {}
         for k in ig_p:
             g = comm.all_reduce(ig_p[k].clone(), cpg)  # rank 0 holds the SSM/conv ones, every rank KV parts
-            init_rel[k] = _rel(_canonical_state_grad(g, specs.get(k), plan_of(par)), ig_r[k])
+            init_rel[k] = rel(_canonical_state_grad(g, specs.get(k), plan_of(par)), ig_r[k])
         rec = dict(case=case, window=window, cp=cp, tp=tp, sp=sp, logits_rel=logits_rel, loss_rel=loss_rel,
-                   worst_grad=worst, worst_grad_rel=grad_rel[worst], state_rel=state_rel,
-                   max_state_rel=max(state_rel.values()), init_grad_rel=init_rel,
-                   max_init_grad_rel=max(init_rel.values()) if init_rel else 0.0,
+                   worst_grad=worst_grad, worst_grad_rel=grad_rel[worst_grad], state_rel=state_rel,
+                   max_state_rel=worst(state_rel.values()), init_grad_rel=init_rel,
+                   max_init_grad_rel=worst(init_rel.values()),
                    kinds=list(par.block_kinds), fwd_counts=fwd_counts, bwd_counts=bwd_counts)
         report.append(rec)
         bad = [k for k in ("logits_rel", "loss_rel", "worst_grad_rel", "max_state_rel", "max_init_grad_rel")

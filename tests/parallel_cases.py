@@ -1,116 +1,33 @@
-"""Helpers for the multi-process tests (tests/test_parallel_*.py): spawn gloo/nccl workers, tiny configs,
-and the TP-vs-single-device equivalence check. Importable so torch.multiprocessing.spawn can pickle them."""
+"""Tiny model configs and batches of the parallel tests, the comparison helpers of every equivalence check,
+and the TP-vs-single-device equivalence worker (run through multiproc.spawn)."""
 from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
-import traceback
-import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megassm.config import ModelConfig, MambaConfig, AttentionConfig, MLPConfig
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# free_port() releases the port before the launcher binds it, so a process beside this one (another pytest
-# worker's group) can take it first: the launcher's store then fails to listen (EADDRINUSE) before any worker
-# starts. Such a run is started again on a new port; any other failure is reported as it is.
-_PORT_TRIES = 3
-
-
-def _port_clash(text: str) -> bool:
-    return "EADDRINUSE" in text or "address already in use" in text.lower()
-
-
-def launch(cwd: str, args: list[str], nproc: int = 1, env: dict | None = None,
-           timeout: int = 400) -> subprocess.CompletedProcess:
-    """Run `megassm.train` with `args` as one process (nproc 1) or under torchrun (nproc ranks on this host),
-    one thread per process, in `cwd`, and return its CompletedProcess whatever the exit code (`.seconds`: the
-    wall time of the launch that counted)."""
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
-    for _ in range(_PORT_TRIES if launcher else 1):
-        port = ["--master_port", str(free_port())] if launcher else []
-        cmd = [sys.executable, *launcher, *port, "-m", "megassm.train", *args]
-        t0 = time.monotonic()
-        r = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=full_env, timeout=timeout)
-        r.seconds = time.monotonic() - t0
-        if r.returncode == 0 or not _port_clash(r.stderr):
-            break
-    return r
-
-
-def run_train(cwd: str, args: list[str], nproc: int = 1, env: dict | None = None, timeout: int = 400) -> list[dict]:
-    """launch(), assert it succeeded (its stderr's tail as the message) and return the run's metrics.jsonl
-    records. `args` must set run.dir."""
-    run_dir = next((a.split("=", 1)[1] for a in args if a.startswith("run.dir=")), None)
-    assert run_dir is not None, "run_train: args must set run.dir"
-    r = launch(cwd, args, nproc, env, timeout)
-    assert r.returncode == 0, r.stderr[-5000:]
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def losses(records: list[dict], key: str = "loss") -> dict[int, float]:
-    """{step: value} of the metrics records that carry `key` (loss, loss_val, ...)."""
-    return {d["step"]: d[key] for d in records if key in d}
-
-
-def _entry(rank, world, port, backend, fn, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    warnings.simplefilter("ignore")
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world)
-    try:
-        fn(rank, world, *args)
-    except BaseException:
-        # Print now and leave without tearing the group down: the other ranks may sit in a collective this
-        # rank will never join (NCCL would hang in destroy), and mp.spawn stops them once this one exits.
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    from .state import destroy
-
-    destroy()
-
-
-def spawn(fn, world: int, *args, backend: str = "gloo") -> None:
-    for attempt in range(_PORT_TRIES):
-        try:
-            mp.spawn(_entry, args=(world, free_port(), backend, fn, args), nprocs=world, join=True)
-            return
-        except mp.ProcessRaisedException as e:  # a port taken between free_port() and the bind: a new port
-            if not _port_clash(str(e)) or attempt == _PORT_TRIES - 1:
-                raise
+from compare import close, randomize_, rel, worst
 
 
 def tiny_model_config(pattern: str, ngroups: int = 1, n_kv_heads: int = 2, tie: bool = True,
-                      norm_before_gate: bool = False, proj_bias: bool = False, big: bool = False) -> ModelConfig:
+                      norm_before_gate: bool = False, proj_bias: bool = False, attn_bias: bool = False,
+                      big: bool = False) -> ModelConfig:
+    """proj_bias: biases on the Mamba projections and the MLP; attn_bias: on the attention projections."""
     if big:  # GPU checks: real-ish shapes
         return ModelConfig(pattern=pattern, d_model=1024, vocab_size=32000, tie_embeddings=tie,
                            mamba=MambaConfig(d_state=128, headdim=64, ngroups=ngroups, chunk_size=128,
                                              norm_before_gate=norm_before_gate, proj_bias=proj_bias),
-                           attn=AttentionConfig(n_heads=16, n_kv_heads=n_kv_heads), mlp=MLPConfig(ffn_hidden=2048))
+                           attn=AttentionConfig(n_heads=16, n_kv_heads=n_kv_heads, bias=attn_bias),
+                           mlp=MLPConfig(ffn_hidden=2048, bias=proj_bias))
     return ModelConfig(
         pattern=pattern, d_model=32, vocab_size=100, pad_vocab_multiple=16, tie_embeddings=tie,
         mamba=MambaConfig(d_state=8, headdim=8, expand=2, ngroups=ngroups, chunk_size=8,
                           norm_before_gate=norm_before_gate, proj_bias=proj_bias),
-        attn=AttentionConfig(n_heads=4, n_kv_heads=n_kv_heads),
+        attn=AttentionConfig(n_heads=4, n_kv_heads=n_kv_heads, bias=attn_bias),
         mlp=MLPConfig(ffn_hidden=64, bias=proj_bias),
     )
 
@@ -126,21 +43,18 @@ def make_batch(vocab: int, bsz: int, seqlen: int, seed: int = 0, device="cpu"):
     return {k: v.to(device) for k, v in dict(tokens=tokens, labels=labels, seq_idx=seq_idx).items()}
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp(min=1e-30))
-
-
 def equivalence_worker(rank, world, tp, sp, cases, out_path, steps=3, device="cpu", tol=1e-5, seqlen=24, bsz=2):
     """For each case (dict of tiny_model_config kwargs): single-device reference vs TP (this group) on the
     same batch: loss, logits (gathered), every canonical gradient, `steps` AdamW steps with clipping, and the
-    collectives of one layer forward/backward. Rank 0 writes a JSON report to out_path."""
+    collectives of one layer forward/backward. Every parameter (biases and norm weights too) is moved off its
+    init first. Raises on any mismatch or non-finite value; rank 0 writes a JSON report to out_path."""
     from megassm.models import build_model
     from megassm.training.optim import clip_grad_norm
 
-    from . import comm
-    from .state import build_groups
-    from .tp import apply_tensor_parallel, canonical_grads, canonical_state_dict, clip_grad_norm_tp, sync_tp_grads
+    from megassm.parallel import comm
+    from megassm.parallel.state import build_groups
+    from megassm.parallel.tp import (apply_tensor_parallel, canonical_grads, canonical_state_dict, clip_grad_norm_tp,
+                                     sync_tp_grads)
 
     groups = build_groups(tp=tp)
     dev = torch.device(device)
@@ -160,9 +74,11 @@ def equivalence_worker(rank, world, tp, sp, cases, out_path, steps=3, device="cp
             case["sections"] = sections
         ref = build_model(mcfg, device="cpu")
         ref.init_weights(7)
+        randomize_(ref.named_parameters(), 7)
         ref.to(dev)
         par = build_model(mcfg, device="cpu")
         par.init_weights(7)
+        randomize_(par.named_parameters(), 7)
         par.to(dev)
         apply_tensor_parallel(par, groups.tp_group, sp=sp)
         batch = make_batch(mcfg.vocab_size, bsz, seqlen, seed=1, device=dev)
@@ -172,7 +88,7 @@ def equivalence_worker(rank, world, tp, sp, cases, out_path, steps=3, device="cp
             lref = ref(batch["tokens"], seq_idx=batch["seq_idx"]).logits
             lpar = par(batch["tokens"], seq_idx=batch["seq_idx"]).logits
             lpar = comm.all_gather_dim(lpar, 2, groups.tp_group)
-        logits_rel = _rel(lpar, lref)
+        logits_rel = rel(lpar, lref)
         # one-token decoding (states hold this rank's heads / channels)
         with torch.no_grad():
             st_r, st_p = ref.allocate_states(bsz), par.allocate_states(bsz)
@@ -180,8 +96,8 @@ def equivalence_worker(rank, world, tp, sp, cases, out_path, steps=3, device="cp
             for t in range(4):
                 lr_, st_r = ref.step(batch["tokens"][:, t], st_r)
                 lp_, st_p = par.step(batch["tokens"][:, t], st_p)
-                dec.append(_rel(comm.all_gather_dim(lp_, 1, groups.tp_group), lr_))
-        decode_rel = max(dec)
+                dec.append(rel(comm.all_gather_dim(lp_, 1, groups.tp_group), lr_))
+        decode_rel = worst(dec)
 
         # per-layer collectives of one forward and backward
         counts = []
@@ -206,8 +122,8 @@ def equivalence_worker(rank, world, tp, sp, cases, out_path, steps=3, device="cp
         ref_out.loss.backward()
         sync_tp_grads(par)
         gp, gr = canonical_grads(par), {n: p.grad.detach().cpu() for n, p in ref.named_parameters()}
-        grad_rel = {n: _rel(gp[n], gr[n]) for n in gr}
-        worst = max(grad_rel, key=grad_rel.get)
+        grad_rel = {n: rel(gp[n], gr[n]) for n in gr}
+        worst_grad = max(grad_rel, key=grad_rel.get)
         loss_rel = abs(out.loss.item() - ref_out.loss.item()) / abs(ref_out.loss.item())
         norm_p = clip_grad_norm_tp(par, 0.0)
         norm_r = clip_grad_norm(ref.parameters(), 0.0)
@@ -230,19 +146,19 @@ def equivalence_worker(rank, world, tp, sp, cases, out_path, steps=3, device="cp
                 o.step()
                 lst.append(loss.item())
         final = canonical_state_dict(par)
-        prel = {n: _rel(final[n], p.detach().cpu()) for n, p in ref.named_parameters()}
+        prel = {n: rel(final[n], p.detach().cpu()) for n, p in ref.named_parameters()}
         worst_param = max(prel, key=prel.get)
         param_rel = prel[worst_param]
-        step_rel = max(abs(a - b) / abs(b) for a, b in zip(losses_p, losses_r))
-        rec = dict(case=case, tp=tp, sp=sp, logits_rel=logits_rel, decode_rel=decode_rel, loss_rel=loss_rel, worst_grad=worst,
-                   worst_grad_rel=grad_rel[worst], grad_norm=(norm_p, norm_r), step_losses=losses_p,
+        step_rel = worst(abs(a - b) / abs(b) for a, b in zip(losses_p, losses_r))
+        rec = dict(case=case, tp=tp, sp=sp, logits_rel=logits_rel, decode_rel=decode_rel, loss_rel=loss_rel,
+                   worst_grad=worst_grad, worst_grad_rel=grad_rel[worst_grad], grad_norm=(norm_p, norm_r), step_losses=losses_p,
                    step_loss_rel=step_rel, param_rel_after_steps=param_rel, worst_param=worst_param, per_layer_fwd=counts,
                    kinds=list(par.block_kinds), fwd_total=fwd_total, bwd_total=bwd_total)
         report.append(rec)
         bad = [k for k in ("logits_rel", "decode_rel", "loss_rel", "worst_grad_rel", "step_loss_rel") if not rec[k] <= tol]
-        if abs(norm_p - norm_r) > tol * norm_r:
+        if not close(norm_p, norm_r, tol):
             bad.append("grad_norm")
-        if param_rel > 10 * tol:
+        if not param_rel <= 10 * tol:
             bad.append("param_rel_after_steps")
         if bad:
             raise AssertionError(f"rank {rank}: TP={tp} sp={sp} case {case}: {bad}: {json.dumps(rec, default=str)}")
@@ -256,7 +172,7 @@ def layout_worker(rank, world, layouts, out_path):
     plain builder's are the same groups (tp, dp, cp, pp, embedding: ranks and this rank's indices) and follow
     state.rank_layout / cp_layout / pp_layout. What lets the CPU suite build its groups with the plain builder.
     Rank 0 writes the megatron-core groups it saw, per layout, to out_path."""
-    from .state import _build_groups_torch, build_groups, cp_layout, pp_layout, rank_layout
+    from megassm.parallel.state import _build_groups_torch, build_groups, cp_layout, pp_layout, rank_layout
 
     def ranks(g):
         return dist.get_process_group_ranks(g) if g is not None else None

@@ -1,0 +1,181 @@
+"""The one launcher of the multi-process tests: N ranks of a function over gloo (or nccl) with a timeout and
+every rank's result or traceback (spawn), and training runs as one process or under torchrun (launch,
+run_train, train_records / train_losses). Importable by name from tests/ (pytest puts tests/ on sys.path,
+and the spawned ranks inherit it), so torch.multiprocessing can pickle the workers."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# free_port() releases the port before the launcher binds it, so a process beside this one (another pytest
+# worker's group) can take it first: the rendezvous then fails to listen (EADDRINUSE) before any work starts.
+# Such a run is started again on a new port; any other failure is reported as it is.
+_PORT_TRIES = 3
+
+
+def port_clash(text: str) -> bool:
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
+
+
+class RankError(AssertionError):
+    """Ranks of a spawn() failed or ran out of time; `errors`: {rank: traceback text}."""
+
+    def __init__(self, message: str, errors: dict[int, str]):
+        super().__init__(message)
+        self.errors = errors
+
+
+def _entry(rank, world, port, backend, fn, args, out_dir, group):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    try:
+        if group:
+            if backend == "nccl":
+                torch.cuda.set_device(rank)
+            dist.init_process_group(backend, rank=rank, world_size=world)
+        result = fn(rank, world, *args)
+        with open(os.path.join(out_dir, f"{rank}.result"), "wb") as f:
+            pickle.dump(result, f)
+    except BaseException:
+        # Record and leave without tearing the group down: the other ranks may sit in a collective this
+        # rank will never join (NCCL would hang in destroy); spawn() stops them once this one exits.
+        with open(os.path.join(out_dir, f"{rank}.error"), "w") as f:
+            f.write(traceback.format_exc())
+        os._exit(1)
+    if group:
+        from megassm.parallel.state import destroy
+
+        destroy()
+
+
+def _stop(ctx) -> None:
+    for p in ctx.processes:
+        if p.is_alive():
+            p.terminate()
+    for p in ctx.processes:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _run_once(fn, world, args, backend, timeout, group):
+    with tempfile.TemporaryDirectory(prefix="megassm-ranks-") as out:
+        ctx = mp.start_processes(_entry, args=(world, free_port(), backend, fn, args, out, group), nprocs=world,
+                                 join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        timed_out = False
+        try:
+            while not ctx.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    timed_out = True
+                    break
+        except mp.ProcessExitedException:
+            pass  # a rank failed (join stopped the others): its error file says why
+        finally:
+            _stop(ctx)
+        errors = {}
+        for r in range(world):
+            path = os.path.join(out, f"{r}.error")
+            if os.path.exists(path):
+                with open(path) as f:
+                    errors[r] = f.read()
+        if timed_out or errors:
+            stuck = [r for r in range(world) if r not in errors and not os.path.exists(os.path.join(out, f"{r}.result"))]
+            head = (f"{fn.__name__}: ranks {stuck} still running after {timeout} s" if timed_out
+                    else f"{fn.__name__}: ranks {sorted(errors)} of {world} failed")
+            text = "\n".join(f"--- rank {r}:\n{tb}" for r, tb in sorted(errors.items()))
+            raise RankError(f"{head}\n{text}", errors)
+        missing = [r for r in range(world) if not os.path.exists(os.path.join(out, f"{r}.result"))]
+        if missing:
+            raise RankError(f"{fn.__name__}: ranks {missing} exited without a result", {})
+        results = []
+        for r in range(world):
+            with open(os.path.join(out, f"{r}.result"), "rb") as f:
+                results.append(pickle.load(f))
+        return results
+
+
+def spawn(fn, world: int, *args, backend: str = "gloo", timeout: float = 600, group: bool = True) -> list:
+    """fn(rank, world, *args) on `world` fresh processes (one thread each), inside a process group of
+    `backend` (group=False: only the MASTER_ADDR/PORT, RANK, WORLD_SIZE environment). Returns the ranks'
+    return values in rank order. Raises RankError naming every failed rank with its traceback, or the ranks
+    still running after `timeout` seconds (all are stopped). A rendezvous port taken meanwhile: a new one."""
+    for attempt in range(_PORT_TRIES):
+        try:
+            return _run_once(fn, world, args, backend, timeout, group)
+        except RankError as e:
+            if attempt == _PORT_TRIES - 1 or not any(port_clash(t) for t in e.errors.values()):
+                raise
+
+
+def launch(cwd: str, args: list[str], nproc: int = 1, env: dict | None = None,
+           timeout: int = 400) -> subprocess.CompletedProcess:
+    """Run `megassm.train` with `args` as one process (nproc 1) or under torchrun (nproc ranks on this host),
+    one thread per process, in `cwd`, and return its CompletedProcess whatever the exit code (`.seconds`: the
+    wall time of the launch that counted)."""
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    for _ in range(_PORT_TRIES if launcher else 1):
+        port = ["--master_port", str(free_port())] if launcher else []
+        cmd = [sys.executable, *launcher, *port, "-m", "megassm.train", *args]
+        t0 = time.monotonic()
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=full_env, timeout=timeout)
+        r.seconds = time.monotonic() - t0
+        if r.returncode == 0 or not port_clash(r.stderr):
+            break
+    return r
+
+
+def run_train(cwd: str, args: list[str], nproc: int = 1, env: dict | None = None, timeout: int = 400) -> list[dict]:
+    """launch(), assert it succeeded (its stderr's tail as the message) and return the run's metrics.jsonl
+    records. `args` must set run.dir."""
+    run_dir = next((a.split("=", 1)[1] for a in args if a.startswith("run.dir=")), None)
+    assert run_dir is not None, "run_train: args must set run.dir"
+    r = launch(cwd, args, nproc, env, timeout)
+    assert r.returncode == 0, r.stderr[-5000:]
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def losses(records: list[dict], key: str = "loss") -> dict[int, float]:
+    """{step: value} of the metrics records that carry `key` (loss, loss_val, ...)."""
+    return {d["step"]: d[key] for d in records if key in d}
+
+
+def train_records(run_dir, nproc: int = 1, extra=(), resume=None, *, base: list[str], env: dict | None = None,
+                  timeout: int = 300, config: str = "configs/tiny.yaml") -> list[dict]:
+    """A training run from the repository root: `config`, the file's `base` overrides, run.dir, `extra`,
+    and --resume when given; its metrics records."""
+    args = ["--config", config, *base, f"run.dir={run_dir}", *extra]
+    if resume:
+        args += ["--resume", str(resume)]
+    return run_train(ROOT, args, nproc, env, timeout)
+
+
+def train_losses(run_dir, nproc: int = 1, extra=(), resume=None, **kw) -> dict[int, float]:
+    """train_records() -> {step: loss}. Test files bind their overrides: partial(train_losses, base=TINY)."""
+    return losses(train_records(run_dir, nproc, extra, resume, **kw))

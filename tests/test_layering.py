@@ -1,0 +1,121 @@
+"""Imports flow one way: kernels <- models <- parallel <- training <- entry points, with config at the
+bottom and data_tools / launch beside the chain. Every module under megassm/, kernels/, data_tools/ and
+launch/ is parsed (every import statement, function-level ones included); an import of a group the
+module's group may not use fails, naming the module, the line and the import."""
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# source folder -> package name (setup.py installs kernels/, data_tools/, launch/ inside megassm)
+SOURCES = {"megassm": "megassm", "kernels": "megassm.kernels", "data_tools": "megassm.data_tools",
+           "launch": "megassm.launch"}
+# group -> the groups its modules may import besides their own
+ALLOWED = {
+    "config": set(),
+    "kernels": set(),
+    "models": {"config", "kernels"},
+    "parallel": {"config", "kernels", "models"},
+    "training": {"config", "kernels", "models", "parallel", "data_tools"},
+    "entry": {"config", "kernels", "models", "parallel", "training", "data_tools", "launch"},
+    "data_tools": set(),
+    "launch": {"config", "data_tools"},
+}
+GROUP_OF = {  # longest prefix wins
+    "megassm": "entry", "megassm.train": "entry", "megassm.checkpoint_cli": "entry", "megassm.evaluation": "entry",
+    "megassm.synthetic": "entry", "megassm.config": "config", "megassm.kernels": "kernels",
+    "megassm.models": "models", "megassm.parallel": "parallel", "megassm.training": "training",
+    "megassm.data_tools": "data_tools", "megassm.launch": "launch",
+}
+
+
+def group_of(module: str) -> str | None:
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        g = GROUP_OF.get(".".join(parts[:n]))
+        if g is not None and (n > 1 or len(parts) == 1):
+            return g
+    return None
+
+
+def modules() -> dict[str, tuple[str, bool]]:
+    """{module name: (file, is package)} of every module the build installs."""
+    found = {}
+    for folder, pkg in SOURCES.items():
+        for root, dirs, files in os.walk(os.path.join(ROOT, folder)):
+            dirs[:] = [d for d in dirs if not d.startswith((".", "__"))]
+            for f in files:
+                if not f.endswith(".py"):
+                    continue
+                rel = os.path.relpath(os.path.join(root, f), os.path.join(ROOT, folder))[:-3].replace(os.sep, ".")
+                if rel == "__init__":
+                    found[pkg] = (os.path.join(root, f), True)
+                else:
+                    name = pkg + "." + rel.removesuffix(".__init__")
+                    found[name] = (os.path.join(root, f), f == "__init__.py")
+    return found
+
+
+def imports(source: str, module: str, is_pkg: bool, known: set[str]) -> list[tuple[int, str]]:
+    """(line, imported megassm module) of every import statement in `source`, relative ones resolved;
+    `from a import b` counts as a.b where a.b is a module."""
+    package = module if is_pkg else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module
+            subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in known]
+            out += [(node.lineno, t) for t in subs] or [(node.lineno, target)]
+    return [(line, t) for line, t in out if t == "megassm" or t.startswith("megassm.")]
+
+
+def violations(found: dict[str, tuple[str, bool]]) -> list[str]:
+    known = set(found)
+    bad = []
+    for module, (path, is_pkg) in sorted(found.items()):
+        g = group_of(module)
+        if g is None:
+            bad.append(f"{module}: in no layer (add it to GROUP_OF in tests/test_layering.py)")
+            continue
+        with open(path) as f:
+            src = f.read()
+        for line, target in imports(src, module, is_pkg, known):
+            tg = group_of(target)
+            if tg != g and tg not in ALLOWED[g]:
+                bad.append(f"{module} ({g}) line {line}: imports {target} ({tg})")
+    return bad
+
+
+def test_imports_flow_one_way():
+    found = modules()
+    assert {"megassm.kernels.ops", "megassm.models.mamba2", "megassm.parallel.tp", "megassm.training.trainer",
+            "megassm.data_tools.loader", "megassm.launch.cli", "megassm.train"} <= set(found)
+    bad = violations(found)
+    assert not bad, "imports that run up a layer:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("module,is_pkg,source,want", [
+    ("megassm.parallel.runtime", False, "def f():\n    from megassm.training.optim import clip_grad_norm\n",
+     "megassm.training.optim"),
+    ("megassm.parallel.runtime", False, "from ..training import checkpoint\n", "megassm.training.checkpoint"),
+    ("megassm.models.lm", False, "import megassm.parallel.tp as tp\n", "megassm.parallel.tp"),
+    ("megassm.kernels.ops", False, "from megassm import models\n", "megassm.models"),
+    ("megassm.data_tools.loader", False, "from megassm.models import build_model\n", "megassm.models"),
+])
+def test_an_upward_import_is_caught(tmp_path, module, is_pkg, source, want):
+    """The checker itself: a planted upward import (function-level, relative, aliased) is reported."""
+    found = modules()
+    planted = tmp_path / "planted.py"
+    planted.write_text(source)
+    found[module] = (str(planted), is_pkg)
+    bad = violations(found)
+    assert any(b.startswith(f"{module} (") and f"imports {want} " in b for b in bad), bad
