@@ -250,7 +250,7 @@ def _plan_mlp(mlp, pre: str, tp: int, sp: bool, group, specs: dict) -> None:
     if mlp.hidden % tp:
         raise ValueError(f"tensor parallelism: tp={tp} must divide the MLP hidden size ({mlp.hidden})")
     h = _sharded(mlp.hidden, tp)
-    for n in ("w1", "w3"):
+    for n in ("w1", "w3") if mlp.w3 is not None else ("w1",):
         specs[pre + n + ".weight"] = ShardSpec(0, (h,))
         specs[pre + n + ".bias"] = ShardSpec(0, (h,))
     specs[pre + "w2.weight"] = ShardSpec(1, (h,))

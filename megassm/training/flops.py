@@ -99,7 +99,8 @@ def _attn_layer(m: ModelConfig, L: int) -> dict:
 
 
 def _mlp_layer(m: ModelConfig, L: int) -> dict:
-    return {"mlp": 2 * L * 3 * m.d_model * ffn_hidden(m)}  # w1 (gate), w3 (up), w2 (down)
+    mats = 3 if m.mlp.activation == "swiglu" else 2  # w1 (gate), w3 (up), w2 (down); relu2 has no w3
+    return {"mlp": 2 * L * mats * m.d_model * ffn_hidden(m)}
 
 
 def _coffee_layer(m: ModelConfig, L: int) -> dict:

@@ -134,7 +134,8 @@ def block_bytes(block, a: int, cfg: Config, *, sp_tp: int = 1, cp: int = 1, seq_
         if m.window or doc_mask:  # explicit mask path: a [L, L] bias per row (memory-efficient SDPA)
             local += a * seq_len  # (masked_sdpa's padding of 64 mod 128 key lengths is left out: <= 64 keys)
     elif kind == "-":
-        local = a * 4 * m.hidden  # w1 out, silu(w1 out), w3 out, their product (w2's input)
+        # swiglu: w1 out, silu(w1 out), w3 out, their product (w2's input); relu2: w1 out, relu(w1 out)^2
+        local = a * (4 if m.w3 is not None else 2) * m.hidden
     elif kind in ("S", "L"):  # in_proj [x|z], conv out, x_proj out, y; then the step size
         di = m.d_inner
         n = getattr(m, "d_state", 16)
