@@ -45,7 +45,6 @@ setup(
         "tokenizers": ["sentencepiece", "tokenizers"],
         "dev": ["pytest", "pytest-timeout", "pytest-xdist", "triton==3.6.0", "matplotlib", "sentencepiece", "tokenizers", "megatron-core", "mistral-common",
                 "deepspeed", "transformers", "safetensors"],
-        "hf": ["transformers", "safetensors"],  # megassm-export --format hf, model.init_from of .safetensors
     },
     entry_points={
         "console_scripts": [

@@ -39,7 +39,7 @@ def export(checkpoint: str | None, run: str | None, output: str, tokenizer: str 
     spec = None if no_tokenizer else tokenizer_spec(cfg, tokenizer)
     state = ckpt.read_model_state(ckpt_dir)
     info = export_hf(cfg.model, state, output, tokenizer_spec=spec, source=ckpt_dir, dtype=_DTYPES[dtype],
-                     max_shard_bytes=int(max_shard_gb * (1 << 30)))
+                     max_shard_bytes=int(max_shard_gb * (1 << 30)), no_tokenizer=no_tokenizer)
     info["checkpoint"] = ckpt_dir
     return info
 

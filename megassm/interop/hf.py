@@ -91,7 +91,7 @@ anyway). Ids at and above the tokenizer's vocabulary are padding of the embeddin
 
 
 def export_hf(m: ModelConfig, state: dict, out: str, tokenizer_spec: str | None = None, source: str = "",
-              dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 << 30) -> dict:
+              dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 << 30, no_tokenizer: bool = False) -> dict:
     """Export canonical `state` of a model with config `m` to the transformers directory `out` (must not exist).
     Returns {"target", "architecture", "files", "tokenizer"}. Raises mapping.NotExportable (naming the block)
     before anything is written, ExportError for a missing package or an existing output."""
@@ -123,8 +123,9 @@ def export_hf(m: ModelConfig, state: dict, out: str, tokenizer_spec: str | None 
             tok_line = write_tokenizer(tokenizer_spec, tmp) + ", loads with `AutoTokenizer.from_pretrained`."
             load_tok = "tok = AutoTokenizer.from_pretrained(\".\")"
         else:
-            tok_line = ("not exported: the run's tokenizer is not known (pass --tokenizer PATH to megassm-export). "
-                        "Encode text with the tokenizer the training shards were made with.")
+            why = "--no-tokenizer" if no_tokenizer else ("the run's tokenizer is not known (its shards have no "
+                                                          "manifest): pass --tokenizer PATH to megassm-export")
+            tok_line = f"not exported ({why}). Encode text with the tokenizer the training shards were made with."
         hf_cfg = _config_object(target, kwargs, eos_id)
         hf_cfg.dtype = dtype
         hf_cfg.save_pretrained(tmp)
