@@ -66,10 +66,11 @@ class AttentionConfig:
 
 @dataclass
 class MLPConfig:
-    """Gated MLP (`-`): SwiGLU."""
+    """MLP (`-`): SwiGLU (gated, the default) or squared ReLU (Nemotron-H's, no gate)."""
 
     ffn_hidden: int | None = None  # None = 8/3 * d_model rounded up to a multiple of 256
     bias: bool = False
+    activation: str = "swiglu"  # swiglu: w2(silu(w1 u) * w3 u) | relu2: w2(relu(w1 u)^2), no w3
 
 
 @dataclass
@@ -150,6 +151,9 @@ class ModelConfig:
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    # initial weights from a directory (transformers Mamba2 / Nemotron-H export, mamba_ssm checkpoint, megassm
+    # checkpoint or run) instead of the seeded init; step 0 and a fresh optimizer all the same (docs/interop.md)
+    init_from: str | None = None
     mamba: MambaConfig = field(default_factory=MambaConfig)
     attn: AttentionConfig = field(default_factory=AttentionConfig)
     mlp: MLPConfig = field(default_factory=MLPConfig)
@@ -256,6 +260,7 @@ class Config:
 # Pattern letters are the block kinds of megassm/models/registry.py (`block_letters()`); `|` is a
 # pipeline-stage boundary (no block of its own).
 PATTERN_SEPARATORS = {"|"}
+MLP_ACTIVATIONS = ("swiglu", "relu2")
 
 
 def block_letters() -> dict[str, str]:
@@ -415,6 +420,15 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = (), valid
     for text in overrides:
         key, value = parse_override(text)
         _apply(cfg, _nest(key, value), "command line")
+    if validate_config:
+        validate(cfg)
+    return cfg
+
+
+def config_from_dict(data: dict, where: str, validate_config: bool = False) -> Config:
+    """A Config from a nested mapping (e.g. a checkpoint's recorded config); unknown keys name `where`."""
+    cfg = Config()
+    _apply(cfg, data or {}, where)
     if validate_config:
         validate(cfg)
     return cfg

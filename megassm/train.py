@@ -121,6 +121,10 @@ def dry_run(cfg, notes: list[str] = ()) -> int:
     try:
         with _env(WORLD_SIZE=world_size(cfg)):
             check_supported(target)
+        if cfg.model.init_from:  # its layout and model config, as the trainer checks them (no weights read)
+            from megassm.interop import sources
+
+            sources.check_config(sources.open_source(cfg.model.init_from), cfg.model)
     except ConfigError as e:
         refused = str(e)
     print(memory.to_json(est))

@@ -1,4 +1,5 @@
-"""Gated MLP (`-`): SwiGLU. out = w2(silu(w1 u) * w3 u).
+"""MLP (`-`): SwiGLU, out = w2(silu(w1 u) * w3 u) (model.mlp.activation=swiglu, the default), or squared
+ReLU, out = w2(relu(w1 u)^2) with no w3 (relu2: Nemotron-H's MLP, so such hybrids export exactly).
 
 w1 (gate) and w3 (up) are column-parallel and w2 (down) row-parallel under tensor parallelism; they are
 separate Linears so a TP plan shards each one directly. w2 gets the GPT-2 scaled init like out_proj.
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megassm.config import ModelConfig, ffn_hidden
+from megassm.config import MLP_ACTIVATIONS, ModelConfig, ffn_hidden
 
 from .init import make_linear
 from .registry import BlockKind, Cut, Replicate, Split, TPLayout, register
@@ -25,11 +26,14 @@ class GatedMLP(nn.Module):
         hidden = ffn_hidden(cfg)
         std = cfg.init_std
         self.hidden = hidden
+        self.activation = cfg.mlp.activation
         self.w1 = make_linear(cfg.d_model, hidden, cfg.mlp.bias, std)
-        self.w3 = make_linear(cfg.d_model, hidden, cfg.mlp.bias, std)
+        self.w3 = make_linear(cfg.d_model, hidden, cfg.mlp.bias, std) if self.activation == "swiglu" else None
         self.w2 = make_linear(hidden, cfg.d_model, cfg.mlp.bias, std / math.sqrt(2 * n_layer))
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
+        if self.w3 is None:
+            return self.w2(torch.square(F.relu(self.w1(u))))
         return self.w2(F.silu(self.w1(u)) * self.w3(u))
 
 
@@ -39,24 +43,28 @@ class GatedMLP(nn.Module):
 def _check(cfg, need) -> None:
     m, p = cfg.model, cfg.parallel
     need(ffn_hidden(m) > 0, "model.mlp.ffn_hidden must be positive")
+    need(m.mlp.activation in MLP_ACTIVATIONS,
+         f"model.mlp.activation must be {' or '.join(MLP_ACTIVATIONS)}, got '{m.mlp.activation}'")
     need(ffn_hidden(m) % p.tp == 0, f"parallel.tp={p.tp} must divide model.mlp.ffn_hidden ({ffn_hidden(m)})")
 
 
 def mlp_flops(m: ModelConfig, L: int) -> dict:
-    return {"mlp": 2 * L * 3 * m.d_model * ffn_hidden(m)}  # w1 (gate), w3 (up), w2 (down)
+    mats = 3 if m.mlp.activation == "swiglu" else 2  # w1 (gate), w3 (up), w2 (down); relu2 has no w3
+    return {"mlp": 2 * L * mats * m.d_model * ffn_hidden(m)}
 
 
 def mlp_activation_bytes(m, a: int, ctx=None) -> tuple[int, int]:
-    return a * 4 * m.hidden, 0  # w1 out, silu(w1 out), w3 out, their product (w2's input)
+    # swiglu: w1 out, silu(w1 out), w3 out, their product (w2's input); relu2: w1 out, relu(w1 out)^2
+    return a * (4 if m.w3 is not None else 2) * m.hidden, 0
 
 
 def mlp_tp_layout(mlp, tp: int, sp: bool) -> TPLayout:
-    """w1 / w3 column-parallel, w2 row-parallel."""
+    """w1 / w3 column-parallel, w2 row-parallel (relu2 has no w3)."""
     if mlp.hidden % tp:
         raise ValueError(f"tensor parallelism: tp={tp} must divide the MLP hidden size ({mlp.hidden})")
     h = Split(mlp.hidden)
     lay = TPLayout()
-    for n in ("w1", "w3"):
+    for n in ("w1", "w3") if mlp.w3 is not None else ("w1",):
         lay.params[n + ".weight"] = Cut(0, (h,))
         lay.params[n + ".bias"] = Cut(0, (h,))
     lay.params["w2.weight"] = Cut(1, (h,))

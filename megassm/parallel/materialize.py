@@ -28,7 +28,7 @@ from torch import nn
 from megassm.models.init import draw as draw_rule
 from megassm.models.init import param_seed, rule_of
 
-__all__ = ["materialize", "deal", "draw_threads"]
+__all__ = ["materialize", "materialize_from", "deal", "draw_threads"]
 
 log = logging.getLogger("megassm.parallel.materialize")
 
@@ -111,4 +111,20 @@ def materialize(model: nn.Module, device, seed: int, group=None, collective: boo
     log.info("materialized %d parameters (%.1fM elements) on %s in %.1fs: this rank drew %.1fM with %d thread(s)%s",
              len(params), sum(p.numel() for _, p in params) / 1e6, device, time.perf_counter() - t0, drawn / 1e6,
              threads, f", broadcast over {n} ranks" if distributed else "")
+    return model
+
+
+@torch.no_grad()
+def materialize_from(model: nn.Module, device, state: dict, name_of=None) -> nn.Module:
+    """Allocate `model` (on the meta device) on `device` with the weights of `state`, a canonical state dict every
+    rank holds (model.init_from, read and checked by megassm.interop.sources): no draws, no collective. `name_of`
+    as in materialize (pipeline stages: local name -> canonical name)."""
+    t0 = time.perf_counter()
+    model.to_empty(device=device)
+    canonical = name_of or (lambda s: s)
+    for name, p in model.named_parameters():
+        p.copy_(state[canonical(name)])
+        p._no_weight_decay = rule_of(model, name).no_wd
+    log.info("materialized %d parameters on %s from model.init_from in %.1fs", len(list(model.parameters())), device,
+             time.perf_counter() - t0)
     return model

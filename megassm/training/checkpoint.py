@@ -514,6 +514,12 @@ def read_model_and_optim(path: str | os.PathLike, map_location: Any = "cpu", ver
     return _read_states(path, meta, map_location, True, True)
 
 
+def read_model_state(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
+    """The canonical model state dict of a complete checkpoint, either format, without its optimizer state."""
+    path = os.fspath(path)
+    return _read_states(path, _complete_meta(path), map_location, True, False)[0]
+
+
 def _read_states(path: str, meta: dict, map_location: Any, model: bool, optim: bool) -> tuple[dict | None, dict | None]:
     """(model state, optimizer state) as asked for, None where not asked for or (optimizer) absent; a sharded
     checkpoint's chunks are assembled in this process (training/sharded.py). Non-finite values are refused."""

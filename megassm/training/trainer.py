@@ -66,6 +66,13 @@ class Trainer:
     def __init__(self, cfg: Config):
         check_supported(cfg)
         self.cfg = cfg
+        # model.init_from: its layout and config checked before any device or rank is set up (weights come later)
+        init_source = None
+        if cfg.model.init_from:
+            from megassm.interop import sources as init_sources
+
+            init_source = init_sources.open_source(cfg.model.init_from)
+            init_sources.check_config(init_source, cfg.model)
         self.device = pick_device(cfg)
         # multi-process: torch.distributed from torchrun's env, groups from megatron-core (megassm.parallel)
         self.groups, self.device = prt.setup(cfg, self.device)
@@ -112,7 +119,12 @@ class Trainer:
         # its own stages); parallel/materialize.py
         model = build_model(cfg.model, vocab_size=self.data.vocab_size, device="meta")
         n_params = model.num_parameters()  # canonical count, before any sharding or pipeline split
-        model = prt.init_model(model, self.groups, cfg, self.device)
+        init_state = None
+        if init_source is not None:  # every rank reads the canonical weights (a resume replaces them later)
+            init_state = init_sources.load_state(init_source, model)
+            log.info("model.init_from: initial weights from %s (%s layout)", init_source.where, init_source.kind)
+        model = prt.init_model(model, self.groups, cfg, self.device, init_state=init_state)
+        del init_state
         self.model = prt.prepare_model(model, self.groups, cfg)  # TP/SP, CP, PP plans, activation checkpointing
         if cfg.train.loss_chunk_tokens:  # head + loss in checkpointed chunks (models/lm.py head_loss)
             self.model.loss_chunk_tokens = cfg.train.loss_chunk_tokens

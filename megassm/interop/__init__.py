@@ -1,0 +1,14 @@
+"""megassm.interop: export to Hugging Face transformers, and weights from other layouts to start a run from.
+
+    mapping.py    names and configs, megassm <-> Mamba2ForCausalLM / NemotronHForCausalLM / mamba_ssm; what has no
+                  exact counterpart (models layer: torch and megassm.config only)
+    sources.py    model.init_from: detect a directory's layout, check its config and shapes against the run's
+    hf.py         write a transformers directory (config.json, safetensors, tokenizer, README), atomically
+    tokenizer.py  the run's tokenizer as one AutoTokenizer loads, verified to give the same ids
+
+transformers / safetensors are needed only by the export (and by reading a .safetensors source); the core
+install does not require them. docs/interop.md.
+"""
+from .mapping import MappingError, NotExportable, export_target
+
+__all__ = ["MappingError", "NotExportable", "export_target"]

@@ -1,0 +1,452 @@
+"""Parameter names and configs: megassm <-> transformers (Mamba2ForCausalLM, NemotronHForCausalLM) <-> mamba_ssm.
+
+Pure functions over state dicts and config dicts (torch and megassm.config only): no files, no transformers
+import. `export_target(model_cfg)` says which transformers architecture computes exactly what the model does,
+or raises NotExportable naming the first block (index and letter) or option it cannot express.
+
+    target = export_target(cfg.model)                           # "mamba2" | "nemotron_h"
+    hf_config, hf_state = to_hf(state, cfg.model, target, vocab_padded)
+    model_cfg, state = from_hf(hf_config, hf_state)             # back to megassm names and a ModelConfig
+    model_cfg, state = from_mamba_ssm(ssm_config, ssm_state)    # state-spaces/mamba2-* checkpoints
+
+The tensors are the same objects (or reshaped views) as the input: no value is changed, so export -> import
+-> export is bit-identical.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from megassm.config import ModelConfig, attn_dims, blocks_of, ffn_hidden, mamba_dims
+
+__all__ = ["NotExportable", "MappingError", "export_target", "to_hf", "from_hf", "from_mamba_ssm", "HF_ARCH",
+           "to_mamba_ssm", "config_differences", "FOREIGN_KEYS"]
+
+HF_ARCH = {"mamba2": "Mamba2ForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
+# layers_block_type names of transformers >= 5 (older releases said mamba / attention; both are read back)
+_NEMOTRON_TYPES = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
+_INF = float("inf")
+
+
+class NotExportable(ValueError):
+    """The model has no exact counterpart in the target (the message names the block or key and why)."""
+
+
+class MappingError(ValueError):
+    """A source directory's config or weights cannot be read as a megassm model (names the key)."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# what can be exported
+# ----------------------------------------------------------------------------------------------------
+_NO_COUNTERPART = {
+    "C": "COFFEE has no transformers implementation",
+    "B": "B'MOJO has no transformers implementation",
+    "L": "Longhorn has no transformers implementation",
+    "S": "Mamba-1 (`S`) blocks carry no norm/gate layout of Mamba2ForCausalLM or NemotronHForCausalLM, and no "
+         "transformers architecture mixes Mamba-1 blocks with these",
+}
+
+
+def _refuse(i: int, letter: str, why: str) -> NotExportable:
+    return NotExportable(f"block {i} '{letter}': {why}")
+
+
+def _mamba_refusals(m: ModelConfig) -> list[str]:
+    mc = m.mamba
+    out = []
+    if mc.D_has_hdim:
+        out.append("model.mamba.D_has_hdim=true (D per channel); transformers' Mamba-2 mixers have D per head")
+    if mc.norm_before_gate:
+        out.append("model.mamba.norm_before_gate=true; transformers' Mamba-2 mixers gate before the norm")
+    return out
+
+
+def export_target(m: ModelConfig) -> str:
+    """'mamba2' for a pattern of `M` blocks only, 'nemotron_h' for `M` / `*` / `-` hybrids whose options
+    Nemotron-H expresses; otherwise NotExportable naming the block and the reason."""
+    kinds = blocks_of(m.pattern)
+    for i, k in enumerate(kinds):
+        if k in _NO_COUNTERPART:
+            raise _refuse(i, k, _NO_COUNTERPART[k] + "; nothing to export it to")
+    for i, k in enumerate(kinds):
+        if k == "M":
+            for why in _mamba_refusals(m):
+                raise _refuse(i, k, why)
+    if set(kinds) == {"M"}:
+        return "mamba2"
+    a = m.attn
+    for i, k in enumerate(kinds):
+        if k == "*":
+            if a.rope:
+                raise _refuse(i, k, "attention uses RoPE (model.attn.rope=true); NemotronHForCausalLM's attention "
+                                    "has no positional encoding: train with model.attn.rope=false to export")
+            if a.sliding_window:
+                raise _refuse(i, k, f"sliding-window attention (model.attn.sliding_window={a.sliding_window}); "
+                                    "NemotronHForCausalLM attends to every earlier token")
+            if a.bias:
+                raise _refuse(i, k, "model.attn.bias=true; NemotronHForCausalLM's q/k/v/o projections have no bias")
+        if k == "-" and m.mlp.activation != "relu2":
+            raise _refuse(i, k, f"model.mlp.activation={m.mlp.activation}; NemotronHForCausalLM's MLP is a squared "
+                                "ReLU without a gate: train with model.mlp.activation=relu2 to export")
+    return "nemotron_h"
+
+
+# ----------------------------------------------------------------------------------------------------
+# megassm -> transformers
+# ----------------------------------------------------------------------------------------------------
+def _dt_limit(m: ModelConfig) -> list[float]:
+    return [0.0, _INF] if m.mamba.dt_limit is None else [float(x) for x in m.mamba.dt_limit]
+
+
+def _mamba_config(m: ModelConfig, prefix: str = "") -> dict:
+    mc, dims = m.mamba, mamba_dims(m)
+    return {
+        f"{prefix}num_heads": dims["nheads"], f"{prefix}head_dim": mc.headdim, "n_groups": mc.ngroups,
+        "expand": mc.expand, "conv_kernel": mc.d_conv, "use_conv_bias": mc.conv_bias, "use_bias": mc.proj_bias,
+        "chunk_size": mc.chunk_size, "time_step_limit": _dt_limit(m), "time_step_min": mc.dt_min,
+        "time_step_max": mc.dt_max, "time_step_floor": mc.dt_init_floor,
+    }
+
+
+def hf_config(m: ModelConfig, target: str, vocab_padded: int) -> dict:
+    """The transformers config (keyword arguments of Mamba2Config / NemotronHConfig) of model config `m`."""
+    common = {"vocab_size": vocab_padded, "hidden_size": m.d_model, "layer_norm_epsilon": m.norm_eps,
+              "residual_in_fp32": True, "initializer_range": m.init_std}
+    kinds = blocks_of(m.pattern)
+    if target == "mamba2":
+        return {**common, **_mamba_config(m), "state_size": m.mamba.d_state, "num_hidden_layers": len(kinds),
+                "hidden_act": "silu", "tie_word_embeddings": m.tie_embeddings}
+    cfg = {**common, **_mamba_config(m, "mamba_"), "ssm_state_size": m.mamba.d_state, "mamba_hidden_act": "silu",
+           "mamba_proj_bias": m.mamba.proj_bias, "layers_block_type": [_NEMOTRON_TYPES[k] for k in kinds],
+           # Nemotron-H declares no tied weights: a tied model is written with lm_head = a copy of the embedding
+           "tie_word_embeddings": False}
+    if "*" in kinds:
+        a = attn_dims(m)
+        cfg.update(num_attention_heads=a["n_heads"], num_key_value_heads=a["n_kv_heads"], head_dim=a["head_dim"],
+                   attention_bias=False, sliding_window=None)
+    if "-" in kinds:
+        cfg.update(intermediate_size=ffn_hidden(m), mlp_hidden_act="relu2", mlp_bias=m.mlp.bias)
+    return cfg
+
+
+def _block_rename(kind: str, target: str) -> dict:
+    """megassm mixer parameter suffix -> target suffix."""
+    if kind == "-" and target == "nemotron_h":
+        return {"w1": "up_proj", "w2": "down_proj"}
+    return {}
+
+
+def to_hf(state: dict, m: ModelConfig, target: str, vocab_padded: int) -> tuple[dict, dict]:
+    """(config kwargs, state dict with the target's names) of a canonical megassm model state."""
+    root = "backbone" if target == "mamba2" else "model"
+    out = {f"{root}.embeddings.weight": state["embedding.weight"], f"{root}.norm_f.weight": state["norm_f.weight"]}
+    if "lm_head.weight" in state:
+        out["lm_head.weight"] = state["lm_head.weight"]
+    elif target == "nemotron_h":
+        out["lm_head.weight"] = state["embedding.weight"].clone()
+    kinds = blocks_of(m.pattern)
+    for i, k in enumerate(kinds):
+        rename = _block_rename(k, target)
+        pre = f"layers.{i}."
+        for name, t in state.items():
+            if not name.startswith(pre):
+                continue
+            rest = name[len(pre):]
+            if rest.startswith("mixer."):
+                mod, _, leaf = rest[len("mixer."):].partition(".")
+                rest = "mixer." + ".".join(x for x in (rename.get(mod, mod), leaf) if x)
+                if k == "M" and rest == "mixer.conv1d.weight":
+                    t = t.unsqueeze(1)  # nn.Conv1d's [channels, 1, width]
+            out[f"{root}.layers.{i}.{rest}"] = t
+    return hf_config(m, target, vocab_padded), out
+
+
+# ----------------------------------------------------------------------------------------------------
+# transformers -> megassm
+# ----------------------------------------------------------------------------------------------------
+def _get(cfg: dict, key: str, default=None, where: str = "config.json"):
+    if key in cfg:
+        return cfg[key]
+    if default is None:
+        raise MappingError(f"{where}: no '{key}'")
+    return default
+
+
+def _num(v) -> float:
+    """A JSON number; transformers writes non-finite floats as {"__float__": "Infinity"}."""
+    return float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else float(v)
+
+
+def _limit(v) -> list[float] | None:
+    if v is None:
+        return None
+    lo, hi = _num(v[0]), _num(v[1])
+    return None if (lo == 0.0 and math.isinf(hi)) else [lo, hi]
+
+
+def _ssm_dims(m: ModelConfig, heads: int, where: str, key: str) -> None:
+    if heads * m.mamba.headdim != m.mamba.expand * m.d_model:
+        raise MappingError(f"{where}: {key}={heads} x head_dim {m.mamba.headdim} is not expand {m.mamba.expand} x "
+                           f"hidden_size {m.d_model}: megassm's Mamba-2 has d_inner = expand x d_model")
+
+
+def hf_model_config(cfg: dict, where: str = "config.json") -> tuple[str, ModelConfig]:
+    """(target, ModelConfig) of a transformers Mamba2 / Nemotron-H config.json."""
+    mt = cfg.get("model_type")
+    m = ModelConfig()
+    m.d_model = int(_get(cfg, "hidden_size", where=where))
+    m.vocab_size = int(_get(cfg, "vocab_size", where=where))
+    m.pad_vocab_multiple = 1
+    m.norm_eps = float(cfg.get("layer_norm_epsilon", 1e-5))
+    m.tie_embeddings = bool(cfg.get("tie_word_embeddings", mt == "mamba2"))
+    mc = m.mamba
+    mc.expand = int(cfg.get("expand", 2))
+    mc.ngroups = int(cfg.get("n_groups", 8))
+    mc.d_conv = int(cfg.get("conv_kernel", 4))
+    mc.conv_bias = bool(cfg.get("use_conv_bias", True))
+    mc.proj_bias = bool(cfg.get("use_bias", False))
+    mc.dt_limit = _limit(cfg.get("time_step_limit"))
+    mc.chunk_size = int(cfg.get("chunk_size", 256))
+    if mt == "mamba2":
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise MappingError(f"{where}: hidden_act={cfg['hidden_act']!r}; megassm's Mamba-2 uses silu")
+        mc.d_state = int(cfg.get("state_size", 128))
+        mc.headdim = int(cfg.get("head_dim", 64))
+        _ssm_dims(m, int(_get(cfg, "num_heads", where=where)), where, "num_heads")
+        m.pattern = "M" * int(_get(cfg, "num_hidden_layers", where=where))
+        return "mamba2", m
+    if mt != "nemotron_h":
+        raise MappingError(f"{where}: model_type {mt!r} is not one megassm imports (mamba2, nemotron_h)")
+    types = cfg.get("layers_block_type")
+    if types is None and "hybrid_override_pattern" in cfg:
+        types = list(cfg["hybrid_override_pattern"])
+    if not types:
+        raise MappingError(f"{where}: no 'layers_block_type' (or 'hybrid_override_pattern')")
+    letters = {"mamba": "M", "linear_attention": "M", "M": "M", "attention": "*", "full_attention": "*", "*": "*",
+               "mlp": "-", "-": "-"}
+    bad = next((i for i, t in enumerate(types) if t not in letters), None)
+    if bad is not None:
+        raise MappingError(f"{where}: layer {bad} is '{types[bad]}', which megassm has no block for (MoE layers are "
+                           "not built)")
+    m.pattern = "".join(letters[t] for t in types)
+    if cfg.get("mamba_hidden_act", "silu") != "silu":
+        raise MappingError(f"{where}: mamba_hidden_act={cfg['mamba_hidden_act']!r}; megassm's Mamba-2 uses silu")
+    mc.d_state = int(cfg.get("ssm_state_size", 128))
+    mc.headdim = int(cfg.get("mamba_head_dim", 64))
+    if "M" in m.pattern:
+        _ssm_dims(m, int(_get(cfg, "mamba_num_heads", where=where)), where, "mamba_num_heads")
+    m.attn.rope = False
+    m.attn.n_heads = int(cfg.get("num_attention_heads", 32))
+    m.attn.n_kv_heads = int(cfg.get("num_key_value_heads") or m.attn.n_heads)
+    m.attn.head_dim = int(cfg.get("head_dim", 128))
+    if cfg.get("sliding_window"):
+        raise MappingError(f"{where}: sliding_window={cfg['sliding_window']}: not a Nemotron-H layout megassm maps")
+    m.mlp.activation = "relu2"
+    if cfg.get("mlp_hidden_act", "relu2") != "relu2":
+        raise MappingError(f"{where}: mlp_hidden_act={cfg['mlp_hidden_act']!r}; megassm's MLP is swiglu or relu2")
+    m.mlp.ffn_hidden = int(cfg.get("intermediate_size", 21504))
+    m.mlp.bias = bool(cfg.get("mlp_bias", False))
+    return "nemotron_h", m
+
+
+def from_hf(cfg: dict, state: dict, where: str = "config.json") -> tuple[ModelConfig, dict]:
+    """(ModelConfig, canonical megassm state) of a transformers Mamba2 / Nemotron-H directory's contents."""
+    target, m = hf_model_config(cfg, where)
+    root = "backbone" if target == "mamba2" else "model"
+    out = {}
+    inverse = {}
+    for k in blocks_of(m.pattern):
+        inverse[k] = {v: key for key, v in _block_rename(k, target).items()}
+    kinds = blocks_of(m.pattern)
+    for name, t in state.items():
+        if name in (f"{root}.embeddings.weight", f"{root}.embedding.weight"):
+            out["embedding.weight"] = t
+        elif name == f"{root}.norm_f.weight":
+            out["norm_f.weight"] = t
+        elif name == "lm_head.weight":
+            out["lm_head.weight"] = t
+        elif name.startswith(f"{root}.layers."):
+            i, rest = name[len(f"{root}.layers."):].split(".", 1)
+            k = kinds[int(i)] if int(i) < len(kinds) else None
+            if k is None:
+                raise MappingError(f"{where}: weight '{name}' is beyond the {len(kinds)} layers of the config")
+            if rest.startswith("mixer."):
+                mod, _, leaf = rest[len("mixer."):].partition(".")
+                rest = "mixer." + ".".join(x for x in (inverse[k].get(mod, mod), leaf) if x)
+                if k == "M" and rest == "mixer.conv1d.weight" and t.dim() == 3:
+                    t = t.squeeze(1)
+            out[f"layers.{i}.{rest}"] = t
+        else:
+            raise MappingError(f"{where}: weight '{name}' has no megassm counterpart")
+    return m, _untie(m, out)
+
+
+def _untie(m: ModelConfig, out: dict) -> dict:
+    """A tied source keeps one matrix (drop a stored lm_head copy)."""
+    if m.tie_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# mamba_ssm (state-spaces/mamba2-*: MambaLMHeadModel's config.json + pytorch_model.bin)
+# ----------------------------------------------------------------------------------------------------
+_SSM_DEFAULTS = {"d_state": 128, "d_conv": 4, "expand": 2, "headdim": 64, "ngroups": 1, "chunk_size": 256,
+                 "D_has_hdim": False, "rmsnorm": True, "norm_before_gate": False, "bias": False, "conv_bias": True,
+                 "dt_limit": (0.0, _INF), "d_ssm": None}
+
+
+def mamba_ssm_model_config(cfg: dict, where: str = "config.json") -> ModelConfig:
+    """ModelConfig of a mamba_ssm MambaLMHeadModel config.json (Mamba-2 layers only)."""
+    ssm = dict(cfg.get("ssm_cfg") or {})
+    layer = ssm.pop("layer", "Mamba1")
+    if layer != "Mamba2":
+        raise MappingError(f"{where}: ssm_cfg.layer is '{layer}' (mamba_ssm's default is Mamba1); megassm imports "
+                           "Mamba-2 checkpoints (ssm_cfg.layer = Mamba2)")
+    if cfg.get("attn_layer_idx"):
+        raise MappingError(f"{where}: attn_layer_idx={cfg['attn_layer_idx']}: mamba_ssm's attention layers (packed "
+                           "qkv, partial rotary) are not mapped; only Mamba-2 layers are")
+    if cfg.get("d_intermediate", 0):
+        raise MappingError(f"{where}: d_intermediate={cfg['d_intermediate']}: mamba_ssm's in-block MLPs are not "
+                           "mapped; only Mamba-2 layers are")
+    if not cfg.get("rms_norm", True):
+        raise MappingError(f"{where}: rms_norm=false (LayerNorm blocks); megassm uses RMSNorm")
+    unknown = sorted(set(ssm) - set(_SSM_DEFAULTS) - {"dt_min", "dt_max", "dt_init_floor", "A_init_range",
+                                                       "conv_init", "use_mem_eff_path"})
+    if unknown:
+        raise MappingError(f"{where}: ssm_cfg.{unknown[0]} is not a Mamba-2 option megassm maps")
+    o = {**_SSM_DEFAULTS, **ssm}
+    for key, ok in (("rmsnorm", True), ("d_ssm", None)):
+        if o[key] != ok and not (key == "d_ssm" and o[key] == o["expand"] * cfg.get("d_model", 0)):
+            raise MappingError(f"{where}: ssm_cfg.{key}={o[key]!r} has no megassm counterpart (needs {ok!r})")
+    m = ModelConfig()
+    m.d_model = int(_get(cfg, "d_model", where=where))
+    m.pattern = "M" * int(_get(cfg, "n_layer", where=where))
+    mult = int(cfg.get("pad_vocab_size_multiple", 8))
+    m.vocab_size = int(_get(cfg, "vocab_size", where=where))
+    m.pad_vocab_multiple = mult
+    m.tie_embeddings = bool(cfg.get("tie_embeddings", True))
+    m.norm_eps = float(cfg.get("norm_epsilon", 1e-5))
+    mc = m.mamba
+    mc.d_state, mc.d_conv, mc.expand = int(o["d_state"]), int(o["d_conv"]), int(o["expand"])
+    mc.headdim, mc.ngroups, mc.chunk_size = int(o["headdim"]), int(o["ngroups"]), int(o["chunk_size"])
+    mc.D_has_hdim, mc.norm_before_gate = bool(o["D_has_hdim"]), bool(o["norm_before_gate"])
+    mc.proj_bias, mc.conv_bias = bool(o["bias"]), bool(o["conv_bias"])
+    mc.dt_limit = _limit(o["dt_limit"])
+    return m
+
+
+def from_mamba_ssm(cfg: dict, state: dict, where: str = "config.json") -> tuple[ModelConfig, dict]:
+    """(ModelConfig, canonical megassm state) of a mamba_ssm Mamba-2 checkpoint."""
+    m = mamba_ssm_model_config(cfg, where)
+    out = {}
+    for name, t in state.items():
+        if name == "backbone.embedding.weight":
+            out["embedding.weight"] = t
+        elif name == "backbone.norm_f.weight":
+            out["norm_f.weight"] = t
+        elif name == "lm_head.weight":
+            out["lm_head.weight"] = t
+        elif name.startswith("backbone.layers."):
+            i, rest = name[len("backbone.layers."):].split(".", 1)
+            if rest == "mixer.conv1d.weight" and t.dim() == 3:
+                t = t.squeeze(1)
+            elif rest == "mixer.D" and m.mamba.D_has_hdim and t.dim() == 1:
+                t = t.view(-1, m.mamba.headdim)  # mamba_ssm keeps per-channel D flat [d_inner]
+            out[f"layers.{i}.{rest}"] = t
+        else:
+            raise MappingError(f"{where}: weight '{name}' has no megassm counterpart")
+    return m, _untie(m, out)
+
+
+def to_mamba_ssm(state: dict, m: ModelConfig, vocab: int) -> tuple[dict, dict]:
+    """(config.json, state dict) in mamba_ssm's layout (Mamba-2 patterns only); used to build test fixtures."""
+    if set(blocks_of(m.pattern)) != {"M"}:
+        raise NotExportable("mamba_ssm layout: only patterns of `M` blocks map to MambaLMHeadModel")
+    out = {"backbone.embedding.weight": state["embedding.weight"], "backbone.norm_f.weight": state["norm_f.weight"],
+           "lm_head.weight": state.get("lm_head.weight", state["embedding.weight"])}
+    for name, t in state.items():
+        if name.startswith("layers."):
+            if name.endswith("mixer.conv1d.weight"):
+                t = t.unsqueeze(1)
+            out["backbone." + name] = t
+    mc = m.mamba
+    ssm_cfg = {"layer": "Mamba2", "d_state": mc.d_state, "d_conv": mc.d_conv, "expand": mc.expand,
+               "headdim": mc.headdim, "ngroups": mc.ngroups, "chunk_size": mc.chunk_size, "bias": mc.proj_bias,
+               "conv_bias": mc.conv_bias}
+    if mc.dt_limit is not None:
+        ssm_cfg["dt_limit"] = list(mc.dt_limit)
+    cfg = {"d_model": m.d_model, "d_intermediate": 0, "n_layer": len(m.pattern), "vocab_size": vocab,
+           "ssm_cfg": ssm_cfg, "attn_layer_idx": [], "attn_cfg": {}, "rms_norm": True, "residual_in_fp32": True,
+           "fused_add_norm": True, "pad_vocab_size_multiple": m.pad_vocab_multiple,
+           "tie_embeddings": m.tie_embeddings}
+    return cfg, out
+
+
+# ----------------------------------------------------------------------------------------------------
+# comparing a source's model config with the run's
+# ----------------------------------------------------------------------------------------------------
+# keys that only shape the seeded init or the kernels' blocking, never what trained weights compute
+_INIT_ONLY = {"init_from", "init_std", "vocab_size", "pad_vocab_multiple", "mamba.chunk_size", "mamba.dt_min",
+              "mamba.dt_max", "mamba.dt_init_floor", "mamba.A_init_min", "mamba.A_init_max", "attn.doc_mask"}
+_SECTIONS = {"mamba": "MB", "attn": "*B", "mlp": "-", "coffee": "C", "bmojo": "B", "mamba1": "S", "longhorn": "L"}
+
+
+def _flat(m: ModelConfig) -> dict:
+    out = {}
+    for f in dataclasses.fields(m):
+        v = getattr(m, f.name)
+        if dataclasses.is_dataclass(v):
+            out.update({f"{f.name}.{g.name}": getattr(v, g.name) for g in dataclasses.fields(v)})
+        else:
+            out[f.name] = v
+    return out
+
+
+def _section_used(key: str, letters: set) -> bool:
+    sec = key.split(".", 1)[0]
+    return sec not in _SECTIONS or bool(letters & set(_SECTIONS[sec]))
+
+
+def _resolved(m: ModelConfig) -> dict:
+    """The flat config with derived sizes filled in (unset n_kv_heads / head_dim / ffn_hidden)."""
+    f = _flat(m)
+    letters = set(blocks_of(m.pattern))
+    if letters & {"*", "B"}:
+        a = attn_dims(m)
+        f["attn.n_kv_heads"], f["attn.head_dim"] = a["n_kv_heads"], a["head_dim"]
+    if "-" in letters:
+        f["mlp.ffn_hidden"] = ffn_hidden(m)
+    return f
+
+
+def config_differences(source: ModelConfig, run: ModelConfig, compared: set | None = None) -> list[tuple]:
+    """(key, source value, run value) of every model key (of the sections the pattern uses) that changes what
+    the weights compute. `compared`: only these keys (a foreign source sets only what its format says)."""
+    src, now = _resolved(source), _resolved(run)
+    letters = set(blocks_of(run.pattern)) | set(blocks_of(source.pattern))
+    out = []
+    for key in now:
+        if key in _INIT_ONLY or not _section_used(key, letters) or (compared is not None and key not in compared):
+            continue
+        if key == "pattern":
+            if blocks_of(src[key]) != blocks_of(now[key]):  # stage cuts (`|`) move no weights
+                out.append((key, src[key], now[key]))
+        elif key == "tie_embeddings":
+            continue  # decided from the weights themselves (interop/sources.py)
+        elif src[key] != now[key]:
+            out.append((key, src[key], now[key]))
+    return out
+
+
+FOREIGN_KEYS = {"pattern", "d_model", "norm_eps", "mamba.d_state", "mamba.d_conv", "mamba.expand", "mamba.headdim",
+                "mamba.ngroups", "mamba.dt_limit", "mamba.conv_bias", "mamba.proj_bias", "mamba.D_has_hdim",
+                "mamba.norm_before_gate", "attn.n_heads", "attn.n_kv_heads", "attn.head_dim", "attn.rope",
+                "attn.sliding_window", "attn.bias", "mlp.ffn_hidden", "mlp.bias", "mlp.activation"}
+
+
+def equal_tensors(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
