@@ -395,19 +395,26 @@ def _nest(key: str, value: Any) -> dict:
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] = (), validate_config: bool = True) -> Config:
     """Read a YAML file (or start from defaults when path is None), apply dotted overrides, validate."""
+    if path is None:
+        return config_from_text(None, "defaults", overrides, validate_config)
+    path = str(path)
+    if not os.path.exists(path):
+        raise ConfigError(f"{path}: config file not found")
+    with open(path) as f:
+        return config_from_text(f.read(), path, overrides, validate_config)
+
+
+def config_from_text(text: str | None, where: str, overrides: list[str] = (), validate_config: bool = True) -> Config:
+    """load_config for YAML text (e.g. the config a checkpoint's meta.json records); `where` names it in errors."""
     cfg = Config()
-    if path is not None:
-        path = str(path)
-        if not os.path.exists(path):
-            raise ConfigError(f"{path}: config file not found")
-        with open(path) as f:
-            try:
-                data = yaml.safe_load(f) or {}
-            except yaml.YAMLError as e:
-                raise ConfigError(f"{path}: invalid YAML: {e}") from None
-        _apply(cfg, data, path)
-    for text in overrides:
-        key, value = parse_override(text)
+    if text is not None:
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{where}: invalid YAML: {e}") from None
+        _apply(cfg, data, where)
+    for item in overrides:
+        key, value = parse_override(item)
         _apply(cfg, _nest(key, value), "command line")
     if validate_config:
         validate(cfg)
