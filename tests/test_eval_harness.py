@@ -159,3 +159,13 @@ def test_cli_harness_writes_results_and_old_eval_form_still_parses(tmp_path, cap
     assert main(["--run", str(tmp_path / "missing")]) == 2  # ... main() inserts `context`
     assert "config file not found" in capsys.readouterr().err
     assert main(["harness", "--run", str(tmp_path / "missing"), "--tasks", "x"]) == 2
+
+
+def test_missing_lm_eval_is_named(monkeypatch, capsys):
+    import sys
+
+    from megassm.evaluation.cli import main
+
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval now raises ImportError
+    assert main(["harness", "--run", "x", "--tasks", "t"]) == 2
+    assert "pip install lm_eval" in capsys.readouterr().err
