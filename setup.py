@@ -44,7 +44,7 @@ setup(
         "triton": ["triton>=3.6"],
         "tokenizers": ["sentencepiece", "tokenizers"],
         "dev": ["pytest", "pytest-timeout", "pytest-xdist", "triton==3.6.0", "matplotlib", "sentencepiece", "tokenizers", "megatron-core", "mistral-common",
-                "deepspeed", "transformers", "safetensors"],
+                "deepspeed", "transformers", "safetensors", "lm_eval"],
     },
     entry_points={
         "console_scripts": [
@@ -55,6 +55,7 @@ setup(
             "megassm-synthetic=megassm.synthetic.run:main",
             "megassm-checkpoint=megassm.checkpoint_cli:cli",
             "megassm-export=megassm.export_cli:cli",
+            "megassm-generate=megassm.generate_cli:cli",
         ]
     },
 )

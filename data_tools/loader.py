@@ -27,6 +27,7 @@ from .streams import BPTTStreams, DocumentSequence
 log = logging.getLogger("megassm.data")
 
 STATE_VERSION = 1
+IGNORE_INDEX = -100  # a label the loss skips (models/lm.py)
 EVAL_SEED = 0  # validation order is fixed, so val loss compares across runs with different seeds
 _SALT_SPLIT = 1000  # salt = dataset index + split * 1000: independent orders per dataset and split
 
@@ -211,14 +212,32 @@ class DataPipeline:
             pass
 
     # --- evaluation ----------------------------------------------------------------------------------
-    def valid_batches(self, num_batches: int) -> Iterator[dict]:
-        """`num_batches` micro-batches of validation samples for this rank: the same ones every call."""
-        if self._valid is None:
+    def eval_batches(self, num_samples: int) -> Iterator[dict]:
+        """This rank's micro-batches of the held-out set: validation samples 0 .. num_samples-1 (a fixed order,
+        the same for any layout), split into contiguous equal shares over the data-parallel ranks. Every rank
+        gets the same number of full-size micro-batches, so collectives (FSDP2, pipeline schedules) line up;
+        rows past the set repeat a sample with every label -100 (ignored), so a token-weighted mean of the
+        batches' losses is the mean over exactly the set's tokens."""
+        import torch
+
+        if self._valid is None or num_samples <= 0:
             return
-        per_batch = self.micro_batch * self.dp_size
-        for i in range(num_batches):
-            first = i * per_batch + self.dp_rank * self.micro_batch
-            yield stack_samples([self._valid.sample(first + j) for j in range(self.micro_batch)], reset_all=True)
+        share = -(-num_samples // self.dp_size)
+        first = self.dp_rank * share
+        mine = max(0, min(share, num_samples - first))
+        for lo in range(0, share, self.micro_batch):
+            rows = [first + j if j < mine else None for j in range(lo, lo + self.micro_batch)]
+            samples = [self._valid.sample(r if r is not None else 0) for r in rows]
+            batch = stack_samples(samples, reset_all=True)
+            pad = torch.tensor([r is None for r in rows])
+            if pad.any():
+                batch["labels"][pad] = IGNORE_INDEX
+            yield batch
+
+    def valid_batches(self, num_batches: int) -> Iterator[dict]:
+        """`num_batches` micro-batches of validation samples for this rank: the same ones every call
+        (eval_batches over num_batches x micro_batch x dp_size samples)."""
+        return self.eval_batches(num_batches * self.micro_batch * self.dp_size)
 
     # --- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import os
 import types
 import typing
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
+
+log = logging.getLogger("megassm.config")
 
 
 class ConfigError(ValueError):
@@ -179,7 +182,8 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0 disables clipping
     device: str = "auto"  # auto | cpu | cuda
     eval_interval: int = 100  # 0 disables periodic eval
-    eval_batches: int = 4
+    eval_tokens: int = 8192  # held-out tokens per validation pass, rounded up to whole samples of seq_len; the
+    #                         same set for every layout (docs/evaluation.md "Validation")
     log_interval: int = 10
 
 
@@ -361,6 +365,11 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
     raise ConfigError(f"{where}: {key}: unsupported type {tp}")
 
 
+# Deprecated keys still read: key -> the key that replaces it. The value is kept aside while the config is read
+# and converted by _resolve_deprecated once every file and override is applied.
+DEPRECATED_KEYS = {"train.eval_batches": "train.eval_tokens"}
+
+
 def _apply(obj: Any, data: dict, where: str, prefix: str = "") -> None:
     """Set fields of dataclass `obj` from nested dict `data`; unknown keys raise ConfigError."""
     if not isinstance(data, dict):
@@ -369,6 +378,9 @@ def _apply(obj: Any, data: dict, where: str, prefix: str = "") -> None:
     names = {f.name for f in dataclasses.fields(obj)}
     for k, v in data.items():
         key = prefix + str(k)
+        if key in DEPRECATED_KEYS:
+            obj.__dict__.setdefault("_deprecated", {})[k] = (_coerce(v, int, key, where), where)
+            continue
         if k not in names:
             while isinstance(v, dict) and len(v) == 1:  # name the full dotted key, not just its section
                 (sub, v), = v.items()
@@ -382,6 +394,28 @@ def _apply(obj: Any, data: dict, where: str, prefix: str = "") -> None:
             _apply(getattr(obj, k), v, where, key + ".")
         else:
             setattr(obj, k, _coerce(v, tp, key, where))
+            obj.__dict__.setdefault("_given", set()).add(k)
+
+
+def _resolve_deprecated(cfg: Config) -> None:
+    """train.eval_batches (validation micro-batches per data-parallel rank) becomes train.eval_tokens: the same
+    held-out samples in the layout this config describes (eval_batches x micro_batch x data-parallel ranks
+    samples of seq_len tokens), from then on fixed whatever the layout."""
+    t = cfg.train
+    old = t.__dict__.pop("_deprecated", {})
+    if "eval_batches" not in old:
+        return
+    n, where = old["eval_batches"]
+    if "eval_tokens" in t.__dict__.get("_given", set()):
+        raise ConfigError(f"{where}: train.eval_batches is deprecated and train.eval_tokens is set too: remove "
+                          "train.eval_batches (docs/config.md)")
+    p = cfg.parallel
+    dp = max(1, world_size(cfg) // max(1, p.tp * p.cp * p.pp))
+    t.eval_tokens = n * t.micro_batch * dp * t.seq_len
+    log.warning("%s: train.eval_batches=%d is deprecated (it counted micro-batches per rank, so the held-out set "
+                "changed with the layout): read as train.eval_tokens=%d (%d x micro_batch %d x %d data-parallel "
+                "ranks x seq_len %d); set train.eval_tokens instead", where, n, t.eval_tokens, n, t.micro_batch, dp,
+                t.seq_len)
 
 
 def parse_override(text: str) -> tuple[str, str]:
@@ -406,20 +440,28 @@ def _nest(key: str, value: Any) -> dict:
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] = (), validate_config: bool = True) -> Config:
     """Read a YAML file (or start from defaults when path is None), apply dotted overrides, validate."""
+    if path is None:
+        return config_from_text(None, "defaults", overrides, validate_config)
+    path = str(path)
+    if not os.path.exists(path):
+        raise ConfigError(f"{path}: config file not found")
+    with open(path) as f:
+        return config_from_text(f.read(), path, overrides, validate_config)
+
+
+def config_from_text(text: str | None, where: str, overrides: list[str] = (), validate_config: bool = True) -> Config:
+    """load_config for YAML text (e.g. the config a checkpoint's meta.json records); `where` names it in errors."""
     cfg = Config()
-    if path is not None:
-        path = str(path)
-        if not os.path.exists(path):
-            raise ConfigError(f"{path}: config file not found")
-        with open(path) as f:
-            try:
-                data = yaml.safe_load(f) or {}
-            except yaml.YAMLError as e:
-                raise ConfigError(f"{path}: invalid YAML: {e}") from None
-        _apply(cfg, data, path)
-    for text in overrides:
-        key, value = parse_override(text)
+    if text is not None:
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{where}: invalid YAML: {e}") from None
+        _apply(cfg, data, where)
+    for item in overrides:
+        key, value = parse_override(item)
         _apply(cfg, _nest(key, value), "command line")
+    _resolve_deprecated(cfg)
     if validate_config:
         validate(cfg)
     return cfg
@@ -531,7 +573,7 @@ def validate(cfg: Config) -> None:
     need(t.micro_batch > 0, f"train.micro_batch must be positive, got {t.micro_batch}")
     need(t.precision in ("auto", "bf16", "fp32"), f"train.precision must be auto, bf16 or fp32, got '{t.precision}'")
     need(t.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got '{t.device}'")
-    need(t.eval_interval >= 0 and t.eval_batches >= 0, "train.eval_interval and train.eval_batches must be >= 0")
+    need(t.eval_interval >= 0 and t.eval_tokens >= 0, "train.eval_interval and train.eval_tokens must be >= 0")
     need(t.log_interval > 0, "train.log_interval must be positive")
     need(t.grad_clip >= 0, "train.grad_clip must be >= 0 (0 disables clipping)")
     need(t.bptt_windows >= 1, "train.bptt_windows must be >= 1")

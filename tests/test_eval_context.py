@@ -50,18 +50,23 @@ def test_megassm_eval_on_a_tiny_trained_checkpoint(tmp_path):
         "data.prefetch=0", f"run.dir={run}",
     ])
     Trainer(cfg).fit()
-    rc = main(["--run", str(run), "--max-tokens", "256", "--docs", "3", "--batch-size", "2"])
+    rc = main(["context", "--run", str(run), "--max-tokens", "256", "--docs", "3", "--batch-size", "2"])
     assert rc == 0
     out = run / "eval"
     res = json.load(open(out / "context_step_00000004.json"))
     assert res["step"] == 4 and res["window"] == 32 and res["num_docs"] == 3
     assert res["carried"] == ["mamba", "window", "mamba", None]
+    # every document of the split is either evaluated or counted as skipped, with its reason
+    in_split = int(res["documents"].split("(")[1].split(" in it")[0])
+    assert res["num_docs"] + sum(res["skipped_docs"].values()) == in_split
+    assert res["skipped_docs"]["beyond --docs 3 (shorter ones)"] > 0
     b = res["buckets"]
     assert [r["start"] for r in b] == [0, 16, 32, 64, 128] and sum(r["tokens"] for r in b) == res["tokens"]
     # the first window is the same computation with or without carrying; later ones are not
     assert b[0]["loss"] == b[0]["loss_window_reset"] and b[1]["loss"] == b[1]["loss_window_reset"]
     assert b[-1]["loss"] != b[-1]["loss_window_reset"]
-    assert "| positions |" in open(out / "context_step_00000004.md").read()
+    md = open(out / "context_step_00000004.md").read()
+    assert "| positions |" in md and "Skipped: " in md
     try:
         import matplotlib  # noqa: F401
     except ImportError:

@@ -24,7 +24,7 @@ TINY = [
 ENGINES = {
     "ddp": ["parallel.engine=ddp"],
     "ddp_zero1": ["parallel.engine=ddp", "parallel.zero_stage=1"],
-    "fsdp2": ["parallel.engine=fsdp2", "train.eval_interval=3"],  # an evaluation between steps: weights released
+    "fsdp2": ["parallel.engine=fsdp2", "train.eval_interval=3", "train.eval_tokens=640"],  # an evaluation between steps: weights released
     "fsdp2_block": ["parallel.engine=fsdp2", "parallel.fsdp_reshard=block", "parallel.fsdp_prefetch=2"],
     "fsdp2_micro": ["parallel.engine=fsdp2", "parallel.fsdp_reshard=micro_batch", "parallel.fsdp_prefetch=0"],
     "zero0": ["parallel.engine=deepspeed", "parallel.zero_stage=0"],

@@ -192,7 +192,7 @@ TINY = [
     "data.builtin=stdlib", "model.pattern=M*M-", "model.d_model=64", "model.mamba.d_state=16",
     "model.mamba.headdim=16", "model.mamba.chunk_size=16", "model.attn.n_heads=4", "model.attn.n_kv_heads=2",
     "model.mlp.ffn_hidden=128", "train.seq_len=48", "train.micro_batch=2", "train.global_batch=4",
-    "train.log_interval=1", "train.eval_interval=2", "optim.warmup_steps=2", "optim.lr=3e-3",
+    "train.log_interval=1", "train.eval_interval=2", "train.eval_tokens=384", "optim.warmup_steps=2", "optim.lr=3e-3",
     "run.progress=false", "run.tensorboard=false", "train.steps=4", "run.save_interval=2", "train.device=cpu",
 ]
 

@@ -96,7 +96,8 @@ def bucketize(loss_sum: np.ndarray, count: np.ndarray, edges: list[int]) -> list
 def held_out_documents(cfg, split: str = "valid", num_docs: int = 64, max_tokens: int = 32768,
                        min_tokens: int = 0):
     """The longest `num_docs` documents (at least `min_tokens` tokens, when there are enough) of the held-out
-    split of the run's data, each cut to `max_tokens`. Returns (docs, vocab_size, description)."""
+    split of the run's data, each cut to `max_tokens`. Returns (docs, vocab_size, description, skipped):
+    `skipped` counts the split's documents left out, by reason."""
     from megassm.data_tools.dataset import TokenDataset
     from megassm.data_tools.loader import _vocab, resolve_paths
     from megassm.data_tools.sampler import split_documents
@@ -113,12 +114,20 @@ def held_out_documents(cfg, split: str = "valid", num_docs: int = 64, max_tokens
         raise ValueError(f"the {split} split of the data has no documents (data.split={cfg.data.split})")
     cands.sort(key=lambda c: (-c[0], c[1], c[2]))
     long_enough = [c for c in cands if c[0] >= min_tokens]
-    chosen = (long_enough if len(long_enough) >= 1 else cands)[:num_docs]
+    pool = long_enough if len(long_enough) >= 1 else cands
+    chosen = [c for c in pool[:num_docs] if c[0] >= 2]  # a document needs 2 tokens to predict one
+    skipped = {
+        f"shorter than {min_tokens} tokens (2 windows)": len(cands) - len(long_enough) if pool is long_enough else 0,
+        f"beyond --docs {num_docs} (shorter ones)": max(0, len(pool) - num_docs),
+        "fewer than 2 tokens": len(pool[:num_docs]) - len(chosen),
+    }
+    skipped = {k: v for k, v in skipped.items() if v}
+    if not chosen:
+        raise ValueError(f"the {split} split has no document of 2 tokens or more")
     docs = [np.asarray(datasets[di].read(i, 0, min(n, max_tokens)), dtype=np.int64) for n, di, i in chosen]
-    docs = [d for d in docs if len(d) >= 2]
     desc = (f"{len(docs)} longest documents of the {split} split ({len(cands)} in it), lengths "
             f"{min(c[0] for c in chosen)}..{max(c[0] for c in chosen)} tokens, cut to {max_tokens}")
-    return docs, vocab, desc
+    return docs, vocab, desc, skipped
 
 
 def context_length_eval(cfg, checkpoint: str | None, window: int | None = None, max_tokens: int = 32768,
@@ -131,7 +140,9 @@ def context_length_eval(cfg, checkpoint: str | None, window: int | None = None, 
     from megassm.training.checks import autocast_dtype as _autocast_dtype
 
     window = window or cfg.train.seq_len
-    docs, vocab, desc = held_out_documents(cfg, split, num_docs, max_tokens, min_tokens=2 * window)
+    docs, vocab, desc, skipped = held_out_documents(cfg, split, num_docs, max_tokens, min_tokens=2 * window)
+    if skipped:
+        log.info("held-out documents skipped: %s", "; ".join(f"{n} {why}" for why, n in skipped.items()))
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     model = build_model(cfg.model, vocab_size=vocab, device="cpu")
     step = None
@@ -162,6 +173,7 @@ def context_length_eval(cfg, checkpoint: str | None, window: int | None = None, 
         "window": window,
         "documents": desc,
         "num_docs": len(docs),
+        "skipped_docs": skipped,  # reason -> number of documents of the split left out
         "tokens": int(total[1].sum()),
         "loss": float(total[0].sum() / max(total[1].sum(), 1)),
         "carried": [k for k in StateCarrier(model, 1).kinds],
@@ -177,6 +189,7 @@ def markdown_table(res: dict) -> str:
         f"# Perplexity by context length (step {res['step']}, window {res['window']})",
         "",
         f"{res['documents']}; {res['tokens']} predicted tokens on {res['device']} ({res['precision']}).",
+        "Skipped: " + ("; ".join(f"{n} {why}" for why, n in res.get("skipped_docs", {}).items()) or "none") + ".",
         "`carried`: recurrent state streamed across windows"
         + ("; `window-reset`: states reset at every window start." if base else "."),
         "",

@@ -25,7 +25,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-__all__ = ["MambaState", "KVCache", "CoffeeState", "BMojoState", "ScanState", "reset_states", "detach_states", "states_to"]
+__all__ = ["MambaState", "KVCache", "CoffeeState", "BMojoState", "ScanState", "reset_states", "detach_states", "states_to",
+           "cat_states", "select_states"]
 
 
 @dataclass
@@ -167,3 +168,37 @@ def detach_states(states: list) -> list:
 
 def states_to(states: list, device=None) -> list:
     return _map(states, lambda name, t: t.to(device))
+
+
+def _cat_one(parts: list):
+    """One block's states of several batches, concatenated along the batch. Attention caches of different
+    lengths are left-padded with invalid columns (masked out by `valid`, so every row decodes as it would
+    alone); every other state has fixed shapes."""
+    if parts[0] is None:
+        return None
+    if isinstance(parts[0], KVCache):
+        T = max(p.length for p in parts)
+
+        def pad(p: KVCache) -> KVCache:
+            extra = T - p.length
+            if not extra:
+                return p
+            z = p.k.new_zeros(p.k.shape[0], p.k.shape[1], extra, p.k.shape[3])
+            return KVCache(k=torch.cat([z, p.k], 2), v=torch.cat([z.to(p.v.dtype), p.v], 2),
+                           valid=torch.cat([p.valid.new_zeros(p.valid.shape[0], extra), p.valid], 1), pos=p.pos)
+
+        parts = [pad(p) for p in parts]
+    first = parts[0]
+    return replace(first, **{f.name: torch.cat([getattr(p, f.name) for p in parts], 0) for f in fields(first)})
+
+
+def cat_states(batches: list[list]) -> list:
+    """The states of several batches (each a per-block list) as one batch, rows in order."""
+    if not batches:
+        raise ValueError("cat_states: no states")
+    return [_cat_one([b[i] for b in batches]) for i in range(len(batches[0]))]
+
+
+def select_states(states: list, rows: torch.Tensor) -> list:
+    """The rows `rows` (index tensor) of every block's states, e.g. to drop finished rows while decoding."""
+    return _map(states, lambda name, t: t.index_select(0, rows.to(t.device)))

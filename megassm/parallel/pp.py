@@ -44,7 +44,8 @@ from . import comm
 log = logging.getLogger("megassm.pp")
 
 __all__ = ["PPPlan", "pp_plan_of", "balance_stages", "stage_layout", "split_model", "init_stage_weights",
-           "StageModule", "apply_pipeline_parallel", "train_step", "eval_losses", "sync_embedding_grads",
+           "StageModule", "apply_pipeline_parallel", "train_step", "eval_losses", "eval_batch_losses",
+           "sync_embedding_grads",
            "grad_norm_pp", "clip_grad_norm_pp", "gather_canonical_states", "load_canonical_states", "SCHEDULES"]
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -362,7 +363,8 @@ def _schedule(model: nn.Module, n: int, train: bool):
     return sched
 
 
-def _run(model: nn.Module, batches: list[dict], autocast, train: bool, carrier=None) -> torch.Tensor:
+def _run(model: nn.Module, batches: list[dict], autocast, train: bool, carrier=None,
+         per_batch: bool = False) -> torch.Tensor:
     plan = pp_plan_of(model)
     if not plan.modules:
         raise RuntimeError("pipeline: call apply_pipeline_parallel(model) first")
@@ -401,13 +403,17 @@ def _run(model: nn.Module, batches: list[dict], autocast, train: bool, carrier=N
     if carrier is not None:
         carrier.commit()
     dev = next(model.parameters()).device
-    total = torch.zeros((), device=dev, dtype=torch.float32)
+    total = torch.zeros(n if per_batch else (), device=dev, dtype=torch.float32)
     if plan.last:
         if len(losses) != n:
             raise RuntimeError(f"pipeline: {len(losses)} losses for {n} micro-batches")
-        for loss in losses:
-            total += (loss.raw if hasattr(loss, "raw") else loss.detach() * n).float()
-    return comm.all_reduce(total, plan.group)  # the last stage's sum, on every stage
+        for i, loss in enumerate(losses):
+            raw = (loss.raw if hasattr(loss, "raw") else loss.detach() * n).float()
+            if per_batch:
+                total[i] = raw
+            else:
+                total += raw
+    return comm.all_reduce(total, plan.group)  # the last stage's sum (or losses), on every stage
 
 
 def train_step(model: nn.Module, batches: list[dict], autocast=contextlib.nullcontext, carrier=None) -> torch.Tensor:
@@ -424,6 +430,13 @@ def train_step(model: nn.Module, batches: list[dict], autocast=contextlib.nullco
 def eval_losses(model: nn.Module, batches: list[dict], autocast=contextlib.nullcontext) -> torch.Tensor:
     """Forward only: the sum of the batches' losses, on every rank of the pipeline group."""
     return _run(model, batches, autocast, train=False)
+
+
+@torch.no_grad()
+def eval_batch_losses(model: nn.Module, batches: list[dict], autocast=contextlib.nullcontext) -> torch.Tensor:
+    """Forward only: each batch's loss (mean over its labelled tokens), [len(batches)] fp32 on every rank of the
+    pipeline group, so the caller can weight them by their token counts."""
+    return _run(model, batches, autocast, train=False, per_batch=True)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from .state import ParallelGroups, build_groups, init_distributed, single_proces
 from .tp import (apply_tensor_parallel, canonical_state_dict, clip_grad_norm_tp, load_canonical_optimizer_state,
                  load_canonical_state_dict, optimizer_state_to_canonical, plan_of, sync_tp_grads)
 
-__all__ = ["setup", "init_model", "prepare_model", "pipeline_step", "pipeline_eval", "local_batch", "finish_grads",
+__all__ = ["setup", "init_model", "prepare_model", "pipeline_step", "pipeline_eval", "local_batch", "sum_over_dp", "finish_grads",
            "clip_grad_norm", "mean_over_dp", "gather_states", "load_states", "barrier", "is_rank0"]
 
 
@@ -96,8 +96,8 @@ def pipeline_step(model, batches: list, autocast) -> torch.Tensor:
 
 
 def pipeline_eval(model, batches: list, autocast) -> torch.Tensor:
-    """PP: the sum of the batches' losses (forward only) on every rank."""
-    return ppl.eval_losses(model, batches, autocast)
+    """PP: each batch's loss [len(batches)] (forward only) on every rank."""
+    return ppl.eval_batch_losses(model, batches, autocast)
 
 
 def finish_grads(model, groups: ParallelGroups, engine=None) -> None:
@@ -119,6 +119,12 @@ def clip_grad_norm(model, groups: ParallelGroups, max_norm: float) -> float:
     if plan_of(model) is not None:
         return clip_grad_norm_tp(model, max_norm)
     return clip_local(model.parameters(), max_norm)
+
+
+def sum_over_dp(x: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
+    if groups.dp == 1:
+        return x
+    return comm.all_reduce(x.detach().clone(), groups.dp_group)
 
 
 def mean_over_dp(x: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:

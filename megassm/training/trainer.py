@@ -273,26 +273,37 @@ class Trainer:
             log.warning("checkpoint %s fails verification: %s", path, "; ".join(problems))
         return None
 
+    def eval_samples(self) -> int:
+        """Samples in the held-out set: train.eval_tokens rounded up to whole samples of seq_len tokens."""
+        return -(-self.cfg.train.eval_tokens // self.cfg.train.seq_len)
+
     @torch.no_grad()
     def evaluate(self) -> dict:
+        """Validation loss: the token-weighted mean cross-entropy over the held-out set (eval_samples()), the
+        same tokens and the same mean for every layout (DP, TP, PP at any micro-batch count, CP)."""
         self.model.eval()
-        total, n = 0.0, 0
-        if self.groups.pp > 1:  # all validation batches through the pipeline at once
-            batches = [self._to_device(b) for b in self.data.valid_batches(self.cfg.train.eval_batches)]
-            if batches:
-                total, n = float(prt.pipeline_eval(self.model, batches, self._autocast)), len(batches)
+        host = list(self.data.eval_batches(self.eval_samples()))
+        # labelled tokens per micro-batch, counted on the whole rows (CP ranks hold slices; their loss is the
+        # mean over the whole rows already)
+        counts = [int((b["labels"] != -100).sum()) for b in host]
+        batches = [self._to_device(b) for b in host]
+        total = 0.0
+        if batches and self.groups.pp > 1:  # all validation batches through the pipeline at once
+            losses = prt.pipeline_eval(self.model, batches, self._autocast).double().cpu().tolist()
+            total = sum(loss * c for loss, c in zip(losses, counts))
         else:
-            for batch in self.data.valid_batches(self.cfg.train.eval_batches):
-                batch = self._to_device(batch)
+            for batch, c in zip(batches, counts):
                 with self._autocast():
                     out = self.model(batch["tokens"], seq_idx=batch["seq_idx"], labels=batch["labels"])
-                total += out.loss.item()
-                n += 1
+                total += out.loss.double().item() * c
         self.model.train()
         self.engine.release()  # FSDP2: weights the evaluation gathered (parallel/fsdp2.py)
-        if n == 0:
+        summed = prt.sum_over_dp(torch.tensor([total, float(sum(counts))], dtype=torch.float64, device=self.device),
+                                 self.groups)
+        loss_sum, n_tokens = (float(x) for x in summed.cpu())
+        if n_tokens == 0:
             return {}
-        val = float(prt.mean_over_dp(torch.tensor(total / n, device=self.device), self.groups))
+        val = loss_sum / n_tokens
         return {"loss/val": val, "loss/val_ppl": math.exp(min(val, 50.0))}
 
     # ------------------------------------------------------------------------------------------------
