@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from megassm.config import ConfigError, load_config
-from megassm.parallel.testing import spawn
+from multiproc import spawn
 
 CFG = [
     "data.builtin=stdlib", "model.pattern=M*|M-", "model.d_model=32", "model.mamba.d_state=8", "model.mamba.headdim=8",

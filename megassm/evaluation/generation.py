@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from megassm.config import PATTERN_LETTERS
+from megassm.config import block_letters
 from megassm.models.state import cat_states, select_states
 
 __all__ = ["check_decodable", "prefill", "next_token", "filter_logits", "generate", "Generation"]
@@ -40,7 +40,7 @@ def check_decodable(model) -> None:
         if "return_state" not in inspect.signature(mixer.forward).parameters:
             missing.append("forward(return_state=True)")
         if missing:
-            bad.append(f"block {i} `{layer.kind}` ({PATTERN_LETTERS.get(layer.kind, type(mixer).__name__)}): "
+            bad.append(f"block {i} `{layer.kind}` ({block_letters().get(layer.kind, type(mixer).__name__)}): "
                        f"no {', '.join(missing)}")
     if bad:
         raise ValueError("this model cannot generate with the recurrent decode step: " + "; ".join(bad))
