@@ -8,7 +8,7 @@ measurement, then a short table.
     PYTHONPATH=.peers python benchmarks/kernels_ssd.py --only ssd --repeat 3 --graph  # rounds; CUDA-graph replays
 
 mamba_ssm is imported from PYTHONPATH when present (peer code: measured, never copied); absent, its rows say
-so. Timings: triton.testing.do_bench, median, bf16, one GPU. Shapes of ../shared/anchors.md: H=64 heads, P=64,
+so. Timings: triton.testing.do_bench, median, bf16, one GPU. Shapes of one Mamba-2 1.3B layer: H=64 heads, P=64,
 N=128, G=1, 32K tokens per call at L = 512, 2K, 8K, 32K (B = 32K / L); extra rows N=64/256, H=128, G=8 at 2K.
 """
 from __future__ import annotations
