@@ -1,4 +1,4 @@
-"""Kernel benchmark of issue 4: megassm's Triton SSD vs mamba_ssm's mamba_chunk_scan_combined and causal SDPA,
+"""Kernel benchmark: megassm's Triton SSD vs mamba_ssm's mamba_chunk_scan_combined and causal SDPA,
 plus the conv / norm kernels vs their torch equivalents, and the decode step latency. Prints one JSON line per
 measurement, then a short table.
 
@@ -8,7 +8,7 @@ measurement, then a short table.
     PYTHONPATH=.peers python benchmarks/kernels_ssd.py --only ssd --repeat 3 --graph  # rounds; CUDA-graph replays
 
 mamba_ssm is imported from PYTHONPATH when present (peer code: measured, never copied); absent, its rows say
-so. Timings: triton.testing.do_bench, median, bf16, one GPU. Shapes of ../shared/anchors.md: H=64 heads, P=64,
+so. Timings: triton.testing.do_bench, median, bf16, one GPU. Shapes of one Mamba-2 1.3B layer: H=64 heads, P=64,
 N=128, G=1, 32K tokens per call at L = 512, 2K, 8K, 32K (B = 32K / L); extra rows N=64/256, H=128, G=8 at 2K.
 """
 from __future__ import annotations
@@ -185,7 +185,7 @@ def bench_ssd(row, B, L, H, P, N, G, chunk, impls):
         outs[name] = y
         gy = torch.randn_like(y)
         timed[name] = (f, (lambda f=f, gy=gy: torch.autograd.grad(f(), [leaves[k] for k in names], gy)))
-    # REPEAT rounds, each timing every impl in turn: where eager timings drift for seconds at a time (session 28:
+    # REPEAT rounds, each timing every impl in turn: where eager timings drift for seconds at a time (seen on H100:
     # the same impl 3.2 then 4.3 ms in one process, the GPU clock steady: host-side launch jitter; --graph removes
     # it) the rounds' minimum is the comparable figure; every round's median is kept in *_rounds
     rounds = {name: ([], []) for name in timed}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Each seed mixer's training step at the ~370M shape (d_model 1024, 48 blocks, seq 2048, micro-batch 4, bf16
-# autocast, AdamW) against Mamba-2 (docs/benchmarks.md, "Seed mixers at 370M"). One JSON line per mixer:
+# autocast, AdamW) against Mamba-2 (docs/benchmarks.md, "Seed mixers"). One JSON line per mixer:
 #   source benchmarks/device_env.sh; bash benchmarks/seed_speed.sh [LETTERS]      (default: M S L B C)
 # SEQ / MB / STEPS / EXTRA (more overrides) change the shape, e.g. for a quick CPU check.
 set -u

@@ -4,7 +4,7 @@
         --section Occupancy --section WarpStateStats --csv --page details \
         python3 benchmarks/ssd_ncu.py [--impl megassm|mamba_ssm] [--precision split|bf16] [--chunk 256]
 
-Shape of anchors.md (H=64, P=64, N=128, G=1, 16 x 2048) unless told otherwise. Warm-up calls run first (our
+Shape of one Mamba-2 1.3B layer (H=64, P=64, N=128, G=1, 16 x 2048) unless told otherwise. Warm-up calls run first (our
 per-shape autotuning and Triton compiles happen there), so only the measured call is inside the range.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """SSD precision at real shapes: each implementation's bf16 error against an fp64 oracle, beside the error of
-megassm's PyTorch reference run on the same bf16 inputs (fp32 math, outputs rounded: the yardstick of issue 4's
-"within 2x of the reference's own bf16 error"). Prints one JSON line per implementation.
+megassm's PyTorch reference run on the same bf16 inputs (fp32 math, outputs rounded: the yardstick of the kernels'
+precision goal, "within 2x of the reference's own bf16 error"). Prints one JSON line per implementation.
 
     PYTHONPATH=.peers python benchmarks/ssd_precision.py [--batch 2 --seqlen 2048 --heads 64 --dstate 128]
     python benchmarks/ssd_precision.py --scales tests --same-gradient   # each implementation's own error at

@@ -6,7 +6,7 @@ Same step as the trainer: fp32 master weights, bf16 autocast, fused AdamW, gradi
 tokens (data loading is measured by the data benchmarks). `--cuda-graph` adds a row per size with the
 forward + backward captured in one CUDA graph (the host's launch overhead removed). For each micro-batch size given, it runs
 warm-up steps then timed steps and prints one JSON object; an out-of-memory size is reported as such.
-MFU is given two ways: `mfu_6p` = 6 * params * tokens/s / peak (the convention of shared/anchors.md)
+MFU is given two ways: `mfu_6p` = 6 * params * tokens/s / peak (the convention of benchmarks/peers.py)
 and `mfu_counted` from the FLOPs counted per layer type (docs/flops.md).
 """
 from __future__ import annotations

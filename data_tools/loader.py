@@ -36,13 +36,13 @@ def resolve_paths(data_cfg) -> list[str]:
     builtin = getattr(data_cfg, "builtin", None)
     paths = list(getattr(data_cfg, "paths", []) or [])
     if builtin and paths:
-        raise ValueError("data: set data.builtin or data.paths, not both")
+        raise ValueError("data.builtin and data.paths are both set: pass data.builtin=none to train on data.paths")
     if builtin:
         from .builtin import ensure_builtin_corpus
 
         return [ensure_builtin_corpus(builtin, tokenizer=data_cfg.tokenizer, cache_dir=data_cfg.cache_dir)]
     if not paths:
-        raise ValueError("data: set data.paths (shard prefixes from megassm-preprocess) or data.builtin (e.g. stdlib)")
+        raise ValueError("set data.paths (shard prefixes from megassm-preprocess) or data.builtin (e.g. stdlib)")
     return paths
 
 

@@ -458,9 +458,15 @@ def config_from_text(text: str | None, where: str, overrides: list[str] = (), va
         except yaml.YAMLError as e:
             raise ConfigError(f"{where}: invalid YAML: {e}") from None
         _apply(cfg, data, where)
+    cli_keys = set()
     for item in overrides:
         key, value = parse_override(item)
         _apply(cfg, _nest(key, value), "command line")
+        cli_keys.add(key)
+    # A later layer wins: data.paths given on the command line replaces the file's built-in corpus
+    # (configs/tiny.yaml sets data.builtin=stdlib), unless the command line sets data.builtin too.
+    if "data.paths" in cli_keys and "data.builtin" not in cli_keys and cfg.data.paths:
+        cfg.data.builtin = None
     _resolve_deprecated(cfg)
     if validate_config:
         validate(cfg)
@@ -601,6 +607,9 @@ def validate(cfg: Config) -> None:
     need(d.builtin is not None or len(d.paths) > 0,
          "data: set data.paths (shard prefixes from megassm-preprocess) or data.builtin (e.g. stdlib)")
     need(d.builtin in (None, "stdlib"), f"data.builtin must be 'stdlib' or unset, got '{d.builtin}'")
+    need(d.builtin is None or not d.paths,
+         f"data.builtin={d.builtin} and data.paths are both set: pass data.builtin=none to train on data.paths "
+         "(or drop data.paths to train on the built-in corpus)")
     need(d.weights is None or len(d.weights) == len(d.paths),
          f"data.weights has {0 if d.weights is None else len(d.weights)} entries but data.paths has {len(d.paths)}")
     need(len(d.split) == 3 and all(x >= 0 for x in d.split) and d.split[0] > 0,

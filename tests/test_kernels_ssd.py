@@ -2,7 +2,7 @@
 sequential token-by-token oracle in fp32, the chunked reference's own bf16 error in bf16 (criteria in
 kernel_cases.py). Default run (CI, CPU): tiny shapes in Triton's CPU interpreter, with resets, odd lengths,
 tile variants, segmented chunk walks and saved states; on a machine with CUDA the same tiny tests run on the
-GPU. `pytest -m gpu tests/test_kernels_ssd.py` runs the full grid of issue 4 on the device.
+GPU. `pytest -m gpu tests/test_kernels_ssd.py` runs the full precision grid on the device.
 """
 import importlib
 
@@ -322,7 +322,7 @@ def _check_a_gradient_own_error(inp, sid, chunk, factor):
 @pytest.mark.parametrize("gate", [False, True], ids=["nogate", "gate"])
 def test_ssd_triton_bf16_a_gradient(triton_mode, monkeypatch, gate):
     """The tests' scales (dt ~0.1 .. 3, A to -2.1: exponents of hundreds across a chunk), two 64-position tiles
-    per chunk (_dx's off-diagonal tile too), resets. Session 25: 1.0-1.9x fp32's error; with _dx's diagonal-tile
+    per chunk (_dx's off-diagonal tile too), resets. With the three-way split: 1.0-1.9x fp32's error; with _dx's diagonal-tile
     products split two ways instead of three, 12-39x (the GPU draws: 12-43x)."""
     monkeypatch.setenv("MEGASSM_SSD_PRECISION", "split")  # the split mode's property (the bf16 mode's is ~20x)
     chunk, L = 128, 256
@@ -398,7 +398,7 @@ def test_ssd_fast_precision_mode(triton_mode, monkeypatch):
 @pytest.mark.parametrize("segments", ["1", "2"])
 def test_ssd_fast_precision_final_states(triton_mode, monkeypatch, segments):
     """The bf16 mode rounds the walk's products once (x dt exp to bf16), which left a returned final state (fp32)
-    at bf16's error, beyond issue 4's 2x of the reference's own: the forward walk takes the split products when
+    at bf16's error, beyond the 2x of the reference's own that the grid allows: the forward walk takes the split products when
     the final state is returned (one walk, and in segments with their fix-up)."""
     monkeypatch.setenv("MEGASSM_SSD_PRECISION", "bf16")
     monkeypatch.setenv("MEGASSM_SSD_STATE_SEGMENTS", segments)
@@ -439,7 +439,7 @@ def test_ssd_fast_precision_keeps_parameter_gradients(triton_mode, monkeypatch, 
     _check_fast_mode_parameters(_by_mode(monkeypatch, low, sid, **kw), oracle)
 
 # --------------------------------------------------------------------------------------------------------
-# GPU: the full grid of issue 4 (pytest -m gpu)
+# GPU: the full precision grid (pytest -m gpu)
 
 # (bsz, seqlen, nheads, hdim, dstate, ngroups, chunk, initial states, resets)
 GPU_GRID = [
@@ -511,8 +511,8 @@ def _check_gpu_bf16(case, gate=True, seed=1):
 @pytest.mark.parametrize("seed", [1, 2, 3])
 @pytest.mark.parametrize("gate", [False, True], ids=["nogate", "gate"])
 def test_gpu_ssd_bf16_a_gradient_draws(triton_mode, monkeypatch, seed, gate):
-    """The grid's 4K case, three draws each way: issue 4's 2x on every output, and dA / ddt_bias's own error
-    (the oracle given the same output gradient) within 4x fp32 products' (session 24's code: 12-43x, and 2.3x
+    """The grid's 4K case, three draws each way: within 2x of the reference's own error on every output, and dA / ddt_bias's own error
+    (the oracle given the same output gradient) within 4x fp32 products' (with a two-way split of the diagonal tile: 12-43x, and 2.3x
     the reference on dA in one draw)."""
     monkeypatch.setenv("MEGASSM_SSD_PRECISION", "split")  # the split mode's property, as above
     case = (1, 4096, 32, 64, 128, 1, 256, True, True)

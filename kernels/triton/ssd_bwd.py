@@ -394,9 +394,9 @@ def _intra_prec(prec):
     diagonal tile (where the weights are largest) three ways (hi + mid + lo; with the gate, times _dcb's hi + lo
     of dy). x_s . the sum of _dx's is the source side of the intra-chunk cs gradient and _dcb's row sums its
     target side; they cancel, and dA / ddt_bias weight the difference by dt sums of up to a chunk, so a
-    rounding on either side leaves them with ~1e-2 .. 1 errors (session 11; with the gate, session 17), and the
-    two-way split on the diagonal tile with 1e-4 .. 2.6e-3 where the decays inside a chunk are large (session
-    24; three ways: the fp32-product error, at no measured cost, session 25). Without the gate _dcb's operands
+    rounding on either side leaves them with ~1e-2 .. 1 errors (measured without and with the gate), and the
+    two-way split on the diagonal tile with 1e-4 .. 2.6e-3 where the decays inside a chunk are large (three
+    ways: the fp32-product error, at no measured cost; docs/history/kernels.md). Without the gate _dcb's operands
     are raw inputs and its products exact in either mode. The state products stay rounded once in the bf16
     mode."""
     return "bf16" if prec == "bf16fast" else prec

@@ -52,7 +52,7 @@ class _Tuned:
 
     def _log(self, key, times, cfg):
         """One JSON line on stderr per tuning decision (MEGASSM_TRITON_TUNE_LOG=1): a process whose pick differs
-        from another's shows up here (a 15-30% slower run was seen at 64 x 512 and 2 x 16K, session 22)."""
+        from another's shows up here (a 15-30% slower run was seen at 64 x 512 and 2 x 16K)."""
         name = getattr(getattr(self.fn, "fn", None), "__name__", str(self.fn))
         print(json.dumps({"tune": name, "key": [str(v) for v in key],
                           "ms": {_cfg_name(c): round(t, 4) for c, t in zip(self.configs, times)},
@@ -344,8 +344,8 @@ def _out_prec(x):
     (y; with the gate, dz) and the dB pass of _dbc_kernel. Their derived operands are rounded to bf16 once in
     either mode: the output's own rounding is of the same size (y 1.2x, dB 1.4x the reference's bf16 error at
     the anchors shape). The products that feed dA / ddt_bias (the chunk walks, _dx, the dC pass with its cs
-    read-out) keep the mode's precision: rounding any of them once multiplies dA's error 5-9x (docs/benchmarks.md,
-    session 19)."""
+    read-out) keep the mode's precision: rounding any of them once multiplies dA's error 5-9x
+    (docs/history/kernels.md, precision)."""
     prec = _prec(x)
     return "ieee" if prec == "ieee" else "bf16fast"
 

@@ -263,7 +263,7 @@ def _state_blocks(x, bsz, nheads, hdim, dstate, bn_tile):
     read once). The segments (_state_segments) supply the parallelism; only where even they leave fewer programs
     than multiprocessors (few heads or few chunks) is N halved down to 64, then 32 x 32. Narrowing where
     segments do the job costs: 4 x 8K at 64 x 64 blocks 3.92 ms fwd+bwd against 3.59 at 64 x 128 (bf16 mode,
-    H100, session 18: x read twice, half the tile per step)."""
+    H100: x read twice, half the tile per step)."""
     BP, BN = _pow2_block(hdim, 64), _tile(bn_tile, dstate)
     if x.is_cuda:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
@@ -293,7 +293,7 @@ def _auto_segments(walks, nc, sms):
     """The segment count of MEGASSM_SSD_STATE_SEGMENTS=auto, for `walks` = rows x heads x P-blocks x N-blocks at
     the walks' full blocks (64 x 128): double k (up to 16 and nc / 2) while the doubled count stays within two
     programs per multiprocessor. One walk when the rows alone give that (no fix-up passes). The H100 sweep
-    (docs/benchmarks.md, session 18; fwd+bwd ms, bf16 mode / split): 4 x 8K (256 walks) k 1 3.59 / 4.31,
+    (docs/history/kernels.md, chunk walks; fwd+bwd ms, bf16 mode / split): 4 x 8K (256 walks) k 1 3.59 / 4.31,
     k 2 3.84 / 4.72; 2 x 16K (128) k 1 3.89 / 4.86, k 2 3.80 / 4.69, k 4 3.93 / 4.89; 1 x 32K (64) k 2
     4.10 / 5.24, k 4 3.88 / 4.85, k 8 3.96 / 4.97."""
     k = 1

@@ -75,7 +75,7 @@ def train_flops_per_token(model_cfg: ModelConfig, vocab_padded: int, seq_len: in
 
 
 def params_flops_6nd(n_params: int) -> float:
-    """The 6 N approximation: training FLOPs per token for N parameters (shared/anchors.md's MFU)."""
+    """The 6 N approximation: training FLOPs per token for N parameters (MFU as benchmarks/peers.py counts it)."""
     return 6.0 * n_params
 
 
