@@ -230,7 +230,8 @@ class DataPipeline:
             samples = [self._valid.sample(r if r is not None else 0) for r in rows]
             batch = stack_samples(samples, reset_all=True)
             pad = torch.tensor([r is None for r in rows])
-            if pad.any():
+            if pad.any():  # labels may view the same buffer as tokens (shifted by one): write a copy
+                batch["labels"] = batch["labels"].clone()
                 batch["labels"][pad] = IGNORE_INDEX
             yield batch
 

@@ -144,6 +144,22 @@ def test_recipes_are_accepted_layouts_that_fit(recipe, world, monkeypatch):
     assert memory.estimate(cfg)["peak_per_gpu_gib"] * 1.09 + 1 < 79.1 - 6
 
 
+def test_deepspeed_recipe_is_an_accepted_layout(monkeypatch):
+    """The DeepSpeed 7B recipe is valid and accepted; its measured free memory (6.2 GiB, docs/benchmarks.md) is
+    the fit evidence, since the estimate runs 11% above its peak (the test above)."""
+    from megassm.config import validate
+    from megassm.training.trainer import check_supported
+
+    cfg = load_config(os.path.join(ROOT, "configs/recipes/hybrid-7b-1node-4gpu-deepspeed.yaml"), validate_config=False)
+    assert cfg.parallel.world_size == 4 and cfg.parallel.engine == "deepspeed" and cfg.parallel.zero_stage == 1
+    assert cfg.train.global_batch * cfg.train.seq_len >= 500_000
+    cfg.data.paths, cfg.data.builtin = [], "stdlib"
+    validate(cfg)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    cfg.train.device, cfg.train.precision = "auto", "auto"
+    check_supported(cfg)
+
+
 def test_ddp_zero1_shards_only_the_optimizer_states():
     """hybrid-7b at TP 2 x DP 2: ddp's ZeRO-1 halves the AdamW states (the layout then fits an 80 GB GPU)."""
     def est(stage):
@@ -191,6 +207,8 @@ MEASURED_7B = [
     (["parallel.engine=fsdp2", "parallel.fsdp_reshard=block", "parallel.fsdp_param_dtype=fp32",
       "parallel.fsdp_prefetch=0"], 67.1),
     (["parallel.tp=4"], 41.61),
+    (["parallel.tp=2", "parallel.zero_stage=1"], 62.69),
+    (["parallel.engine=deepspeed", "parallel.zero_stage=3"], 55.85),
 ]
 
 
@@ -200,6 +218,24 @@ def test_estimate_is_near_the_measured_7b_steady_state(over, measured):
                *over)
     est = memory.estimate(cfg, bf16=True)
     assert abs(est["peak_per_gpu"] / GiB - measured) / measured < 0.10, (est["peak_per_gpu"] / GiB, measured)
+
+
+def test_estimate_is_near_the_measured_mamba2_7b_steady_state():
+    cfg = _cfg("configs/mamba2-7b.yaml", "train.micro_batch=1", "train.global_batch=16", "parallel.world_size=4",
+               "parallel.engine=fsdp2", "parallel.fsdp_reshard=block")
+    est = memory.estimate(cfg, bf16=True)["peak_per_gpu"] / GiB
+    assert abs(est - 59.72) / 59.72 < 0.10, est
+
+
+def test_deepspeed_zero1_estimate_stays_above_the_measured_peak():
+    """DeepSpeed ZeRO-1 (bf16 model) measured 64.63 GiB; the estimate is 11% above it, outside the 10% the other
+    rows meet (docs/benchmarks.md, "Memory estimate accuracy": the cause is not found). Pinned here: it does not
+    fall below the measured peak, so a layout the estimate passes does not run out of memory, and it does not
+    drift further away."""
+    cfg = _cfg("configs/hybrid-7b.yaml", "train.micro_batch=1", "train.global_batch=16", "parallel.world_size=4",
+               "parallel.engine=deepspeed", "parallel.zero_stage=1")
+    est = memory.estimate(cfg, bf16=True)["peak_per_gpu"] / GiB
+    assert 64.63 <= est < 64.63 * 1.12, est
 
 
 def test_fsdp2_terms_per_reshard_mode():

@@ -1,7 +1,7 @@
 """Validation that does not move with the layout: train.eval_tokens defines the held-out set (whole samples of
 the fixed validation order), split over data-parallel ranks and micro-batches with ignored padding rows, and the
 loss is the token-weighted mean. The same checkpoint gives the same validation loss at any micro-batch size and
-under PP=2 (gloo, real processes); train.eval_batches is read as its deprecated alias."""
+under PP=2, CP=2 and DP=2 (gloo, real processes); train.eval_batches is read as its deprecated alias."""
 import json
 import logging
 
@@ -83,6 +83,27 @@ def test_same_checkpoint_same_validation_loss_under_pp2(trained):
     assert abs(got[0] - val) <= 1e-5 * val, (got, val)
 
 
+def _layout_worker(rank, world, ckpt, run_dir, out, over):
+    t = _trainer(run_dir, [*over, f"run.resume={ckpt}"])
+    try:
+        v = t.evaluate()["loss/val"]
+    finally:
+        t.close()
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(v, f)
+
+
+@pytest.mark.parametrize("name,over", [("cp2", ["parallel.cp=2"]), ("dp2", ["train.micro_batch=1"])])
+def test_same_checkpoint_same_validation_loss_under_cp2_and_dp2(trained, name, over):
+    """CP splits every sample's tokens over the ranks; DP splits the samples (5 over 2 ranks: one padding row)."""
+    base, ckpt, val, _ = trained
+    out = str(base / f"{name}-val")
+    spawn(_layout_worker, 2, ckpt, str(base / name), out, over)
+    got = [json.load(open(f"{out}.{r}")) for r in range(2)]
+    assert got[0] == got[1]
+    assert abs(got[0] - val) <= 1e-5 * val, (got, val)
+
+
 def test_eval_batches_cover_exactly_the_set_for_any_dp_and_micro_batch(trained):
     from megassm.data_tools.loader import build_data
 
@@ -96,6 +117,7 @@ def test_eval_batches_cover_exactly_the_set_for_any_dp_and_micro_batch(trained):
             n_batches.add(len(batches))
             for b in batches:
                 assert b["tokens"].shape == (micro, 32)
+                assert int(b["tokens"].min()) >= 0  # padding rows ignore their labels, not their tokens
                 for row in range(micro):
                     if (b["labels"][row] != -100).any():
                         assert (b["labels"][row] != -100).all()
