@@ -15,7 +15,7 @@ import torch
 
 from megassm.config import ConfigError, load_config
 from megassm.models import build_model
-from megassm.parallel.pp import balance_stages, init_stage_weights, split_model, stage_layout
+from megassm.parallel.pp import apply_pipeline_parallel, balance_stages, init_stage_weights, split_model, stage_layout
 
 from conftest import use_megatron_groups
 from multiproc import losses, spawn, train_records
@@ -94,6 +94,10 @@ def test_split_keeps_own_stage_with_canonical_weights(tie):
             assert ("lm_head.weight" in held) == (plan.last and not tie)
             layer_keys = {k.split(".")[1] for k in held if k.startswith("layers.")}
             assert layer_keys == {str(b) for b in plan.own} and m.layers.keys() == plan.own
+            apply_pipeline_parallel(m)  # each stage module holds the model's modules under the model's names
+            stage_params = [dict(st.named_parameters()) for st in plan.modules]
+            assert {k: id(v) for d in stage_params for k, v in d.items()} == {
+                k: id(v) for k, v in m.named_parameters()}
     with pytest.raises(RuntimeError, match="already split"):
         split_model(m, 2, 0)
     with pytest.raises(RuntimeError, match="pipeline stages only"):
