@@ -5,7 +5,7 @@ multiproc.spawn.
 Per case, every rank runs the single-device reference on all micro-batches of the global batch (tiny
 models) and its pipelined stage(s) on its data-parallel share, through the same calls the trainer makes:
 train_step -> sync_tp_grads / sync_embedding_grads / DP average -> clip_grad_norm_pp -> AdamW. Checked:
-the step losses, every gradient of every stage (global names; a tied embedding's last-stage copy must hold
+the step losses, every gradient of every stage (single-device names; a tied embedding's last-stage copy must hold
 the full gradient too), the global grad norm, the parameters after a few clipped AdamW steps, eval losses,
 the canonical checkpoint gathered on rank 0 (model and optimizer state, single-device order), and a
 canonical load into a fresh pipeline that then takes the same next step."""
@@ -28,15 +28,15 @@ def build_pipeline(mcfg, groups, virtual: int = 1, schedule: str = "1f1b", sp: b
     activation checkpointing)."""
     from megassm.models import build_model
 
-    from megassm.parallel.pp import apply_pipeline_parallel, init_stage_weights, pp_plan_of, split_model
+    from megassm.parallel.pp import apply_pipeline_parallel, init_stage_weights, split_model
     from megassm.parallel.tp import apply_tensor_parallel
 
     model = build_model(mcfg, device="meta")
     split_model(model, groups.pp, groups.pp_rank, virtual=virtual, group=groups.pp_group, emb_group=groups.emb_group)
     model.to_empty(device="cpu")
     init_stage_weights(model, seed)
-    plan = pp_plan_of(model)  # every parameter off its init, by global name: as randomize_ does on the reference
-    randomize_(((plan.global_name(n), p) for n, p in model.named_parameters()), seed)
+    # every parameter off its init, by its (single-device) name: as randomize_ does on the reference
+    randomize_(model.named_parameters(), seed)
     model.to(device)
     if groups.tp > 1:
         apply_tensor_parallel(model, groups.tp_group, sp=sp)
@@ -59,20 +59,16 @@ def _finish(model, groups):
 
 
 def _stage_grads(model) -> dict:
-    """{global name: canonical (TP-gathered) gradient} of this rank's stages."""
-    from megassm.parallel.pp import pp_plan_of
+    """{name: canonical (TP-gathered) gradient} of this rank's stages."""
     from megassm.parallel.tp import canonical_grads
 
-    plan = pp_plan_of(model)
-    return {plan.global_name(k): v for k, v in canonical_grads(model).items()}
+    return canonical_grads(model)
 
 
 def _stage_params(model) -> dict:
-    from megassm.parallel.pp import pp_plan_of
     from megassm.parallel.tp import canonical_state_dict
 
-    plan = pp_plan_of(model)
-    return {plan.global_name(k): v for k, v in canonical_state_dict(model).items()}
+    return canonical_state_dict(model)
 
 
 def pp_equivalence_worker(rank, world, tp, pp, cases, out_path, device="cpu", tol=1e-5, steps=2):

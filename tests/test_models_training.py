@@ -78,6 +78,21 @@ def test_canonical_init_independent_of_device_dtype_and_layout():
         assert torch.equal(other.state_dict()[k], ref.state_dict()[k]), k
 
 
+@pytest.mark.parametrize("pattern,tie", [("M*M-", True), ("M*|M-", False), ("MM*M", True)])
+def test_layers_keep_module_list_names(pattern, tie):
+    """model.layers is keyed by global block index (a pipeline stage drops blocks, the rest keep their names):
+    the state dict is the one an nn.ModuleList of the same blocks gives, key for key and in order."""
+    from torch import nn
+
+    m = make(tiny(pattern, tie_embeddings=tie))
+    keys = list(m.state_dict())
+    as_list = make(tiny(pattern, tie_embeddings=tie))
+    as_list.layers = nn.ModuleList(list(as_list.layers))
+    assert keys == list(as_list.state_dict())
+    assert [k for k in keys if k.startswith("layers.")][0].startswith("layers.0.")
+    assert m.layers.keys() == list(range(m.n_layers)) and m.layers[1] is list(m.layers)[1]
+
+
 def test_init_distributions():
     cfg = ModelConfig(pattern="MM*-", d_model=256, mamba=MambaConfig(d_state=16, headdim=16),
                       attn=AttentionConfig(n_heads=4), mlp=MLPConfig(ffn_hidden=512))

@@ -15,7 +15,7 @@ import torch
 
 from megassm.config import ConfigError, load_config
 from megassm.models import build_model
-from megassm.parallel.pp import balance_stages, init_stage_weights, split_model, stage_layout
+from megassm.parallel.pp import apply_pipeline_parallel, balance_stages, init_stage_weights, split_model, stage_layout
 
 from conftest import use_megatron_groups
 from multiproc import losses, spawn, train_records
@@ -86,16 +86,18 @@ def test_split_keeps_own_stage_with_canonical_weights(tie):
             init_stage_weights(m, 3)
             assert plan.stage_ids == [rank + c * pp for c in range(virtual)]
             assert len(m.layers) == len(plan.own) == sum(len(plan.layout[s]) for s in plan.stage_ids)
-            held = {plan.global_name(k): v for k, v in m.state_dict().items()}
+            held = m.state_dict()
             for k, v in held.items():
-                assert torch.equal(v, ref[k]), k  # same value as the single-device init of the global name
+                assert torch.equal(v, ref[k]), k  # the single-device name, and its single-device init
             assert ("embedding.weight" in held) == (plan.first or (plan.last and tie))
             assert ("norm_f.weight" in held) == plan.last
             assert ("lm_head.weight" in held) == (plan.last and not tie)
             layer_keys = {k.split(".")[1] for k in held if k.startswith("layers.")}
-            assert layer_keys == {str(b) for b in plan.own}
-            for k in m.state_dict():
-                assert plan.local_name(plan.global_name(k)) == k
+            assert layer_keys == {str(b) for b in plan.own} and m.layers.keys() == plan.own
+            apply_pipeline_parallel(m)  # each stage module holds the model's modules under the model's names
+            stage_params = [dict(st.named_parameters()) for st in plan.modules]
+            assert {k: id(v) for d in stage_params for k, v in d.items()} == {
+                k: id(v) for k, v in m.named_parameters()}
     with pytest.raises(RuntimeError, match="already split"):
         split_model(m, 2, 0)
     with pytest.raises(RuntimeError, match="pipeline stages only"):

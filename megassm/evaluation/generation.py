@@ -32,7 +32,7 @@ def check_decodable(model) -> None:
     """Raise ValueError naming the blocks whose mixer cannot decode token by token (no step /
     allocate_state), or whose forward cannot return its final state (needed to consume the prompt)."""
     bad = []
-    for i, layer in enumerate(model.layers):
+    for i, layer in model.layers.items():
         if not layer.has_state:
             continue
         mixer = layer.mixer

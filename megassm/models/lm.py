@@ -30,7 +30,7 @@ from .norm import RMSNorm
 from .registry import block_kind
 from .state import reset_states
 
-__all__ = ["LanguageModel", "LMOutput", "build_model", "padded_vocab_size"]
+__all__ = ["LanguageModel", "LMOutput", "Layers", "build_model", "padded_vocab_size"]
 
 IGNORE_INDEX = -100
 
@@ -51,6 +51,34 @@ def _stages(pattern: str) -> list[list[int]]:
             i += 1
     stages.append(cur)
     return stages
+
+
+class Layers(nn.ModuleDict):
+    """The blocks, keyed by their global index: "0", "1", ... give the parameter names of an nn.ModuleList
+    ("layers.7.mixer..."), and a pipeline stage can drop the blocks it does not hold while the others keep
+    their names (parallel/pp.py). Used like a list: `layers[i]` is block i (a global index), iteration yields
+    the held blocks in order, `keys()` / `items()` give global indices as ints."""
+
+    def __getitem__(self, i) -> nn.Module:
+        return self._modules[str(i)]
+
+    def __setitem__(self, i, module: nn.Module) -> None:
+        self.add_module(str(i), module)
+
+    def __delitem__(self, i) -> None:
+        del self._modules[str(i)]
+
+    def __contains__(self, i) -> bool:
+        return str(i) in self._modules
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def keys(self) -> list[int]:
+        return [int(k) for k in self._modules]
+
+    def items(self) -> list[tuple[int, nn.Module]]:
+        return [(int(k), m) for k, m in self._modules.items()]
 
 
 @dataclass
@@ -84,7 +112,7 @@ class LanguageModel(nn.Module):
 
         self.embedding = nn.Embedding(self.vocab_size_padded, cfg.d_model)
         self.embedding.init_rules = {"weight": InitRule("normal", std=cfg.init_std)}
-        self.layers = nn.ModuleList(Block(k, cfg, self.n_layers) for k in self.block_kinds)
+        self.layers = Layers(enumerate(Block(k, cfg, self.n_layers) for k in self.block_kinds))
         self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = (
             None if cfg.tie_embeddings else make_linear(cfg.d_model, self.vocab_size_padded, False, cfg.init_std)
@@ -165,18 +193,31 @@ class LanguageModel(nn.Module):
         self._check_whole()
         if states is not None and len(states) != self.n_layers:
             raise ValueError(f"states has {len(states)} entries, the model has {self.n_layers} blocks")
-        if seq_idx is not None:
-            if seq_idx.shape != tokens.shape:
-                raise ValueError(f"seq_idx {tuple(seq_idx.shape)} must match tokens {tuple(tokens.shape)}")
-            if seq_idx.dtype != torch.int32:
-                seq_idx = seq_idx.to(torch.int32)
-        single_doc = single_document(seq_idx) if (self._attn_doc_mask and seq_idx is not None) else None
+        if seq_idx is not None and seq_idx.shape != tokens.shape:
+            raise ValueError(f"seq_idx {tuple(seq_idx.shape)} must match tokens {tuple(tokens.shape)}")
+        hidden, residual, new_states = self.forward_blocks(self.embedding(tokens), None, seq_idx=seq_idx, states=states,
+                                                           return_states=return_states, cp=cp)
+        normed, _ = self.norm_f.add_forward(hidden, residual)
+        if labels is None:
+            return LMOutput(loss=None, logits=self._head(normed), states=new_states)
+        return LMOutput(loss=self.head_loss(normed, labels), logits=None, states=new_states)
 
-        hidden = self.embedding(tokens)
-        residual = None
+    def forward_blocks(self, hidden: torch.Tensor, residual: torch.Tensor | None, seq_idx: torch.Tensor | None = None,
+                       blocks: list[int] | None = None, states: list | None = None, return_states: bool = False,
+                       cp=None) -> tuple[torch.Tensor, torch.Tensor, list | None]:
+        """The block pair (hidden, fp32 residual) through `blocks` (global indices, in order; default: every
+        block held), as the model's forward and a pipeline stage (parallel/pp.py) run them. `states`: one
+        initial state per block of `blocks`; returns (hidden, residual, their final states or None)."""
+        blocks = self.layers.keys() if blocks is None else blocks
+        if seq_idx is not None and seq_idx.dtype != torch.int32:
+            seq_idx = seq_idx.to(torch.int32)
+        # the hint costs a host sync: only when a block here takes it
+        hint = self._attn_doc_mask and seq_idx is not None and any(
+            block_kind(self.layers[b].kind).single_doc_hint for b in blocks)
+        single_doc = single_document(seq_idx) if hint else None
         new_states = [] if return_states else None
-        for i, layer in enumerate(self.layers):
-            hidden, residual, st = layer(
+        for i, b in enumerate(blocks):
+            hidden, residual, st = self.layers[b](
                 hidden,
                 residual,
                 seq_idx=seq_idx,
@@ -187,10 +228,7 @@ class LanguageModel(nn.Module):
             )
             if return_states:
                 new_states.append(st)
-        normed, _ = self.norm_f.add_forward(hidden, residual)
-        if labels is None:
-            return LMOutput(loss=None, logits=self._head(normed), states=new_states)
-        return LMOutput(loss=self.head_loss(normed, labels), logits=None, states=new_states)
+        return hidden, residual, new_states
 
     # ------------------------------------------------------------------------------------------------
     # loss: loss_terms (sum, count) -> finish_loss (mean; the CP plan makes it global); head_loss chunks

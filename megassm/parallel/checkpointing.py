@@ -37,7 +37,7 @@ def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
     replaced in `model.layers` (and in the pipeline stage modules that hold it) by a checkpointed variant
     holding the same submodules."""
     replaced = {}
-    for i, layer in enumerate(model.layers):
+    for i, layer in model.layers.items():
         if not isinstance(layer, Block):
             raise ValueError(f"activation checkpointing: {type(layer).__name__} is not a residual block")
         cls = type(layer)
@@ -48,7 +48,7 @@ def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
         replaced[id(layer)] = substitute(model.layers, str(i), _CLASSES[cls])
     plan = getattr(model, "pp_plan", None)
     for stage in (plan.modules if plan is not None else ()):  # built before: they hold the blocks themselves
-        for j, block in enumerate(stage.blocks):
+        for b, block in stage.layers.items():
             if id(block) in replaced:
-                stage.blocks[j] = replaced[id(block)]
+                stage.layers[b] = replaced[id(block)]
     return model

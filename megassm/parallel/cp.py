@@ -391,7 +391,7 @@ def apply_context_parallel(model: LanguageModel, cp_group) -> LanguageModel:
     if cp_plan_of(model) is not None:
         raise RuntimeError("apply_context_parallel: the model is already context-parallel")
     halo, full = 1, False
-    for i, layer in enumerate(model.layers):
+    for i, layer in model.layers.items():
         kind = block_kind(layer.kind)
         if kind.cp is None or kind.cp not in CP_TREATMENTS:
             raise ValueError(f"context parallelism: no plan for block letter {layer.kind!r} ({kind.name})")

@@ -62,13 +62,11 @@ def draw_threads() -> int:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device, seed: int, group=None, collective: bool = True,
-                name_of=None) -> nn.Module:
+def materialize(model: nn.Module, device, seed: int, group=None, collective: bool = True) -> nn.Module:
     """Allocate `model` (on the meta device) on `device` and give it its canonical weights. Collective over
     `group` (None: every rank) when torch.distributed is initialized and `collective`: every rank of it must
     hold the same parameters, in the same order. Otherwise this process draws every parameter itself
-    (threaded). `name_of(local name)` gives the name the init is seeded with (pipeline stages: the
-    single-device name)."""
+    (threaded). A pipeline stage's parameters carry their single-device names, so the same draws."""
     t0 = time.perf_counter()
     model.to_empty(device=device)
     params = list(model.named_parameters())  # a tied weight once
@@ -77,12 +75,11 @@ def materialize(model: nn.Module, device, seed: int, group=None, collective: boo
     me = dist.get_rank(group) if distributed else 0
     owner = deal([p.numel() for _, p in params], n)
     src = [dist.get_global_rank(group, r) if group is not None else r for r in range(n)] if distributed else None
-    seed_name = name_of or (lambda s: s)
 
     def draw(i: int) -> torch.Tensor:
-        name, p = params[i]  # the rule lives on the local module, the seed follows the canonical name
+        name, p = params[i]
         gen = torch.Generator(device="cpu")
-        gen.manual_seed(param_seed(seed, seed_name(name)))
+        gen.manual_seed(param_seed(seed, name))
         return draw_rule(rule_of(model, name), tuple(p.shape), gen)
 
     mine = [i for i in range(len(params)) if owner[i] == me]
@@ -115,15 +112,13 @@ def materialize(model: nn.Module, device, seed: int, group=None, collective: boo
 
 
 @torch.no_grad()
-def materialize_from(model: nn.Module, device, state: dict, name_of=None) -> nn.Module:
+def materialize_from(model: nn.Module, device, state: dict) -> nn.Module:
     """Allocate `model` (on the meta device) on `device` with the weights of `state`, a canonical state dict every
-    rank holds (model.init_from, read and checked by megassm.interop.sources): no draws, no collective. `name_of`
-    as in materialize (pipeline stages: local name -> canonical name)."""
+    rank holds (model.init_from, read and checked by megassm.interop.sources): no draws, no collective."""
     t0 = time.perf_counter()
     model.to_empty(device=device)
-    canonical = name_of or (lambda s: s)
     for name, p in model.named_parameters():
-        p.copy_(state[canonical(name)])
+        p.copy_(state[name])
         p._no_weight_decay = rule_of(model, name).no_wd
     log.info("materialized %d parameters on %s from model.init_from in %.1fs", len(list(model.parameters())), device,
              time.perf_counter() - t0)

@@ -3,7 +3,7 @@ schedules of torch.distributed.pipelining (1F1B, GPipe, interleaved 1F1B with vi
 
     model = build_model(cfg.model, vocab_size=V, device="meta")       # shapes only
     split_model(model, pp, pp_rank, virtual=1, group=pp_group, emb_group=emb_group)  # keep this rank's stages
-    model.to_empty(device="cpu"); init_stage_weights(model, seed)   # canonical weights, by global name
+    model.to_empty(device="cpu"); init_stage_weights(model, seed)   # canonical weights, by name
     apply_tensor_parallel(model, tp_group, sp)                       # optional: TP inside every stage
     apply_pipeline_parallel(model, schedule="1f1b")                  # stage modules, schedules
     loss_sum = train_step(model, micro_batches, autocast)            # forward + backward of one step
@@ -11,13 +11,14 @@ schedules of torch.distributed.pipelining (1F1B, GPipe, interleaved 1F1B with vi
 
 Stages are cut at `|` in the pattern, else balanced by parameter count (`balance_stages`). Global stage s
 of pp x virtual stages lives on pipeline rank s % pp (Megatron's / torch's interleaved order). A rank keeps
-only its blocks, renumbered 0.. in `model.layers` (so every plan that walks `model.layers` works
-unchanged); `PPPlan.global_name` maps a parameter name back to the single-device one, which init,
-checkpoints and tests use: "layers.3.mixer..." on the second stage may be "layers.9.mixer..." globally.
-The embedding lives on the first stage, the final norm and the head on the last one; with tied embeddings
-the last stage holds a copy of the embedding weight (same canonical init, same checkpoint entry), whose
-gradient is summed with the first stage's over the embedding group (first + last pipeline rank), so both
-copies take identical optimizer steps.
+only its blocks in `model.layers`, which is keyed by global block index (models/lm.py `Layers`): the other
+blocks are deleted, so every parameter keeps its single-device name ("layers.9.mixer..." is block 9 on any
+rank) and init, checkpoints and every plan that walks `model.layers` need no renaming. Each stage runs the
+model's own code (`LanguageModel.forward_blocks` over its blocks). The embedding lives on the first stage,
+the final norm and the head on the last one; with tied embeddings the last stage holds a copy of the
+embedding weight (same canonical init, same checkpoint entry), whose gradient is summed with the first
+stage's over the embedding group (first + last pipeline rank), so both copies take identical optimizer
+steps.
 
 What crosses a stage boundary is the block pair (hidden, fp32 residual) of one micro-batch (sequence
 shards under SP). Every pipeline rank of a data-parallel rank reads the same batches, so `seq_idx` is
@@ -35,9 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megassm.models.attention import single_document
 from megassm.models.init import draw, param_seed, rule_of
-from megassm.models.registry import block_kind
 
 from . import comm
 
@@ -132,7 +131,7 @@ class PPPlan:
     virtual: int
     layout: list  # global block indices of every global stage (pp * virtual of them)
     stage_ids: list  # the global stages held here: rank, rank + pp, ...
-    own: list  # global block index of each local block (model.layers[j] is global block own[j])
+    own: list  # global indices of the blocks held here, in order (the keys of model.layers)
     tied: bool
     emb_group: object = None  # first + last pipeline rank (tied embeddings)
     schedule: str = "1f1b"
@@ -153,20 +152,6 @@ class PPPlan:
     @property
     def last(self) -> bool:
         return self.n_stages - 1 in self.stage_ids
-
-    def global_name(self, local: str) -> str:
-        if local.startswith("layers."):
-            _, j, rest = local.split(".", 2)
-            return f"layers.{self.own[int(j)]}.{rest}"
-        return local
-
-    def local_name(self, name: str) -> str | None:
-        """The name of global parameter `name` on this rank, or None when this rank does not hold it."""
-        if name.startswith("layers."):
-            _, b, rest = name.split(".", 2)
-            b = int(b)
-            return f"layers.{self.own.index(b)}.{rest}" if b in self.own else None
-        return name
 
 
 def split_model(model: nn.Module, pp: int, rank: int, virtual: int = 1, group=None, emb_group=None,
@@ -196,7 +181,9 @@ def split_model(model: nn.Module, pp: int, rank: int, virtual: int = 1, group=No
     plan = PPPlan(group=group, pp=pp, rank=rank, virtual=virtual, layout=layout, stage_ids=stage_ids, own=own,
                   tied=model.lm_head is None, emb_group=emb_group, state_names=state_names,
                   decay_names=decay, no_decay_names=no_decay)
-    model.layers = nn.ModuleList(model.layers[b] for b in own)
+    for b in range(model.n_layers):  # the held blocks keep their global keys, hence their names
+        if b not in own:
+            del model.layers[b]
     if not plan.first and not (plan.last and plan.tied):
         model.embedding = None
     if not plan.last:
@@ -209,16 +196,15 @@ def split_model(model: nn.Module, pp: int, rank: int, virtual: int = 1, group=No
 
 @torch.no_grad()
 def init_stage_weights(model: nn.Module, seed: int) -> None:
-    """Canonical init of a split model: each parameter gets the value its single-device (global) name gets
-    from `LanguageModel.init_weights(seed)`."""
-    plan = pp_plan_of(model)
+    """Canonical init of a split model: each parameter gets the value its (single-device) name gets from
+    `LanguageModel.init_weights(seed)`."""
     for name, p in model.named_parameters():
         if p.is_meta:
             raise RuntimeError(f"init_stage_weights: parameter '{name}' is on the meta device; materialize the "
                                "model first (model.to_empty(device=...))")
         rule = rule_of(model, name)
         gen = torch.Generator(device="cpu")
-        gen.manual_seed(param_seed(seed, plan.global_name(name)))
+        gen.manual_seed(param_seed(seed, name))
         p.copy_(draw(rule, tuple(p.shape), gen))
         p._no_weight_decay = rule.no_wd
 
@@ -240,24 +226,24 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 class StageModule(nn.Module):
-    """Global stage `index` of a split model: first: tokens -> embedding -> blocks; middle: (hidden,
-    residual) -> blocks; both return the pair (hidden, fp32 residual); last: -> blocks -> fused add +
-    final norm -> head -> logits (the vocabulary shard under TP). `seq_idx` (keyword) reaches every stage.
-    Holds the model's own submodules (so its parameters are exactly this stage's); the forward runs under
-    `self.autocast()` (set per step by the caller), so the schedule's backward runs outside autocast."""
+    """Global stage `index` of a split model, for torch's PipelineStage: it holds the model's own submodules
+    of this stage under their model names (so its parameters are exactly this stage's) and runs the model's
+    code. First: tokens -> embedding -> blocks; middle: (hidden, residual) -> blocks; both return the pair
+    (hidden, fp32 residual); last: -> blocks -> fused add + final norm -> head -> logits (the vocabulary
+    shard under TP). `seq_idx` (keyword) reaches every stage. The forward runs under `self.autocast()` (set
+    per step by the caller), so the schedule's backward runs outside autocast."""
 
     def __init__(self, model: nn.Module, index: int, blocks: list[int], first: bool, last: bool):
         super().__init__()
         self.index, self.first, self.last = index, first, last
-        self.embedding = model.embedding if first else None
-        self.blocks = nn.ModuleList(model.layers[j] for j in blocks)
+        tied_head = last and model.lm_head is None
+        self.embedding = model.embedding if (first or tied_head) else None  # the last stage's: the tied head
+        self.layers = type(model.layers)((b, model.layers[b]) for b in blocks)  # the same blocks, same keys
         self.norm_f = model.norm_f if last else None
-        self.head = (model.lm_head if model.lm_head is not None else model.embedding) if last else None
+        self.lm_head = model.lm_head if last else None
         object.__setattr__(self, "lm", model)  # not a submodule: its parameters belong to the stages
-        self.doc_mask = bool(getattr(model, "_attn_doc_mask", False)) and any(
-            block_kind(b.kind).single_doc_hint for b in self.blocks)
+        self.block_ids = list(blocks)  # global block indices (also the BPTT carrier's keys)
         self.autocast = contextlib.nullcontext
-        self.block_ids = list(blocks)  # local block indices (the BPTT carrier's keys)
         self.carrier = None  # BPTT (training/bptt.py): set by train_step(..., carrier=) for one schedule run
 
     def forward(self, *args, seq_idx: torch.Tensor | None = None, bptt_mb: torch.Tensor | None = None,
@@ -265,32 +251,26 @@ class StageModule(nn.Module):
         """`bptt_mb` (CPU, [micro-batch] filled with the micro-batch's index) and `bptt_reset` ([micro-batch]
         bool: the row starts a new document) come with a BPTT step: the blocks start from the carrier's
         states of that micro-batch and hand their final states back."""
-        if seq_idx is not None and seq_idx.dtype != torch.int32:
-            seq_idx = seq_idx.to(torch.int32)
-        single_doc = single_document(seq_idx) if (self.doc_mask and seq_idx is not None) else None
+        lm = self.lm
         carrier = self.carrier if bptt_mb is not None else None
+        states = None
         if carrier is not None:
             m = int(bptt_mb[0])
-            states, finals = carrier.stage_begin(m, bptt_reset, self.block_ids), []
+            states = carrier.stage_begin(m, bptt_reset, self.block_ids)
         with self.autocast():
             if self.first:
-                hidden, residual = self.embedding(args[0]), None
+                hidden, residual = lm.embedding(args[0]), None
             else:
                 hidden, residual = (_ContiguousGrad.apply(t) for t in args)
-            for i, block in enumerate(self.blocks):
-                if carrier is None:
-                    hidden, residual, _ = block(hidden, residual, seq_idx=seq_idx, single_doc=single_doc)
-                else:
-                    hidden, residual, st = block(hidden, residual, seq_idx=seq_idx, single_doc=single_doc,
-                                                 state=states[i], return_state=True)
-                    finals.append(st)
+            hidden, residual, finals = lm.forward_blocks(hidden, residual, seq_idx=seq_idx, blocks=self.block_ids,
+                                                         states=states, return_states=carrier is not None)
             if carrier is not None:
                 carrier.stage_end(m, self.block_ids, finals)
             if self.last:
-                normed, _ = self.norm_f.add_forward(hidden, residual)
-                if self.lm.loss_chunk_tokens:  # the loss function runs the head chunk by chunk (_loss_fn)
+                normed, _ = lm.norm_f.add_forward(hidden, residual)
+                if lm.loss_chunk_tokens:  # the loss function runs the head chunk by chunk (_loss_fn)
                     return normed
-                return self.lm._head(normed)
+                return lm._head(normed)
         return hidden.contiguous(), residual.contiguous()  # sent as they are (SP shards are strided views)
 
 
@@ -303,12 +283,8 @@ def apply_pipeline_parallel(model: nn.Module, schedule: str = "1f1b") -> nn.Modu
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline schedule must be one of {', '.join(SCHEDULES)}, got '{schedule}'")
     plan.schedule = schedule
-    plan.modules, plan.schedules = [], {}
-    local = 0
-    for s in plan.stage_ids:
-        n = len(plan.layout[s])
-        plan.modules.append(StageModule(model, s, list(range(local, local + n)), s == 0, s == plan.n_stages - 1))
-        local += n
+    plan.modules = [StageModule(model, s, plan.layout[s], s == 0, s == plan.n_stages - 1) for s in plan.stage_ids]
+    plan.schedules = {}
     n_params = sum(p.numel() for p in model.parameters())
     log.info("pipeline rank %d/%d: stage(s) %s, blocks %s, %.2fM parameters held (%s schedule)", plan.rank,
              plan.pp, plan.stage_ids, [plan.layout[s] for s in plan.stage_ids], n_params / 1e6, schedule)
@@ -502,12 +478,12 @@ def _param_kinds(plan: PPPlan) -> dict:
 
 
 def _optimizer_by_name(optimizer, model, plan: PPPlan) -> dict:
-    """This stage's canonical optimizer state keyed by global parameter name, plus the hyperparameters of
+    """This stage's canonical optimizer state keyed by parameter name, plus the hyperparameters of
     its decay / no-decay groups."""
     from .tp import _optimizer_params, optimizer_state_to_canonical
 
     sd = optimizer_state_to_canonical(optimizer, model)  # TP shards gathered (collective)
-    names = [plan.global_name(n) for n, _ in _optimizer_params(optimizer, model)]
+    names = [n for n, _ in _optimizer_params(optimizer, model)]
     kinds = _param_kinds(plan)
     groups = {}
     for g in sd["param_groups"]:
@@ -528,7 +504,7 @@ def gather_canonical_states(model: nn.Module, optimizer, groups) -> tuple[dict |
 
     inner = _unwrap(model)
     plan = pp_plan_of(inner)
-    local = {plan.global_name(k): v for k, v in canonical_state_dict(inner).items()}
+    local = canonical_state_dict(inner)
     opt = _optimizer_by_name(optimizer, inner, plan) if optimizer is not None else None
     if groups.tp_rank or groups.dp_rank or groups.cp_rank:  # every pipeline of replicas holds the same
         return None, None
@@ -573,12 +549,11 @@ def load_canonical_states(model: nn.Module, optimizer, model_state: dict, optim_
 
     inner = _unwrap(model)
     plan = pp_plan_of(inner)
-    wanted = {k: plan.global_name(k) for k in inner.state_dict()}
-    missing = sorted(g for g in wanted.values() if g not in model_state)
+    missing = sorted(k for k in inner.state_dict() if k not in model_state)
     unexpected = sorted(set(model_state) - set(plan.state_names))
     if missing or unexpected:
         raise KeyError(f"pipeline checkpoint: missing {missing}, unexpected {unexpected}")
-    load_canonical_state_dict(inner, {k: model_state[g] for k, g in wanted.items()})
+    load_canonical_state_dict(inner, {k: model_state[k] for k in inner.state_dict()})
     if optimizer is None or optim_state is None:
         return
     order = plan.decay_names + plan.no_decay_names
@@ -590,7 +565,7 @@ def load_canonical_states(model: nn.Module, optimizer, model_state: dict, optim_
              for g in optim_state["param_groups"] if g["params"]}
     index = {n: i for i, n in enumerate(order)}
     mine = optimizer.state_dict()
-    names = [plan.global_name(n) for n, _ in _optimizer_params(optimizer, inner)]
+    names = [n for n, _ in _optimizer_params(optimizer, inner)]
     state = {}
     for i, name in enumerate(names):
         st = optim_state["state"].get(index[name])

@@ -47,8 +47,9 @@ def setup(cfg, device: torch.device) -> tuple[ParallelGroups, torch.device]:
 def init_model(model, groups: ParallelGroups, cfg, device, init_state: dict | None = None):
     """Canonical weights for `model`, built on the meta device, materialized on `device` (parallel/materialize.py:
     the draws dealt out over the job's ranks and broadcast). PP: this rank keeps its stages only
-    (parallel/pp.py) and draws them itself, each parameter by its global name. `init_state` (model.init_from: a
-    canonical state dict on every rank) replaces the draws; the plans are applied after this either way."""
+    (parallel/pp.py) and draws them itself, each parameter by its (single-device) name. `init_state`
+    (model.init_from: a canonical state dict on every rank) replaces the draws; the plans are applied after
+    this either way."""
     from .materialize import materialize, materialize_from
 
     if groups.pp == 1:
@@ -57,11 +58,10 @@ def init_model(model, groups: ParallelGroups, cfg, device, init_state: dict | No
         return materialize(model, device, cfg.train.seed)
     ppl.split_model(model, groups.pp, groups.pp_rank, virtual=cfg.parallel.pp_virtual, group=groups.pp_group,
                     emb_group=groups.emb_group)
-    name_of = ppl.pp_plan_of(model).global_name
     if init_state is not None:
-        return materialize_from(model, device, init_state, name_of=name_of)
+        return materialize_from(model, device, init_state)
     # the other ranks of this stage hold the same parameters, but no group of exactly them exists: draw locally
-    return materialize(model, device, cfg.train.seed, collective=False, name_of=name_of)
+    return materialize(model, device, cfg.train.seed, collective=False)
 
 
 def prepare_model(model, groups: ParallelGroups, cfg):

@@ -305,7 +305,7 @@ def apply_tensor_parallel(model: LanguageModel, tp_group, sp: bool = False) -> L
     specs = plan.specs
     d = model.config.d_model
     rep = ShardSpec(0, (_replica(d, 1, tp, partial=sp),))
-    for i, layer in enumerate(model.layers):
+    for i, layer in model.layers.items():  # global block indices: the parameter names (also on a PP stage)
         kind = block_kind(layer.kind)
         if kind.tp_layout is None:
             raise ValueError(f"tensor parallelism: no plan for block letter {layer.kind!r} ({kind.name})")
@@ -424,22 +424,23 @@ def _head_spec(spec: ShardSpec, unit: int) -> ShardSpec:
 
 def state_shard_specs(states: list, model: nn.Module) -> dict:
     """How a TP model's per-block recurrent states are cut: {"i.name": ShardSpec along the state tensor's
-    channel / head dim (1)} for block i's MambaState conv (the conv channels' pieces) and ssm (heads) and
-    KVCache k / v (kv heads); {} without TP. `states` is one entry per local block (None = stateless)."""
+    channel / head dim (1)} for the i-th held block's MambaState conv (the conv channels' pieces) and ssm
+    (heads) and KVCache k / v (kv heads); {} without TP. `states` is one entry per held block, in order
+    (None = stateless)."""
     from megassm.models.state import KVCache, MambaState
 
     plan = plan_of(model)
     if plan is None:
         return {}
     specs = {}
-    for i, s in enumerate(states):
-        pre = f"layers.{i}.mixer."
+    for i, (b, s) in enumerate(zip(model.layers.keys(), states)):
+        pre = f"layers.{b}.mixer."
         if isinstance(s, MambaState):
             specs[f"{i}.conv"] = ShardSpec(1, plan.specs[pre + "conv1d.weight"].pieces)
             specs[f"{i}.ssm"] = ShardSpec(1, plan.specs[pre + "A_log"].pieces)
         elif isinstance(s, KVCache):
             specs[f"{i}.k"] = specs[f"{i}.v"] = _head_spec(plan.specs[pre + "k_proj.weight"],
-                                                           model.layers[i].mixer.head_dim)
+                                                           model.layers[b].mixer.head_dim)
     return specs
 
 

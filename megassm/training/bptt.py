@@ -66,10 +66,7 @@ def block_layout(model) -> tuple[list[int], int]:
     """(global index of each of this rank's blocks, number of blocks of the whole model): PP ranks hold a
     subset of the blocks (parallel/pp.py), every other layout all of them."""
     m = _unwrap(model)
-    plan = pp_plan_of(m)
-    if plan is None:
-        return list(range(len(m.layers))), len(m.layers)
-    return list(plan.own), sum(len(s) for s in plan.layout)
+    return m.layers.keys(), m.n_layers  # keyed by global index (models/lm.py Layers)
 
 
 def carried_kinds(model) -> list[str | None]:
@@ -162,6 +159,7 @@ class StateCarrier:
             raise ValueError("BPTT through K > 1 windows with pipeline parallelism is not supported: the graph "
                              "would span K pipeline schedule runs (use train.bptt_windows=1)")
         self.blocks, self.n_blocks = block_layout(model)
+        self._slot = {b: j for j, b in enumerate(self.blocks)}  # global block index -> position in the states
         self.kinds = carried_kinds(model)
         self._pending: dict = {}  # PP: (micro-batch, block) -> final state of the running schedule
         self.micro_batch, self.accumulation, self.windows = int(micro_batch), int(accumulation), int(windows)
@@ -203,15 +201,17 @@ class StateCarrier:
 
     # --- pipeline stages (parallel/pp.py StageModule.forward) ----------------------------------------
     def stage_begin(self, m: int, reset: torch.Tensor | None, blocks: list[int]) -> list:
-        """Initial states of local `blocks` for micro-batch m's window, rows flagged in `reset` cleared."""
-        states = [self.states[m][j] for j in blocks]
+        """Initial states of `blocks` (global indices) for micro-batch m's window, rows flagged in `reset`
+        cleared."""
+        states = [self.states[m][self._slot[b]] for b in blocks]
         return reset_states(states, reset) if reset is not None else states
 
     def stage_end(self, m: int, blocks: list[int], new_states: list) -> None:
-        """Final states of local `blocks` for micro-batch m, held until `commit` (the schedule may run a
+        """Final states of `blocks` (global indices) for micro-batch m, held until `commit` (the schedule may run a
         stage's forward more than once, e.g. its first-step shape inference: the last run wins and nothing
         is read back before the step ends)."""
-        for j, s in zip(blocks, new_states):
+        for b, s in zip(blocks, new_states):
+            j = self._slot[b]
             self._pending[(m, j)] = None if (self.kinds[j] is None or s is None) else detach_states([s])[0]
 
     def commit(self) -> None:

@@ -23,7 +23,7 @@ holds as chunks of the canonical tensors (offsets + a view of its local tensor):
   - FSDP2: a DTensor's local shard is one chunk at its global offset (DCP's own chunk), then TP-mapped;
   - ZeRO-1 (parallel/zero.py): a flat slice [a, b) of a parameter is cut into the few boxes (partial row, full
     rows, partial row, recursively) that tile it, each contiguous;
-  - PP: local names become global ones (the last stage's tied embedding copy is not written).
+  - PP: each stage writes its tensors under their own names (the last stage's tied embedding copy is not written).
 Replicated tensors (DDP / CP replicas, the plain "ignored" parameters of FSDP2) are cut into DP x CP row blocks
 and replica r offers block r, so the writing is spread over the replicas; whatever is still offered by several
 ranks with the same offsets (TP-replicated pieces, the per-parameter step) is written once by DCP's
@@ -275,25 +275,25 @@ def load_sharded(path: str, model, optimizer, groups=None, engine=None) -> None:
         return
     layout = read_layout(path)
     md = _dcp_metadata(path)
-    inner, tplan, pplan, gname = model_context(model)
+    inner, tplan, pplan = model_context(model)
     tp_rank = tplan.rank if tplan is not None else 0
     targets, shapes = {}, {}
     for name, t in inner.state_dict().items():
         spec = tplan.specs.get(name) if tplan is not None else None
         shape, boxes = tensor_boxes(t, spec, tp_rank, None)
-        key = "model." + gname(name)
+        key = "model." + name
         targets.setdefault(key, []).extend(boxes)
         shapes[key] = shape
     optim_fill = None
     if optimizer is not None:
-        optim_fill = _optimizer_targets(optimizer, inner, tplan, gname, layout, md, targets, shapes, DTensor)
+        optim_fill = _optimizer_targets(optimizer, inner, tplan, layout, md, targets, shapes, DTensor)
     _check_shapes(md, targets, shapes, path)
     _dcp_load(targets, path)
     if optim_fill is not None:
         optim_fill()
 
 
-def _optimizer_targets(optimizer, inner, tplan, gname, layout, md, targets, shapes, DTensor):
+def _optimizer_targets(optimizer, inner, tplan, layout, md, targets, shapes, DTensor):
     """Register target chunks for this rank's optimizer states; returns the function that loads them into the
     optimizer once read."""
     tp_rank = tplan.rank if tplan is not None else 0
@@ -306,7 +306,7 @@ def _optimizer_targets(optimizer, inner, tplan, gname, layout, md, targets, shap
     def hyper_for(local_group) -> dict:
         if not local_group["params"]:
             return {}
-        g = gname(local_name[id(local_group["params"][0])])
+        g = local_name[id(local_group["params"][0])]
         if g not in index:
             raise ckpt.CheckpointError(f"the checkpoint's optimizer has no parameter '{g}'")
         return {k: v for k, v in group_of[index[g]].items() if k != "params"}
@@ -320,8 +320,7 @@ def _optimizer_targets(optimizer, inner, tplan, gname, layout, md, targets, shap
     if is_zero1(optimizer):
         full: dict = {}  # param -> {state key: full local-shaped tensor, only the owned pieces filled}
         for p, a, b, v in optimizer._views:
-            name = local_name[id(p)]
-            g = gname(name)
+            g = name = local_name[id(p)]
             spec = tplan.specs.get(name) if tplan is not None else None
             st = full.setdefault(p, {})
             for k in keys:
@@ -347,7 +346,7 @@ def _optimizer_targets(optimizer, inner, tplan, gname, layout, md, targets, shap
         return fill_zero1
 
     state = {}
-    for i, (g, p) in enumerate(optimizer_params(optimizer, inner, gname)):
+    for i, (g, p) in enumerate(optimizer_params(optimizer, inner)):
         name = local_name[id(p)]
         spec = tplan.specs.get(name) if tplan is not None else None
         st = {}
@@ -482,7 +481,7 @@ class ShardedCheckpointer:
         return final
 
     def _layout(self, model, optimizer) -> dict | None:
-        inner, tplan, pplan, gname = model_context(model)
+        inner, tplan, pplan = model_context(model)
         names = canonical_param_names(model, optimizer) if optimizer is not None else []
         if pplan is not None:
             model_keys = list(pplan.state_names)
@@ -494,7 +493,7 @@ class ShardedCheckpointer:
                 mine = {}
                 for g in optimizer.param_groups:
                     if g["params"]:
-                        n = gname({id(p): n for n, p in inner.named_parameters()}[id(g["params"][0])])
+                        n = {id(p): n for n, p in inner.named_parameters()}[id(g["params"][0])]
                         mine.setdefault(kinds[n], {k: v for k, v in g.items() if k != "params"})
                 allh = [None] * self.world
                 dist.all_gather_object(allh, mine, group=self.group)
@@ -508,7 +507,7 @@ class ShardedCheckpointer:
                         groups.append({**hyper[kind], "params": list(range(off, off + len(ns)))})
                         off += len(ns)
         else:
-            model_keys = [gname(k) for k in inner.state_dict()]
+            model_keys = list(inner.state_dict())
             groups = canonical_groups(optimizer) if optimizer is not None else []
         if self.rank != 0:
             return None

@@ -102,8 +102,7 @@ def model_context(model):
 
     inner = ckpt.unwrap_model(ppl._unwrap(model))
     tplan, pplan = plan_of(inner), ppl.pp_plan_of(inner)
-    gname = pplan.global_name if pplan is not None else (lambda n: n)
-    return inner, tplan, pplan, gname
+    return inner, tplan, pplan
 
 
 def _replicas(groups) -> tuple[int, int]:
@@ -133,20 +132,20 @@ def tensor_boxes(t, spec, tp_rank: int, rep: tuple | None) -> tuple[tuple, list]
 
 def canonical_param_names(model, optimizer, engine=None) -> list[str]:
     """The canonical optimizer order (the index of a parameter in optim.pt): the single-device optimizer's
-    parameter order by global name."""
-    inner, _, pplan, gname = model_context(model)
+    parameter order by name."""
+    inner, _, pplan = model_context(model)
     if pplan is not None:
         return list(pplan.decay_names) + list(pplan.no_decay_names)
     if engine is not None and getattr(engine, "name", None) == "deepspeed":
         return [n for names in engine._names for n in names]
     name_of = {id(p): n for n, p in inner.named_parameters()}
-    return [gname(name_of[id(p)]) for g in optimizer.param_groups for p in g["params"]]
+    return [name_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
 
 
-def optimizer_params(optimizer, inner, gname) -> list:
-    """[(global name, param)] in this optimizer's (local) order."""
+def optimizer_params(optimizer, inner) -> list:
+    """[(name, param)] in this optimizer's (local) order."""
     name_of = {id(p): n for n, p in inner.named_parameters()}
-    return [(gname(name_of[id(p)]), p) for g in optimizer.param_groups for p in g["params"]]
+    return [(name_of[id(p)], p) for g in optimizer.param_groups for p in g["params"]]
 
 
 def is_zero1(optimizer) -> bool:
@@ -176,26 +175,24 @@ def save_entries(model, optimizer, groups) -> dict:
     """This rank's pieces of the canonical model and optimizer states, replicas split (views, not copies)."""
     from megassm.parallel import pp as ppl
 
-    inner, tplan, pplan, gname = model_context(model)
+    inner, tplan, pplan = model_context(model)
     tp_rank = tplan.rank if tplan is not None else 0
     rep = _replicas(groups)
     skip = ppl._tied_copy(pplan) if pplan is not None else set()
     entries: dict = {}
     for name, t in inner.state_dict().items():
-        g = gname(name)
-        if g in skip:
+        if name in skip:
             continue
         spec = tplan.specs.get(name) if tplan is not None else None
         shape, boxes = tensor_boxes(t, spec, tp_rank, rep)
-        _add(entries, "model." + g, shape, boxes)
+        _add(entries, "model." + name, shape, boxes)
     if optimizer is None:
         return entries
     local_name = {id(p): n for n, p in inner.named_parameters()}
     if is_zero1(optimizer):  # this rank's flat pieces: disjoint over DP, no replica split
         states = optimizer._piece_states()
         for (p, a, b, _), st in zip(optimizer._views, states):
-            name = local_name[id(p)]
-            g = gname(name)
+            g = name = local_name[id(p)]
             spec = tplan.specs.get(name) if tplan is not None else None
             cshape = canonical_shape(p.shape, spec)
             for k, v in st.items():
@@ -206,7 +203,7 @@ def save_entries(model, optimizer, groups) -> dict:
                 else:
                     raise RuntimeError(f"sharded checkpoint: optimizer state '{k}' of '{g}' is not a tensor")
         return entries
-    for g, p in optimizer_params(optimizer, inner, gname):
+    for g, p in optimizer_params(optimizer, inner):
         if g in skip:
             continue
         spec = tplan.specs.get(local_name[id(p)]) if tplan is not None else None
