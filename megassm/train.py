@@ -18,6 +18,7 @@ Exit codes (megassm/training/failures.py; docs/reliability.md says what to do af
       stop: "checkpointed, requeue me", resume with --resume auto (docs/launch.md)
   130 a second Ctrl-C: stopped at once, nothing saved since the last checkpoint
   1   an unexpected error (a traceback)
+SIGUSR2 prints every thread's stack to stderr and training goes on (where a hung rank waits).
 Rank 0 of the trainer that holds run.dir's lock records the code in run.dir/last_exit.json, which the SLURM
 batch script of `megassm-launch slurm` reads to decide on a requeue (99 only). Failures found before the
 lock is taken (a config that does not load, a layout refused, a run.dir in use) write nothing.
@@ -185,10 +186,12 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_CONFIG
     preemption.reset()
     preemption.install()  # before anything slow: a preemption signal during setup must not kill the process
+    preemption.install_stack_dump()  # kill -USR2: every thread's stack on stderr (docs/reliability.md)
     try:
         return _train(args.config, overrides)
     finally:
         preemption.uninstall()
+        preemption.uninstall_stack_dump()
 
 
 def _train(config: str, overrides: list[str]) -> int:

@@ -97,6 +97,28 @@ def test_stalled_rank_fails_its_peer_after_the_timeout_and_the_job_ends(tmp_path
     assert _checkpoint_steps(run) == [2]
 
 
+def test_sigusr2_prints_every_threads_stack_and_training_goes_on(tmp_path):
+    """A user's view of a hung rank: `kill -USR2 PID` prints where each thread waits, the process lives on."""
+    import time
+
+    env = {**os.environ, "MEGASSM_FAULT": "hang:0:3:8", "PYTHONUNBUFFERED": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "megassm.train", *_args(tmp_path / "run")], cwd=ROOT, env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = ""
+        deadline = time.monotonic() + 120
+        while "stalls before step 3" not in seen and time.monotonic() < deadline:
+            seen += p.stderr.readline()
+        assert "stalls before step 3" in seen, seen[-2000:]
+        p.send_signal(signal.SIGUSR2)
+        rest = p.communicate(timeout=120)[1]
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, rest[-3000:]  # the dump did not stop training: the stall ends, the run finishes
+    assert "Current thread" in rest and "faults.py" in rest and "in at_step" in rest, rest[-3000:]
+
+
 def test_checkpoint_writer_killed_mid_save_leaves_no_complete_looking_checkpoint(tmp_path):
     """The writer (rank 0) SIGKILLed before the completion marker (meta.json) or before the rename: the new
     step is not listed, `--resume auto` picks the previous checkpoint, the temp directory stays for inspection.

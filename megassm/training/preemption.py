@@ -72,6 +72,28 @@ def install() -> bool:
     return True
 
 
+STACKS_SIGNAL = signal.SIGUSR2
+
+
+def install_stack_dump() -> bool:
+    """`kill -USR2 PID` prints every thread's Python stack of that process to stderr and training goes on: how to
+    see where a hung rank waits (a collective, the data loader, a checkpoint write) without a debugger. The dump
+    is faulthandler's, written from C, so it works while the main thread is blocked inside NCCL or I/O."""
+    import faulthandler
+
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+    return True
+
+
+def uninstall_stack_dump() -> None:
+    import faulthandler
+
+    if threading.current_thread() is threading.main_thread():
+        faulthandler.unregister(STACKS_SIGNAL)
+
+
 def uninstall() -> None:
     """Restore the handlers that install() replaced."""
     if threading.current_thread() is not threading.main_thread():
