@@ -83,7 +83,15 @@ def install_stack_dump() -> bool:
 
     if threading.current_thread() is not threading.main_thread():
         return False
-    faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # stderr replaced by an object without a descriptor (captured)
+        fd = 2  # the process's own stderr
+    try:
+        faulthandler.register(STACKS_SIGNAL, file=fd, all_threads=True, chain=False)
+    except (OSError, ValueError, RuntimeError) as e:
+        log.warning("SIGUSR2 stack dumps not installed: %s", e)
+        return False
     return True
 
 
