@@ -16,8 +16,8 @@ import torch
 from megassm.models.state import KVCache, MambaState
 from megassm.parallel.tp import state_shard_specs
 
-from compare import randomize_, rel, worst
-from parallel_cases import tiny_model_config
+from compare import rel, worst
+from parallel_cases import exact_device, tiny_model_config, twin_models
 
 __all__ = ["cp_batch", "cp_equivalence_worker", "shard_states"]
 
@@ -114,8 +114,6 @@ def cp_equivalence_worker(rank, world, cp, tp, cases, out_path, device="cpu", to
     """For each case (tiny_model_config kwargs, plus `window` for the attention's sliding window): the
     checks in the module docstring. Rank 0 writes a JSON report; any mismatch raises on the rank that
     sees it."""
-    from megassm.models import build_model
-
     from megassm.parallel import comm
     from megassm.parallel.cp import allreduce_cp_grads, apply_context_parallel, global_token_count, local_slice
     from megassm.parallel.state import build_groups
@@ -123,11 +121,7 @@ def cp_equivalence_worker(rank, world, cp, tp, cases, out_path, device="cpu", to
 
     groups = build_groups(tp=tp, cp=cp)
     assert groups.cp == cp and comm.world(groups.cp_group) == cp  # the layout itself: parallel_cases.layout_worker
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        dev = torch.device("cuda", torch.cuda.current_device())
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+    dev = exact_device(device)
     cpg = groups.cp_group
     report = []
     for case in cases:
@@ -136,14 +130,7 @@ def cp_equivalence_worker(rank, world, cp, tp, cases, out_path, device="cpu", to
         big = case.pop("big", False)
         mcfg = tiny_model_config(**case, big=big)
         mcfg.attn.sliding_window = window
-        ref = build_model(mcfg, device="cpu")
-        ref.init_weights(7)
-        randomize_(ref.named_parameters(), 7)
-        ref.to(dev)
-        par = build_model(mcfg, device="cpu")
-        par.init_weights(7)
-        randomize_(par.named_parameters(), 7)
-        par.to(dev)
+        ref, par = twin_models(mcfg, dev)
         apply_tensor_parallel(par, groups.tp_group, sp=sp)
         apply_context_parallel(par, cpg)
         V = mcfg.vocab_size

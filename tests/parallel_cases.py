@@ -13,6 +13,30 @@ from megassm.config import ModelConfig, MambaConfig, AttentionConfig, MLPConfig
 from compare import close, randomize_, rel, worst
 
 
+def exact_device(device: str) -> torch.device:
+    """The worker's device; on CUDA this rank's GPU with TF32 off in cuBLAS / cuDNN (fp32 comparisons)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", torch.cuda.current_device())
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    return dev
+
+
+def twin_models(mcfg, dev: torch.device):
+    """(reference, to-be-parallelized) models with the same weights: seeded init, then every parameter moved off
+    it (biases and norm weights too) so a plan that drops or misplaces one shows."""
+    from megassm.models import build_model
+
+    out = []
+    for _ in range(2):
+        m = build_model(mcfg, device="cpu")
+        m.init_weights(7)
+        randomize_(m.named_parameters(), 7)
+        out.append(m.to(dev))
+    return tuple(out)
+
+
 def tiny_model_config(pattern: str, ngroups: int = 1, n_kv_heads: int = 2, tie: bool = True,
                       norm_before_gate: bool = False, proj_bias: bool = False, attn_bias: bool = False,
                       big: bool = False) -> ModelConfig:
@@ -48,7 +72,6 @@ def equivalence_worker(rank, world, tp, sp, cases, out_path, steps=3, device="cp
     same batch: loss, logits (gathered), every canonical gradient, `steps` AdamW steps with clipping, and the
     collectives of one layer forward/backward. Every parameter (biases and norm weights too) is moved off its
     init first. Raises on any mismatch or non-finite value; rank 0 writes a JSON report to out_path."""
-    from megassm.models import build_model
     from megassm.training.optim import clip_grad_norm
 
     from megassm.parallel import comm
@@ -57,11 +80,7 @@ def equivalence_worker(rank, world, tp, sp, cases, out_path, steps=3, device="cp
                                      sync_tp_grads)
 
     groups = build_groups(tp=tp)
-    dev = torch.device(device)
-    if dev.type == "cuda":  # fp32 comparisons: no TF32 in cuBLAS / cuDNN
-        dev = torch.device("cuda", torch.cuda.current_device())
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+    dev = exact_device(device)
     report = []
     for case in cases:
         big = case.pop("big", False)
@@ -72,14 +91,7 @@ def equivalence_worker(rank, world, tp, sp, cases, out_path, steps=3, device="cp
                 setattr(getattr(mcfg, sec), key, val)
         if sections:
             case["sections"] = sections
-        ref = build_model(mcfg, device="cpu")
-        ref.init_weights(7)
-        randomize_(ref.named_parameters(), 7)
-        ref.to(dev)
-        par = build_model(mcfg, device="cpu")
-        par.init_weights(7)
-        randomize_(par.named_parameters(), 7)
-        par.to(dev)
+        ref, par = twin_models(mcfg, dev)
         apply_tensor_parallel(par, groups.tp_group, sp=sp)
         batch = make_batch(mcfg.vocab_size, bsz, seqlen, seed=1, device=dev)
 

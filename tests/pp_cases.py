@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from compare import close, randomize_, rel, worst
-from parallel_cases import make_batch, tiny_model_config
+from parallel_cases import exact_device, make_batch, tiny_model_config
 
 __all__ = ["build_pipeline", "pp_equivalence_worker"]
 
@@ -71,6 +71,12 @@ def _stage_params(model) -> dict:
     return canonical_state_dict(model)
 
 
+def _param_rels(model, ref) -> dict:
+    """{name: relative difference} of this rank's (canonical) parameters against the reference's."""
+    rparams = {name: p.detach().cpu() for name, p in ref.named_parameters()}
+    return {name: rel(v, rparams[name]) for name, v in _stage_params(model).items()}
+
+
 def pp_equivalence_worker(rank, world, tp, pp, cases, out_path, device="cpu", tol=1e-5, steps=2):
     """cases: dicts with `model` (tiny_model_config kwargs) and optional virtual, schedule, sp, ac
     (activation checkpointing), n_micro, micro_batch, seqlen. Raises on any mismatch; rank 0 writes a JSON
@@ -82,11 +88,7 @@ def pp_equivalence_worker(rank, world, tp, pp, cases, out_path, device="cpu", to
     from megassm.parallel.state import build_groups
 
     groups = build_groups(tp=tp, pp=pp)
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        dev = torch.device("cuda", torch.cuda.current_device())
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+    dev = exact_device(device)
     dp = groups.dp
     report = []
     for case in cases:
@@ -143,9 +145,7 @@ def pp_equivalence_worker(rank, world, tp, pp, cases, out_path, device="cpu", to
             clip_grad_norm(ref.parameters(), 0.5)
             opt_p.step()
             opt_r.step()
-        pp_params = _stage_params(par)
-        rparams = {name: p.detach().cpu() for name, p in ref.named_parameters()}
-        prel = {name: rel(v, rparams[name]) for name, v in pp_params.items()}
+        prel = _param_rels(par, ref)
         worst_param = max(prel, key=prel.get)
 
         # eval (forward only), on batches of another step
@@ -182,9 +182,7 @@ def pp_equivalence_worker(rank, world, tp, pp, cases, out_path, device="cpu", to
         clip_grad_norm(ref.parameters(), 0.5)
         opt_f.step()
         opt_r.step()
-        fparams = _stage_params(fresh)
-        rparams = {name: p.detach().cpu() for name, p in ref.named_parameters()}
-        load_rels = {name: rel(v, rparams[name]) for name, v in fparams.items()}
+        load_rels = _param_rels(fresh, ref)
         load_worst = max(load_rels, key=load_rels.get)
         load_rel = load_rels[load_worst]
 

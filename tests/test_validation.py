@@ -64,25 +64,6 @@ def test_same_checkpoint_same_validation_loss_at_any_micro_batch(trained, micro)
     assert abs(got - val) <= 1e-5 * val, (micro, got, val)
 
 
-def _pp_worker(rank, world, ckpt, run_dir, out):
-    t = _trainer(run_dir, ["parallel.pp=2", "train.micro_batch=2", f"run.resume={ckpt}"])
-    try:
-        v = t.evaluate()["loss/val"]
-    finally:
-        t.close()
-    with open(f"{out}.{rank}", "w") as f:
-        json.dump(v, f)
-
-
-def test_same_checkpoint_same_validation_loss_under_pp2(trained):
-    base, ckpt, val, _ = trained
-    out = str(base / "pp2-val")
-    spawn(_pp_worker, 2, ckpt, str(base / "pp2"), out)
-    got = [json.load(open(f"{out}.{r}")) for r in range(2)]
-    assert got[0] == got[1]  # every rank reports the same value
-    assert abs(got[0] - val) <= 1e-5 * val, (got, val)
-
-
 def _layout_worker(rank, world, ckpt, run_dir, out, over):
     t = _trainer(run_dir, [*over, f"run.resume={ckpt}"])
     try:
@@ -93,9 +74,11 @@ def _layout_worker(rank, world, ckpt, run_dir, out, over):
         json.dump(v, f)
 
 
-@pytest.mark.parametrize("name,over", [("cp2", ["parallel.cp=2"]), ("dp2", ["train.micro_batch=1"])])
-def test_same_checkpoint_same_validation_loss_under_cp2_and_dp2(trained, name, over):
-    """CP splits every sample's tokens over the ranks; DP splits the samples (5 over 2 ranks: one padding row)."""
+@pytest.mark.parametrize("name,over", [("pp2", ["parallel.pp=2", "train.micro_batch=2"]), ("cp2", ["parallel.cp=2"]),
+                                       ("dp2", ["train.micro_batch=1"])])
+def test_same_checkpoint_same_validation_loss_under_pp2_cp2_dp2(trained, name, over):
+    """PP runs the set through the pipeline schedule; CP splits every sample's tokens over the ranks; DP splits the
+    samples (5 over 2 ranks: one padding row). Every rank reports the same value."""
     base, ckpt, val, _ = trained
     out = str(base / f"{name}-val")
     spawn(_layout_worker, 2, ckpt, str(base / name), out, over)
