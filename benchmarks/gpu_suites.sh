@@ -7,7 +7,8 @@
 #
 # Default files: the TP, CP, PP, engine, ZeRO, BPTT and fault suites. Per-test limit: 240 s (pytest-timeout;
 # a test that runs over fails with its stack instead of holding the call). The leftover ranks of a test that
-# timed out are killed before the next file.
+# timed out are killed before the next file (GPU_SUITES_KILL=0 skips that, for several of these scripts run side by
+# side on one machine, each with its own OUT_DIR and files).
 set -u
 out=${1:?usage: gpu_suites.sh OUT_DIR [PER_TEST_SECONDS] [FILE ...]}
 per=${2:-240}
@@ -20,9 +21,9 @@ mkdir -p "$out"
 for f in "${files[@]}"; do
     name=$(basename "$f" .py)
     start=$(date +%s)
-    python3 -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout "$per" --junitxml="$out/$name.xml" "$f" \
+    python3 -m pytest -m gpu -q -rfE -p no:cacheprovider --durations=0 --timeout "$per" --junitxml="$out/$name.xml" "$f" \
         > "$out/$name.log" 2>&1
     rc=$?
-    pkill -9 -f "[-]m megassm[.]train" 2>/dev/null || true
+    [ "${GPU_SUITES_KILL:-1}" = 0 ] || pkill -9 -f "[-]m megassm[.]train" 2>/dev/null || true
     echo "$name rc=$rc $(( $(date +%s) - start ))s $(tail -1 "$out/$name.log")" | tee -a "$out/summary.txt"
 done
