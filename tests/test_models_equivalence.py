@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from megassm.config import AttentionConfig, MambaConfig, MLPConfig, ModelConfig
 from megassm.models import build_model, reset_states
+from megassm.models.attention import Attention
 
 from compare import randomize_
 
@@ -114,6 +115,86 @@ def test_attention_doc_mask_switch():
         a = model(tok, seq_idx=SEQ_IDX).logits
         b = model(tok2, seq_idx=SEQ_IDX).logits
     assert (a[0, 6:] - b[0, 6:]).abs().max() > 1e-3
+
+
+# ----------------------------------------------------------------------------------------------------
+# capture-safe attention (LanguageModel.capture_safe, train.cuda_graph): single_doc=False builds the document
+# mask on the device for every batch; it must give what the default path gives
+# ----------------------------------------------------------------------------------------------------
+def _attn_outputs_and_grads(attn, u, seq_idx, single_doc):
+    u = u.detach().clone().requires_grad_(True)
+    attn.zero_grad(set_to_none=True)
+    out, _ = attn(u, seq_idx=seq_idx, single_doc=single_doc)
+    # a fixed cotangent that weighs every position differently
+    w = torch.linspace(-1.0, 1.0, out.numel(), dtype=torch.float32).reshape(out.shape).to(out.dtype)
+    (out.float() * w.float()).sum().backward()
+    return [out.detach(), u.grad] + [p.grad for p in attn.parameters()]
+
+
+def _doc_ids(rows: int, seqlen: int, resets: bool) -> torch.Tensor:
+    """Nondecreasing document ids [rows, seqlen]: with resets, each row switches document at a few
+    row-dependent places (one row also starts a document at its last token); else one document a row."""
+    sid = torch.zeros(rows, seqlen, dtype=torch.int32)
+    if resets:
+        for r in range(rows):
+            for cut in {(r + 1) * seqlen // 4, seqlen // 2 + r, seqlen - 1 - r % 2}:
+                if 0 < cut < seqlen:
+                    sid[r, cut:] += 1
+            sid[r] += 7 * r
+    else:
+        sid += torch.arange(rows, dtype=torch.int32)[:, None] * 3
+    return sid
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seqlen", [13, 37])  # odd lengths, and one past 32
+@pytest.mark.parametrize("n_kv_heads, window, rope", [(4, 0, True), (2, 0, True), (1, 0, False), (2, 5, True)])
+@pytest.mark.parametrize("resets", [True, False])
+def test_capture_safe_attention_equals_default_path(dtype, seqlen, n_kv_heads, window, rope, resets):
+    """single_doc=False (no host read) against the default (single_doc=None: tested on the host), outputs and
+    gradients of input and weights. With document resets both take the mask path: bit-identical. One document
+    a row: the default takes the `is_causal` kernel (no window) and the capture-safe path the same causal mask
+    explicitly: equal up to the kernels' rounding."""
+    cfg = ModelConfig(pattern="*", d_model=32, attn=AttentionConfig(n_heads=4, n_kv_heads=n_kv_heads,
+                                                                    sliding_window=window, rope=rope))
+    torch.manual_seed(0)
+    attn = Attention(cfg, 2).to(dtype)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(0, 0.3)  # logits well spread: masking differences would show
+    u = torch.randn(3, seqlen, 32).to(dtype)
+    sid = _doc_ids(3, seqlen, resets)
+    default = _attn_outputs_and_grads(attn, u, sid, None)
+    safe = _attn_outputs_and_grads(attn, u, sid, False)
+    for i, (a, b) in enumerate(zip(safe, default)):
+        if resets or window:
+            assert torch.equal(a, b), f"tensor {i}: {(a.float() - b.float()).abs().max()}"
+        else:
+            tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(a, b, **tol, msg=f"tensor {i}")
+    if resets:  # the documents are really separated (the comparison is not between two causal masks)
+        plain, _ = attn(u, seq_idx=None)
+        assert not torch.allclose(plain.float(), default[0].float(), atol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["hybrid", "hybrid_window", "hybrid_nope"])
+@pytest.mark.parametrize("resets", [True, False])
+def test_capture_safe_model_equals_default(name, resets):
+    """The whole model with capture_safe set: the same loss and gradients as without it (the same mask with
+    resets; the explicit causal mask instead of the causal kernel without)."""
+    tok = tokens_for(7)
+    sid = SEQ_IDX if resets else torch.tensor([[0] * 14, [4] * 14], dtype=torch.int32)
+    runs = []
+    for capture_safe in (False, True):
+        model = make(tiny(**MODELS[name])).train()
+        model.capture_safe = capture_safe
+        out = model(tok, seq_idx=sid, labels=tok)
+        out.loss.backward()
+        runs.append([out.loss.detach()] + [p.grad for p in model.parameters()])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+        if resets:
+            assert torch.equal(a, b)
 
 
 def test_zero_states_equal_no_states():

@@ -3,7 +3,11 @@
 Document masking (attn.doc_mask, default on): with `seq_idx`, a token attends only to earlier tokens of its
 own document (block-diagonal causal mask) and RoPE positions restart at each document, so a document's
 outputs are the same wherever it sits in a packed row, and equal to what token-by-token decoding with a
-reset gives. When every row holds one document the SDPA `is_causal` fast path is used (no mask tensor).
+reset gives. When every row holds one document the SDPA `is_causal` fast path is used (no mask tensor);
+finding that out reads seq_idx on the host (`single_document`, once per model call). A caller that must not
+sync (a CUDA graph capture: LanguageModel.capture_safe) passes single_doc=False: the mask and the positions
+are then built on the device for every batch, single-document or not. Nothing else in the training forward
+and backward (no cache, tp = cp = 1) reads a value on the host, sliding window included.
 With doc_mask off, seq_idx is ignored here (packed documents see each other, positions run over the row).
 
 Sliding window W: a token attends to itself and the W-1 tokens before it.
@@ -177,7 +181,10 @@ class Attention(nn.Module):
         cp=None,  # the context-parallel context: read by parallel/cp.py's variant of this mixer
     ) -> tuple[torch.Tensor, KVCache | None]:
         """u [B, L, d_model] -> (out [B, L, d_model], new cache or None). `single_doc` (every row is one
-        document) may be passed by the caller so that the host sync happens once per model call."""
+        document) may be passed by the caller so that the host sync happens once per model call; None: found
+        out here (a host sync when seq_idx is given). False takes the document-mask path whatever the batch
+        holds, with no host read: on a single-document batch it gives the fast path's result through the
+        masked kernel (the mask is then plain causal)."""
         bsz, seqlen, _ = u.shape
         dev = u.device
         if not self.doc_mask:

@@ -96,6 +96,12 @@ class LanguageModel(nn.Module):
     #                     context handed to every block as `cp=`; .finish_loss(total, count): the global mean
     vocab_parallel = None
     context_parallel = None
+    # capture_safe: the forward reads no tensor value on the host, as a CUDA graph capture needs
+    # (training/cuda_graph.py; the trainer sets it under train.cuda_graph). Attention then never tests a batch
+    # for the single-document fast path (`single_document`, a device -> host sync): with seq_idx it always
+    # builds the causal same-document mask and the in-document positions on the device (the same mask the
+    # eager path takes for batches with document resets), without seq_idx it is the causal kernel as always.
+    capture_safe = False
 
     def __init__(self, cfg: ModelConfig, vocab_size: int):
         super().__init__()
@@ -211,10 +217,13 @@ class LanguageModel(nn.Module):
         blocks = self.layers.keys() if blocks is None else blocks
         if seq_idx is not None and seq_idx.dtype != torch.int32:
             seq_idx = seq_idx.to(torch.int32)
-        # the hint costs a host sync: only when a block here takes it
+        # the hint costs a host sync: only when a block here takes it, and never under capture_safe, where
+        # False sends attention down its document-mask path without looking at seq_idx on the host
         hint = self._attn_doc_mask and seq_idx is not None and any(
             block_kind(self.layers[b].kind).single_doc_hint for b in blocks)
-        single_doc = single_document(seq_idx) if hint else None
+        single_doc = None
+        if hint:
+            single_doc = False if self.capture_safe else single_document(seq_idx)
         new_states = [] if return_states else None
         for i, b in enumerate(blocks):
             hidden, residual, st = self.layers[b](
