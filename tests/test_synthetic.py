@@ -152,8 +152,8 @@ def test_runner_grad_clip_and_eval_batches_flags(tmp_path, monkeypatch):
 def test_runner_cuda_graph_refusals(tmp_path, capsys):
     base = ["--task", "induction_heads", "--steps", "2", "--train-len", "16", "--out", str(tmp_path / "o"),
             "--cuda-graph", "model.d_model=32"]
-    assert R.main(base + ["model.pattern=M*"]) == 2
-    assert "model.pattern='M*' has block(s) '*'" in capsys.readouterr().err
+    assert R.main(base + ["model.pattern=M*C"]) == 2  # attention is graph-safe, the COFFEE block is not
+    assert "model.pattern='M*C' has block(s) 'C'" in capsys.readouterr().err
     assert R.main(base + ["model.pattern=MM", "--device", "cpu"]) == 2
     assert "train.cuda_graph needs a CUDA device; this run uses cpu" in capsys.readouterr().err
     cfg = tmp_path / "c.yaml"
@@ -163,7 +163,7 @@ def test_runner_cuda_graph_refusals(tmp_path, capsys):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pattern", ["MM", "SL", "BB"])
+@pytest.mark.parametrize("pattern", ["MM", "SL", "BB", "M*"])
 def test_runner_cuda_graph_trains_like_the_eager_loop(tmp_path, pattern):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("train: {log_every: 5}\n")

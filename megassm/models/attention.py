@@ -336,5 +336,7 @@ BLOCK_KIND = register(BlockKind(
     letter="*", name="attention", mixer=Attention, sections=("attn",), state=KVCache,
     check=check_attn_section, flop_keys=("attn_proj", "attn_scores"), flops=attn_flops,
     activation_bytes=attn_activation_bytes, tp_layout=attn_tp_layout,
-    cp="attention", bptt=_attn_carried, cuda_graph="no", fsdp_bf16_gather=True, single_doc_hint=True,
+    # cuda_graph: with the model's capture_safe (single_doc=False) the forward and backward read nothing on the
+    # host, with or without document resets and sliding window
+    cp="attention", bptt=_attn_carried, cuda_graph="yes", fsdp_bf16_gather=True, single_doc_hint=True,
 ))

@@ -126,7 +126,9 @@ class BlockKind:
     tp_layout: Callable | None = None  # (mixer, tp, sp) -> TPLayout; None: no tensor-parallel plan
     cp: str | None = None  # parallel/cp.py treatment ("local": position-wise, nothing to exchange); None: refused
     bptt: Callable | None = None  # (mixer) -> what the BPTT carrier keeps ("mamba", "window", None); None: refused
-    cuda_graph: str = "no"  # "yes", "without_resets" (only when batches have no document resets), "no"
+    # "yes" (no host sync and no collective in its forward and backward at tp = cp = 1, under the model's
+    # capture_safe), "without_resets" (only when batches have no document resets), "no"
+    cuda_graph: str = "no"
     sp: bool = True  # runs under sequence parallelism (its TP layout's entry gathers the sequence)
     fsdp_bf16_gather: bool = False  # its matmul weights are read by F.linear only (FSDP2 may gather them in bf16)
     single_doc_hint: bool = False  # its forward takes the batch's single-document hint (attention)

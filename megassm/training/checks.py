@@ -68,7 +68,10 @@ def _check_group_builder(cfg: Config) -> None:
 
 
 def _check_cuda_graph(cfg: Config) -> None:
-    """train.cuda_graph=true: refuse what a captured micro-batch cannot hold (training/cuda_graph.py)."""
+    """train.cuda_graph=true: refuse what a captured micro-batch cannot hold (training/cuda_graph.py): model
+    parallelism's collectives, sharding engines' backward hooks, BPTT, activation checkpointing, and blocks
+    whose forward reads values on the host (COFFEE, B'MOJO with the packed batches' document resets).
+    Attention is taken: under the graph it builds its document mask on the device for every batch."""
     from megassm.config import blocks_of
     from megassm.training.cuda_graph import GRAPH_SAFE_LETTERS
 
@@ -87,8 +90,9 @@ def _check_cuda_graph(cfg: Config) -> None:
         bad = sorted(set(blocks_of(cfg.model.pattern)) - set(GRAPH_SAFE_LETTERS))
         if bad:
             why = (f"model.pattern='{cfg.model.pattern}' has block(s) {', '.join(repr(c) for c in bad)}: their forward "
-                   "reads values on the host (attention picks its causal kernel per batch, COFFEE tests values, "
-                   "B'MOJO counts memory groups per batch of packed documents); graph-safe blocks: " + ", ".join(f"{k} {v}" for k, v in GRAPH_SAFE_LETTERS.items()))
+                   "reads values on the host (COFFEE's solver tests values, B'MOJO counts its memory groups per "
+                   "batch of packed documents); graph-safe blocks: "
+                   + ", ".join(f"{k} {v}" for k, v in GRAPH_SAFE_LETTERS.items()))
     if why is not None:
         raise ConfigError(f"train.cuda_graph=true: {why}")
 

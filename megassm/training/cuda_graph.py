@@ -21,11 +21,18 @@ How the gradients stay right (two graphs, as the eager loop has two cases):
 The warm-up forward/backward passes before the capture run the kernels' autotuning (a capture cannot time
 configs) on a side stream, as torch's CUDA-graph notes ask; their gradients are discarded.
 
+Host syncs: the model runs with `capture_safe` set (models/lm.py; the trainer sets it with train.cuda_graph),
+so attention does not test each batch on the host for the single-document fast path (`is_causal`): it builds
+the causal same-document mask and the in-document RoPE positions on the device for every batch, the path the
+eager loop takes for batches with document resets. A captured graph replays that one path whatever the batch
+holds; single-document batches go through the masked kernel too (its cost against the causal kernel is not
+measured yet). Hybrid patterns (`M*M-`, configs/hybrid-1.3b.yaml) are therefore captured.
+
 What cannot be captured is refused by the config check (trainer.check_supported): host syncs inside the
-forward (attention picks its causal kernel per batch, COFFEE's DEER solver tests values on the host, and
-B'MOJO counts its memory groups on the host when a batch has document resets), collectives (TP / CP / PP,
-and DDP's backward hooks: data parallelism instead averages the accumulated gradients after the replays with
-one flat all-reduce), BPTT's carried state and activation checkpointing (untested under capture).
+forward (COFFEE's DEER solver tests values on the host, and B'MOJO counts its memory groups on the host when
+a batch has document resets), collectives (TP / CP / PP, and DDP's backward hooks: data parallelism instead
+averages the accumulated gradients after the replays with one flat all-reduce), BPTT's carried state and
+activation checkpointing (untested under capture).
 """
 from __future__ import annotations
 
@@ -40,8 +47,8 @@ log = logging.getLogger("megassm.training.cuda_graph")
 
 __all__ = ["GraphedMicroBatch", "GRAPH_SAFE_LETTERS", "GRAPH_SAFE_WITHOUT_RESETS"]
 
-# pattern letters whose forward and backward run no host sync and no collective (at tp = cp = 1): the block
-# kinds declaring cuda_graph="yes" (models/registry.py)
+# pattern letters whose forward and backward run no host sync and no collective (at tp = cp = 1, attention
+# under the model's capture_safe): the block kinds declaring cuda_graph="yes" (models/registry.py)
 GRAPH_SAFE_LETTERS = {k.letter: k.name for k in block_kinds() if k.cuda_graph == "yes"}
 # and these only when batches carry no document resets (seq_idx None), as the synthetic runner's do: e.g.
 # B'MOJO's number of memory groups is static without resets and read on the host with them (the trainer's

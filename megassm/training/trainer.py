@@ -143,6 +143,9 @@ class Trainer:
         if cfg.train.cuda_graph:
             from megassm.training.cuda_graph import GraphedMicroBatch
 
+            # no host reads in the forward: attention builds its document mask on the device for every batch
+            # (models/lm.py); evaluation, eager, takes the same path
+            self.model.capture_safe = True
             self.graphed = GraphedMicroBatch(list(self.model.parameters()), self._forward_backward)
         self.carrier = None  # BPTT: the rows' recurrent states between windows (training/bptt.py)
         if cfg.train.bptt:
