@@ -9,7 +9,10 @@
 # a test that runs over fails with its stack instead of holding the call). The leftover ranks of a test that
 # timed out are killed before the next file (GPU_SUITES_KILL=0 skips that, for several of these scripts run side by
 # side on one machine, each with its own OUT_DIR and files).
+# MEGASSM_TRITON_AUTOTUNE defaults to 0 here (the first config of each kernel: compiling every config of every
+# variant costs minutes per test on a fresh machine); GPU_SUITES_K, when set, is passed to pytest as -k.
 set -u
+export MEGASSM_TRITON_AUTOTUNE=${MEGASSM_TRITON_AUTOTUNE:-0}
 out=${1:?usage: gpu_suites.sh OUT_DIR [PER_TEST_SECONDS] [FILE ...]}
 per=${2:-240}
 shift $(( $# >= 2 ? 2 : $# ))
@@ -21,7 +24,7 @@ mkdir -p "$out"
 for f in "${files[@]}"; do
     name=$(basename "$f" .py)
     start=$(date +%s)
-    python3 -m pytest -m gpu -q -rfE -p no:cacheprovider --durations=0 --timeout "$per" --junitxml="$out/$name.xml" "$f" \
+    python3 -m pytest -m gpu ${GPU_SUITES_K:+-k "$GPU_SUITES_K"} -q -rfE -p no:cacheprovider --durations=0 --timeout "$per" --junitxml="$out/$name.xml" "$f" \
         > "$out/$name.log" 2>&1
     rc=$?
     [ "${GPU_SUITES_KILL:-1}" = 0 ] || pkill -9 -f "[-]m megassm[.]train" 2>/dev/null || true
