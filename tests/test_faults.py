@@ -62,7 +62,8 @@ def test_timeout_must_be_a_positive_number():
 def test_fault_spec_is_checked():
     assert faults.parse("kill:1:4") == ("kill", 1, 4, float("inf"))
     assert faults.parse("hang:0:2:5") == ("hang", 0, 2, 5.0)
-    for bad in ("kill:1", "kill:1:4:5", "hang:-1:2", "hang:1:0", "stop:1:4", "hang:1:2:0", "kill:a:4"):
+    assert faults.parse("hangsave:1:2") == ("hangsave", 1, 2, float("inf"))
+    for bad in ("kill:1", "kill:1:4:5", "hangsave:1", "hang:-1:2", "hang:1:0", "stop:1:4", "hang:1:2:0", "kill:a:4"):
         with pytest.raises(ValueError, match="MEGASSM_FAULT"):
             faults.parse(bad)
 
@@ -95,6 +96,21 @@ def test_stalled_rank_fails_its_peer_after_the_timeout_and_the_job_ends(tmp_path
     assert r.seconds < 4 + GRACE_S + START_S, r.seconds
     _assert_no_rank_alive(run)
     assert _checkpoint_steps(run) == [2]
+
+
+def test_a_rank_stalled_before_the_save_leaves_no_checkpoint_of_that_step(tmp_path):
+    """Rank 1 finishes step 4 and stalls before its checkpoint; rank 0 writes step 4 but must not publish it
+    before every rank has confirmed the step (under NCCL the watchdog's abort can let the peers finish a step
+    on garbage: a published checkpoint of it would be resumed from)."""
+    run = tmp_path / "run"
+    r = launch(ROOT, _args(run, "parallel.timeout_s=4"), nproc=2, env={"MEGASSM_FAULT": "hangsave:1:4"},
+               timeout=300)
+    assert r.returncode != 0, r.stderr[-3000:]
+    assert "[rank 1] megassm: MEGASSM_FAULT=hangsave:1:4: stalls before the checkpoint of step 4" in r.stderr
+    assert r.seconds < 4 + GRACE_S + START_S, r.seconds
+    _assert_no_rank_alive(run)
+    assert _checkpoint_steps(run) == [2]
+    assert not [d for d in os.listdir(run / "checkpoints") if d.startswith(".tmp-")]  # rank 0 removed its temp
 
 
 def test_sigusr2_prints_every_threads_stack_and_training_goes_on(tmp_path):

@@ -352,7 +352,7 @@ def save_checkpoint(
     model_state: dict | None = None,
     optim_state: dict | None = None,
 ) -> str:
-    """Write run_dir/checkpoints/step_XXXXXXXX atomically and return its path.
+    """Write run_dir/checkpoints/step_XXXXXXXX atomically and return its path: write_checkpoint, then publish.
 
     `extra`: scalar values (str, int, float, bool, None) go into meta.json; every other value is saved as
     `<key>.pt` (keys: letters, digits, '_', '.', '-'; not model/optim/meta). `keep_last` > 0 then removes
@@ -364,6 +364,47 @@ def save_checkpoint(
     Every file is hashed while it is written (meta.json's "integrity"). An OSError (full disk, unwritable
     directory) removes the temp directory and raises CheckpointWriteError naming the checkpoint.
     """
+    return write_checkpoint(run_dir, step, model=model, optimizer=optimizer, extra=extra,
+                            model_state=model_state, optim_state=optim_state).publish(keep_last)
+
+
+class PendingCheckpoint:
+    """A checkpoint written to its temp directory and not yet visible: `publish()` makes it complete (meta.json,
+    the atomic rename, pruning), `discard()` removes it. A multi-rank save publishes only after every rank has
+    confirmed its step, so a step whose collectives failed on some rank never becomes a checkpoint."""
+
+    def __init__(self, run_dir: str, tmp: str, final: str, meta: dict, t0: float):
+        self.run_dir, self.tmp, self.final, self.meta, self.t0 = run_dir, tmp, final, meta, t0
+
+    def publish(self, keep_last: int = 0) -> str:
+        try:
+            publish(self.tmp, self.final, self.meta)
+        except BaseException as e:
+            self.discard()
+            if isinstance(e, OSError):
+                raise CheckpointWriteError(f"cannot write checkpoint {self.final}: {describe_os_error(e)}") from e
+            raise
+        log.debug("checkpoint %s written in %.2fs", self.final, time.time() - self.t0)
+        _prune(self.run_dir, keep_last, self.final)
+        return self.final
+
+    def discard(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def write_checkpoint(
+    run_dir: str | os.PathLike,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    extra: dict[str, Any] | None = None,
+    model_state: dict | None = None,
+    optim_state: dict | None = None,
+) -> PendingCheckpoint:
+    """Every file of the checkpoint of `step` in a temp directory beside its final name (save_checkpoint's
+    arguments); nothing is visible until the returned PendingCheckpoint is published. An OSError removes the
+    temp directory and raises CheckpointWriteError naming the checkpoint."""
     run_dir = os.fspath(run_dir)
     extra = dict(extra or {})
     root = os.path.join(run_dir, CHECKPOINTS)
@@ -372,15 +413,13 @@ def save_checkpoint(
     tmp = os.path.join(root, f".tmp-{name}-{os.getpid()}")
     t0 = time.time()
     try:
-        publish(tmp, final, _write_temp_checkpoint(tmp, step, model, optimizer, extra, model_state, optim_state))
+        meta = _write_temp_checkpoint(tmp, step, model, optimizer, extra, model_state, optim_state)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed save leaves nothing half-written (a full disk stays full)
         if isinstance(e, OSError):
             raise CheckpointWriteError(f"cannot write checkpoint {final}: {describe_os_error(e)}") from e
         raise
-    log.debug("checkpoint %s written in %.2fs", final, time.time() - t0)
-    _prune(run_dir, keep_last, final)
-    return final
+    return PendingCheckpoint(run_dir, tmp, final, meta, t0)
 
 
 def _write_temp_checkpoint(tmp: str, step: int, model, optimizer, extra: dict, model_state, optim_state) -> dict:

@@ -324,6 +324,7 @@ class Trainer:
         return extra
 
     def save(self) -> str:
+        faults.at_save(self.step)  # the fault tests' hook: inert unless MEGASSM_FAULT is set
         if self.checkpointer is not None:  # sharded: every rank writes its pieces (async: in the background)
             carried = self.carrier.state_dict() if self.carrier is not None else None  # collective
             extra = self._extra_state(carried) if prt.is_rank0(self.groups) else None
@@ -341,19 +342,31 @@ class Trainer:
         # BPTT: the canonical carried states on rank 0 (collective: every rank's rows / blocks / shards)
         carried = self.carrier.state_dict() if self.carrier is not None else None
         path = os.path.join(self.run_dir, ckpt.CHECKPOINTS, ckpt.checkpoint_name(self.step))
-        error = None
-        if prt.is_rank0(self.groups):
-            extra = self._extra_state(carried)
-            # the optimizer's parameter names by index: lets megassm-checkpoint convert it without a config
-            extra["param_names"] = canonical_param_names(self.model, self.optimizer, self.engine)
-            try:
-                path = ckpt.save_checkpoint(
-                    self.run_dir, self.step, model=self.model, optimizer=self.optimizer,
-                    extra=extra, keep_last=self.cfg.run.keep_last,
-                    model_state=model_state, optim_state=optim_state,
-                )
-            except RunIOError as e:  # full disk, unwritable directory: the temp directory is gone already
-                error = e
+        error, pending = None, None
+        try:
+            if prt.is_rank0(self.groups):
+                extra = self._extra_state(carried)
+                # the optimizer's parameter names by index: lets megassm-checkpoint convert it without a config
+                extra["param_names"] = canonical_param_names(self.model, self.optimizer, self.engine)
+                try:
+                    pending = ckpt.write_checkpoint(self.run_dir, self.step, model=self.model,
+                                                    optimizer=self.optimizer, extra=extra,
+                                                    model_state=model_state, optim_state=optim_state)
+                except RunIOError as e:  # full disk, unwritable directory: the temp directory is gone already
+                    error = e
+            # Published only once every rank has reached this point: a rank that stalled in this step leaves
+            # its peers' collectives to the watchdog, whose abort lets their step finish on garbage; this
+            # agreement then fails (or never completes) and nothing of the step appears.
+            error = consensus.agree_error(error)
+            if pending is not None and error is None:
+                try:
+                    path = pending.publish(self.cfg.run.keep_last)
+                except RunIOError as e:
+                    error = e
+                pending = None
+        finally:
+            if pending is not None:
+                pending.discard()
         # also the barrier: no rank goes on before the checkpoint is complete, and all fail together
         error = consensus.agree_error(error)
         if error is not None:
