@@ -134,7 +134,8 @@ def run_layout(layout: str, nproc: int, steps: int, timed: int, accum: int, conf
         r0 = next((p for p in profs if p["rank"] == 0), profs[0])
         out.update(profiled_step_ms=r0["step_ms"], comm_share=r0["comm_share"],
                    comm_exposed_share=r0["comm_exposed_share"], idle_share=r0["idle_share"],
-                   comm_exposed_share_max=max(p["comm_exposed_share"] for p in profs), families_ms=r0["families"])
+                   comm_exposed_share_max=max(p["comm_exposed_share"] for p in profs), families_ms=r0["families"],
+                   top_kernels=r0.get("top"), gpu_busy_ms=r0["gpu_busy_ms"], kernels=r0["kernels"])
     import torch
 
     if torch.cuda.is_available():  # CPU smoke runs have no headroom to report

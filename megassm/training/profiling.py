@@ -9,6 +9,7 @@ rank writes RUN_DIR/profile/step_XXXXXXXX_rank_RRRR.json:
     families           GPU ms per kernel family (matmul, ssd, attention, norm, conv, nccl, optimizer,
                        fsdp / foreach copies, elementwise / copy / other), for docs/benchmarks.md's
                        profiles
+    top                the 25 kernels taking the most GPU time: name, family, ms, launches
 
 and, with run.profile_trace=true, the Chrome trace beside it. The numbers are one step of one rank: run a
 few steps before it (warm-up, autotuning) and compare ranks when they differ.
@@ -37,6 +38,9 @@ _FAMILIES = (  # first match wins; names of cuBLAS / cuDNN / Triton / NCCL / tor
     ("fsdp / foreach copies", ("chunk_cat", "split_with_sizes", "multi_tensor")),
     ("loss", ("cross_entropy", "log_softmax", "nll_loss", "softmax")),
 )
+
+
+TOP_KERNELS = 25  # summarize_kernels' "top" list
 
 
 def family_of(kernel_name: str) -> str:
@@ -81,9 +85,14 @@ def summarize_kernels(kernels: list[tuple[str, float, float]], step_ms: float) -
     compute = _union([(a, b) for n, a, b in kernels if family_of(n) != "nccl"])
     busy = _union(comm + compute)
     fam: dict[str, float] = {}
+    per_name: dict[str, list] = {}
     for n, a, b in kernels:
         f = family_of(n)
         fam[f] = fam.get(f, 0.0) + (b - a) / 1e3
+        rec = per_name.setdefault(n, [0.0, 0])
+        rec[0] += (b - a) / 1e3
+        rec[1] += 1
+    top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
     comm_ms = _length(comm) / 1e3
     exposed_ms = comm_ms - _length(_intersect(comm, compute)) / 1e3
     busy_ms = _length(busy) / 1e3
@@ -94,6 +103,8 @@ def summarize_kernels(kernels: list[tuple[str, float, float]], step_ms: float) -
         "comm_exposed_share": round(exposed_ms / step, 4), "idle_share": round(max(0.0, 1 - busy_ms / step), 4),
         "families": {k: round(v, 2) for k, v in sorted(fam.items(), key=lambda kv: -kv[1])},
         "kernels": len(kernels),
+        # the kernels taking the most GPU time: [name (cut to 120 characters), family, ms, launches]
+        "top": [[n[:120], family_of(n), round(ms, 2), c] for n, (ms, c) in top],
     }
 
 
