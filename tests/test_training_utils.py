@@ -468,3 +468,19 @@ def test_cuda_resume_fused_and_measurements(tmp_path):
     print(f"device {name!r}: peak bf16 dense {peak}")
     if any(k in name for k in ("H100", "H200", "A100")):
         assert peak is not None
+
+
+def test_step_profile_summary_families_overlap_and_top_kernels():
+    """summarize_kernels (run.profile_step): union spans, communication not overlapped by compute, the
+    families and the top kernels by GPU time, on hand-made kernel spans (microseconds)."""
+    from megassm.training.profiling import summarize_kernels
+
+    kernels = [("ncclDevKernel_AllReduce_Sum_bf16", 0, 400), ("nvjet_tst_128x256_gemm", 100, 300),
+               ("nvjet_tst_128x256_gemm", 500, 750), ("_ssd_chunk_scan_fwd", 700, 800),
+               ("elementwise_kernel<copy>", 800, 850)]
+    s = summarize_kernels(kernels, step_ms=1.0)
+    assert s["comm_ms"] == 0.4 and s["comm_exposed_ms"] == 0.2  # 100-300 of the all-reduce is overlapped
+    assert s["gpu_busy_ms"] == 0.75 and s["idle_share"] == 0.25
+    assert s["families"] == {"matmul": 0.45, "nccl": 0.4, "ssd / scan": 0.1, "elementwise / copy / other": 0.05}
+    assert s["top"][0] == ["nvjet_tst_128x256_gemm", "matmul", 0.45, 2]
+    assert [t[0] for t in s["top"]][-1] == "elementwise_kernel<copy>" and len(s["top"]) == 4
