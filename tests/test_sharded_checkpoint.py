@@ -268,7 +268,11 @@ _run = partial(train_losses, base=TINY)
 ])
 def test_dp2_sharded_checkpoint_resumes_in_other_layouts(name, resumes, tmp_path):
     """Saved (async) at DP 2 by the engine; the step-2 checkpoint resumed at DP 1 (one process), TP 2 or PP 2
-    continues the uninterrupted DP-2 run's losses (fp32 rounding: the reductions differ by layout)."""
+    continues the uninterrupted DP-2 run's losses (fp32 rounding: the reductions differ by layout), and so does
+    its canonical conversion (megassm-checkpoint) resumed in one process: the layout records the single-device
+    optimizer's groups and order (FSDP2's optimizer splits each group in two)."""
+    from megassm.checkpoint_cli import main
+
     run_dir = tmp_path / name
     straight = _run(run_dir, nproc=2, extra=ENGINES[name] + SHARDED + ["run.async_save=true"])
     path = _ckpt(run_dir, 2)
@@ -280,3 +284,9 @@ def test_dp2_sharded_checkpoint_resumes_in_other_layouts(name, resumes, tmp_path
     for nproc, layout in resumes:
         resumed = _run(tmp_path / f"r{nproc}{'-'.join(layout)}", nproc=nproc, extra=layout + SHARDED, resume=path)
         assert _close(resumed, {s: straight[s] for s in (3, 4)}), (name, layout, resumed, straight)
+    canonical = tmp_path / "canonical"
+    assert main(["convert", "--input", path, "--output", str(canonical), "--to", "canonical"]) == 0
+    groups = [len(g["params"]) for g in torch.load(canonical / "optim.pt", weights_only=True)["param_groups"]]
+    assert len(groups) == 2, groups  # weight decay and none, as the single-device optimizer has them
+    resumed = _run(tmp_path / "r-canonical", resume=canonical)
+    assert _close(resumed, {s: straight[s] for s in (3, 4)}), (name, resumed, straight)

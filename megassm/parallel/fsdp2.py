@@ -120,6 +120,15 @@ class FSDP2Engine(Engine):
         self.optimizer = torch.optim.AdamW(groups, **{k: v for k, v in base.defaults.items() if k in accepted})
         return self.optimizer
 
+    def canonical_order(self) -> list[tuple[dict, list[str]]]:
+        """The single-device optimizer's groups: [(hyperparameters, parameter names)], the hyperparameters as the
+        live groups hold them now (the scheduler's lr). The canonical index order of optim.pt and of a sharded
+        checkpoint's layout (this optimizer splits every group in two: sharded and replicated parameters)."""
+        name_of = {id(q): n for n, q in self.model.named_parameters()}
+        live = {name_of[id(q)]: g for g in self.optimizer.param_groups for q in g["params"]}
+        return [({k: v for k, v in live[names[0]].items() if k != "params"} if names else dict(opts), list(names))
+                for opts, names in self._canonical]
+
     def micro_batch(self, last: bool):
         if self.reshard == "step":  # keep the gathered weights for the step's next micro-batch, free after the last
             for unit in self.units:
