@@ -4,10 +4,10 @@ allocated and reserved, headroom, share of the step in communication and exposed
 
     source benchmarks/device_env.sh
     python benchmarks/engines_7b.py --nproc 4 --accum 8 --layouts "engine=fsdp2" "tp=2,zero_stage=1" "tp=4" \
-        "pp=2" "engine=deepspeed,zero_stage=1" --out /tmp/layouts.jsonl
+        "pp=2" "engine=deepspeed,zero_stage=1" fsdp2_tp2 --out /tmp/layouts.jsonl
 
 A layout is comma-separated keys: `tp=2` means parallel.tp=2; a dotted key (`train.micro_batch=2`) is passed as
-it is. The run: --config (configs/hybrid-7b.yaml), the byte-level stdlib corpus, micro-batch 1 x seq 4096 unless
+it is. A name of NAMED stands for its keys (fsdp2_tp2: FSDP2 x TP 2, "engine=fsdp2,tp=2"). The run: --config (configs/hybrid-7b.yaml), the byte-level stdlib corpus, micro-batch 1 x seq 4096 unless
 the layout says otherwise, bf16, Triton kernels, --steps optimizer steps of --accum micro-batches per
 data-parallel rank. The figures: tokens/s over the last --timed steps (the first ones include autotuning),
 memory peaks after the first optimizer step (the trainer resets the peak there: AdamW states exist), the
@@ -29,7 +29,17 @@ import time
 H100_BF16_PEAK = 989.4e12  # dense bf16 FLOP/s per H100 / H200 SXM (training/flops.py peak_flops_for)
 
 
+# named layouts: the keys each stands for (the JSON line's "layout" keeps the name)
+NAMED = {
+    "fsdp2": "engine=fsdp2",
+    "fsdp2_tp2": "engine=fsdp2,tp=2",  # FSDP2 x TP: TP 2, FSDP2 over the remaining ranks (DP = nproc / 2)
+    "fsdp2_tp2_sp": "engine=fsdp2,tp=2,sp=true",
+    "tp2_zero1": "tp=2,zero_stage=1",
+}
+
+
 def layout_args(layout: str) -> list[str]:
+    layout = NAMED.get(layout.strip(), layout)
     out = []
     for kv in layout.split(","):
         kv = kv.strip()

@@ -115,8 +115,8 @@ def test_dry_run_7b_at_world_size_64():
 def test_dry_run_names_bad_layouts():
     r = _dry("--config", "configs/hybrid-7b.yaml", "parallel.world_size=64", "parallel.tp=3")
     assert r.returncode == 2 and "parallel.tp=3" in r.stderr
-    r = _dry("--config", "configs/hybrid-7b.yaml", "parallel.world_size=64", "parallel.engine=fsdp2", "parallel.tp=2")
-    assert r.returncode == 2 and "trainer would refuse" in r.stderr and "parallel.engine=fsdp2" in r.stderr
+    r = _dry("--config", "configs/hybrid-7b.yaml", "parallel.world_size=64", "parallel.engine=fsdp2", "parallel.pp=4")
+    assert r.returncode == 2 and "trainer would refuse" in r.stderr and "parallel.engine=fsdp2 with parallel.pp=4" in r.stderr
     assert r.stdout.strip().splitlines()[-1].startswith("{")  # the estimate is still printed
     r = _dry("--config", "configs/mamba2-1.3b.yaml", "train.micro_batch=64", "train.global_batch=64")
     assert r.returncode == 0 and "does not fit" in r.stdout
@@ -252,6 +252,38 @@ def test_fsdp2_terms_per_reshard_mode():
     assert fp32["gather"] == 2 * block["gather"]  # fp32 instead of bf16, the same blocks
     assert fp32["weight_copies"] == 2 * sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     assert est("parallel.fsdp_reshard=micro_batch")["peak"] == step["peak"]
+
+
+def test_fsdp2_terms_under_tensor_parallelism():
+    """fsdp2 x tp 2 on 8 GPUs (dp 4): FSDP2 shards each TP rank's local matmul weights over the 4 DP ranks (fp32
+    weights and grads 4 + 4 bytes, AdamW 8), the TP-local small parameters whole on every rank; the gathered weights
+    are the TP-local ones (bf16 blocks and head, the fp32 untied embedding's vocabulary shard). Against fsdp2 over
+    dp 4 without TP (4 GPUs): half the states and the gathered weights; SP divides the residual stream's
+    activations by tp."""
+    from megassm.parallel.fsdp2 import sharded_params
+
+    def est(world, *over):
+        return memory.estimate(_cfg("configs/hybrid-7b.yaml", "train.micro_batch=1", "train.global_batch=32",
+                                    f"parallel.world_size={world}", "parallel.engine=fsdp2", *over), bf16=True)
+
+    full = est(8, "parallel.tp=2")
+    assert (full["tp"], full["dp"]) == (2, 4)
+    r = full["ranks"][0]
+    (local,) = memory.rank_models(_cfg("configs/hybrid-7b.yaml", "parallel.world_size=8", "parallel.tp=2"), 32000)
+    mm = sum(q.numel() for q in sharded_params(local))
+    rep = sum(q.numel() for q in local.parameters()) - mm
+    assert r["params"] == mm + rep and 0 < rep < 0.001 * mm
+    shard = -(-mm // 4)
+    assert r["weights"] == r["grads"] == 4 * shard + 4 * rep and r["optimizer"] == 8 * shard + 8 * rep
+    emb = local.embedding.weight.numel()
+    assert emb == 32000 * 4096 // 2  # the vocabulary shard
+    assert r["gather"] == 2 * (mm - emb) + 4 * emb  # reshard=step: the TP-local model gathered
+    dp_only = est(4)["ranks"][0]
+    for k in ("weights", "grads", "optimizer", "gather"):
+        assert r[k] == pytest.approx(dp_only[k] / 2, rel=0.01), k
+    assert r["peak"] < 0.6 * dp_only["peak"]
+    sp = est(8, "parallel.tp=2", "parallel.sp=true")["ranks"][0]
+    assert (sp["weights"], sp["gather"]) == (r["weights"], r["gather"]) and sp["activations"] < r["activations"]
 
 
 def test_engine_state_bytes_per_parameter():

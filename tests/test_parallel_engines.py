@@ -1,7 +1,8 @@
 """Data-parallel engines (parallel.engine: ddp / fsdp2 / deepspeed ZeRO 0-3) through `torchrun -m megassm.train`
-on CPU (gloo): DP=2 equals DP=1 with doubled accumulation (losses and final weights), the canonical checkpoint
-resumes exactly in any engine (and back in a single process), BPTT under DDP and FSDP2, the DeepSpeed config
-is derived from ours, and bad layouts are refused before any model is built."""
+on CPU (gloo): DP=2 equals DP=1 with doubled accumulation (losses and final weights), FSDP2 x TP 2 (4 ranks, with
+and without SP) equals one process, the canonical checkpoint resumes exactly in any engine (and back in a single
+process), BPTT under DDP and FSDP2 (also x TP 2), the DeepSpeed config is derived from ours, and bad layouts are
+refused before any model is built."""
 import json
 import os
 from functools import partial
@@ -11,7 +12,7 @@ import torch
 
 from megassm.config import ConfigError, load_config
 
-from multiproc import train_losses
+from multiproc import losses, train_losses, train_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [
@@ -32,6 +33,13 @@ ENGINES = {
     "zero2": ["parallel.engine=deepspeed", "parallel.zero_stage=2"],
     "zero3": ["parallel.engine=deepspeed", "parallel.zero_stage=3"],
 }
+# FSDP2 x TP (4 ranks: TP 2 x FSDP2 over DP 2); the tiny model's Mamba-2 B/C (ngroups 1) are TP-replicated rows of
+# in_proj, so FSDP2's shards of in_proj hold partial gradients that the TP sync sums
+FSDP2_TP = {
+    "fsdp2_tp2": ["parallel.engine=fsdp2", "parallel.tp=2"],
+    "fsdp2_tp2_sp": ["parallel.engine=fsdp2", "parallel.tp=2", "parallel.sp=true", "parallel.fsdp_reshard=block",
+                     "parallel.fsdp_prefetch=2"],
+}
 
 
 def _has_deepspeed() -> bool:
@@ -48,6 +56,7 @@ def _needs(name: str):
 
 
 _run = partial(train_losses, base=TINY, env={"DS_ACCELERATOR": "cpu"}, timeout=400)
+_records = partial(train_records, base=TINY, env={"DS_ACCELERATOR": "cpu"}, timeout=400)
 
 
 def _ckpt(run_dir, step):
@@ -72,28 +81,72 @@ def test_dp2_equals_dp1_with_doubled_accumulation(name, single, tmp_path):
     ref_dir, ref = single
     got = _run(tmp_path / name, nproc=2, extra=ENGINES[name])
     assert _close(got, ref), (name, got, ref)
+    _same_checkpoints(tmp_path / name, ref_dir, 4)
+
+
+def _same_checkpoints(a_dir, b_dir, step: int, groups_exact: bool = False) -> None:
+    """The canonical checkpoints (model.pt, optim.pt) of two runs at `step` hold the same weights and AdamW
+    moments (rel 1e-4 of each tensor's largest value) in the same optimizer order (groups_exact: and the same
+    group hyperparameters)."""
     for fname in ("model.pt", "optim.pt"):
-        a = torch.load(os.path.join(_ckpt(tmp_path / name, 4), fname))
-        b = torch.load(os.path.join(_ckpt(ref_dir, 4), fname))
+        a = torch.load(os.path.join(_ckpt(a_dir, step), fname))
+        b = torch.load(os.path.join(_ckpt(b_dir, step), fname))
         if fname == "optim.pt":
             assert [g["params"] for g in a["param_groups"]] == [g["params"] for g in b["param_groups"]]
+            assert not groups_exact or a["param_groups"] == b["param_groups"]
+            # the names of the optimizer's indices (megassm-checkpoint converts by them)
+            assert torch.load(os.path.join(_ckpt(a_dir, step), "param_names.pt")) == \
+                torch.load(os.path.join(_ckpt(b_dir, step), "param_names.pt"))
             assert sorted(a["state"]) == sorted(b["state"])
-            assert all(float(a["state"][i]["step"]) == float(b["state"][i]["step"]) == 4 for i in b["state"])
+            assert all(float(a["state"][i]["step"]) == float(b["state"][i]["step"]) == step for i in b["state"])
             a = {f"{i}.{k}": v for i, st in a["state"].items() for k, v in st.items() if k != "step"}
             b = {f"{i}.{k}": v for i, st in b["state"].items() for k, v in st.items() if k != "step"}
         assert sorted(a) == sorted(b)
         for k in b:
             scale = b[k].float().abs().max().clamp(min=1e-12)
-            assert float((a[k].float() - b[k].float()).abs().max() / scale) < 1e-4, (name, fname, k)
+            assert float((a[k].float() - b[k].float()).abs().max() / scale) < 1e-4, (fname, k)
 
 
-@pytest.mark.parametrize("name", ["ddp_zero1", "fsdp2", "zero1", "zero3"])
+# FSDP2 x TP against one process: 3 micro-batches per rank (6 in one process), clipping at 0.5 (the gradient
+# norms here are 2 to 7: it binds every step), an evaluation after steps 2 and 4 (under FSDP2 it gathers weights
+# that no backward frees: released after it)
+CLIPPED = ["train.global_batch=12", "train.grad_clip=0.5", "train.eval_interval=2", "train.eval_tokens=640"]
+
+
+@pytest.fixture(scope="module")
+def single_clipped(tmp_path_factory):
+    d = tmp_path_factory.mktemp("engines") / "single-clipped"
+    return d, _records(d, extra=CLIPPED)
+
+
+@pytest.mark.parametrize("name", list(FSDP2_TP))
+def test_fsdp2_tp2_equals_single_process(name, single_clipped, tmp_path):
+    """TP 2 x FSDP2 over DP 2 (4 ranks), 3 micro-batches per rank, clipping that binds: the losses and gradient
+    norms of every step, the validation losses, the canonical weights and AdamW moments of the checkpoint
+    (gathered over DP and TP) equal one process over the same global batch."""
+    ref_dir, ref_records = single_clipped
+    got_records = _records(tmp_path / name, nproc=4, extra=FSDP2_TP[name] + CLIPPED)
+    ref, got = losses(ref_records), losses(got_records)
+    assert _close(got, ref), (name, got, ref)
+    norms, ref_norms = losses(got_records, "grad_norm"), losses(ref_records, "grad_norm")
+    assert min(ref_norms.values()) > 2 * 0.5, ref_norms  # the clip binds
+    assert _close(norms, ref_norms), (name, norms, ref_norms)
+    val, ref_val = losses(got_records, "loss_val"), losses(ref_records, "loss_val")
+    assert sorted(ref_val) == [2, 4] and _close(val, ref_val), (name, val, ref_val)
+    _same_checkpoints(tmp_path / name, ref_dir, 4, groups_exact=True)
+
+
+@pytest.mark.parametrize("name", ["ddp_zero1", "fsdp2", "zero1", "zero3", "fsdp2_tp2"])
 def test_resume_single_process_checkpoint_in_engine(name, single, tmp_path):
-    """The canonical checkpoint of a single-process run, resumed at step 2 by a sharded engine, continues the
-    single-process losses exactly."""
-    _needs(name)
+    """The canonical checkpoint of a single-process run, resumed at step 2 by a sharded engine (FSDP2 x TP 2: on 4
+    ranks, the canonical tensors cut to TP-local ones, then sharded over DP), continues the single-process losses
+    exactly."""
     ref_dir, ref = single
-    got = _run(tmp_path / name, nproc=2, extra=ENGINES[name], resume=_ckpt(ref_dir, 2))
+    if name in FSDP2_TP:
+        got = _run(tmp_path / name, nproc=4, extra=FSDP2_TP[name], resume=_ckpt(ref_dir, 2))
+    else:
+        _needs(name)
+        got = _run(tmp_path / name, nproc=2, extra=ENGINES[name], resume=_ckpt(ref_dir, 2))
     assert _close(got, {s: ref[s] for s in (3, 4)}), (name, got, ref)
 
 
@@ -126,13 +179,16 @@ def test_zero1_composes_with_tp_and_pp(layout, single, tmp_path):
         assert _close(back, {s: ref[s] for s in (3, 4)}), (back, ref)
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("name", ["ddp", "fsdp2", "fsdp2_tp2"])
 def test_bptt_windows_under_engine(name, tmp_path):
-    """BPTT with two windows per backward: DDP falls back to the flat all-reduce (logged), FSDP2 takes the
-    carrier's several forwards before one backward; both equal the single process."""
+    """BPTT with two windows per backward: DDP falls back to the flat all-reduce (logged), FSDP2 (also x TP 2, 4
+    ranks) takes the carrier's several forwards before one backward; all equal the single process."""
     bptt = ["train.bptt=true", "train.bptt_windows=2"]
     ref = _run(tmp_path / "single", extra=bptt)
-    got = _run(tmp_path / name, nproc=2, extra=bptt + ENGINES[name])
+    if name in FSDP2_TP:
+        got = _run(tmp_path / name, nproc=4, extra=bptt + FSDP2_TP[name])
+    else:
+        got = _run(tmp_path / name, nproc=2, extra=bptt + ENGINES[name])
     assert _close(got, ref), (name, got, ref)
 
 
@@ -185,9 +241,13 @@ def test_deepspeed_partial_refusals_name_file_and_key(content, word, tmp_path):
 
 
 @pytest.mark.parametrize("over,word", [
-    (["parallel.world_size=4", "parallel.engine=fsdp2", "parallel.tp=2"], "engine=fsdp2 with parallel.tp=2"),
+    (["parallel.world_size=4", "parallel.engine=fsdp2", "parallel.pp=2"], "engine=fsdp2 with parallel.pp=2: "),
+    (["parallel.world_size=4", "parallel.engine=fsdp2", "parallel.cp=2", "train.seq_len=64"],
+     "engine=fsdp2 with parallel.cp=2: "),
+    (["parallel.world_size=8", "parallel.engine=fsdp2", "parallel.tp=2", "parallel.pp=2"],
+     "engine=fsdp2 with parallel.pp=2: "),
     (["parallel.world_size=4", "parallel.engine=deepspeed", "parallel.pp=2"], "engine=deepspeed with parallel.pp=2"),
-    (["parallel.world_size=4", "parallel.engine=fsdp2", "parallel.cp=2", "train.seq_len=64"], "parallel.cp=2"),
+    (["parallel.world_size=4", "parallel.engine=deepspeed", "parallel.tp=2"], "engine=deepspeed with parallel.tp=2"),
     (["parallel.world_size=2", "parallel.engine=ddp", "parallel.zero_stage=2"], "ddp shards the AdamW states"),
     (["parallel.world_size=2", "parallel.engine=fsdp2", "parallel.zero_stage=3"], "zero_stage=3 applies to"),
     (["parallel.world_size=2", "parallel.engine=deepspeed", "train.bptt=true"], "BPTT"),
@@ -207,6 +267,8 @@ def test_engines_accepted_layouts():
     check_engine(_cfg("parallel.world_size=8", "parallel.engine=ddp", "parallel.zero_stage=1", "parallel.tp=2",
                       "parallel.pp=2"))
     check_engine(_cfg("parallel.world_size=4", "parallel.engine=fsdp2", "train.bptt=true"))
+    check_engine(_cfg("parallel.world_size=4", "parallel.engine=fsdp2", "parallel.tp=2"))  # FSDP2 x TP
+    check_engine(_cfg("parallel.world_size=8", "parallel.engine=fsdp2", "parallel.tp=2", "parallel.sp=true"))
     check_engine(_cfg("parallel.world_size=1", "parallel.engine=fsdp2"))  # one DP rank: no engine needed
     if _has_deepspeed():
         check_engine(_cfg("parallel.world_size=8", "parallel.engine=deepspeed", "parallel.zero_stage=3"))

@@ -1,6 +1,7 @@
 """The data-parallel engines over NCCL on 2 GPUs (`pytest -m gpu`; device kind nvidia-h200-x2): DP=2 equals
 one GPU with doubled accumulation (fp32, reference kernels), and bf16 with the Triton kernels trains under
-every engine. Skipped with fewer than 2 GPUs; the DeepSpeed cases also without DeepSpeed.
+every engine. FSDP2 x TP 2 (TP 2 x FSDP2 over DP 2, with and without SP) on 4 GPUs the same way (nvidia-h100-x4).
+Skipped with fewer than 2 GPUs (4 for FSDP2 x TP); the DeepSpeed cases also without DeepSpeed.
 
     pytest -m gpu tests/test_parallel_engines_gpu.py
 """
@@ -68,5 +69,28 @@ def test_nccl_engine_bf16_triton_trains_and_resumes(tmp_path, refs, name):
     tol = 2e-2 if "deepspeed" in ENGINES[name][0] else 2e-3
     assert all(abs(got[s] - ref[s]) <= tol * abs(ref[s]) for s in ref), (got, ref)
     again = _train(tmp_path / "again", 2, ["train.precision=bf16", *ENGINES[name],
+                                            f"run.resume={tmp_path / name}/checkpoints/step_00000002"], kernels="auto")
+    assert all(abs(again[s] - got[s]) <= 2e-3 * abs(got[s]) for s in (3, 4)), (again, got)
+
+
+FSDP2_TP = {
+    "fsdp2_tp2": ["parallel.engine=fsdp2", "parallel.tp=2"],
+    "fsdp2_tp2_sp": ["parallel.engine=fsdp2", "parallel.tp=2", "parallel.sp=true"],
+}
+
+
+@pytest.mark.parametrize("name", list(FSDP2_TP))
+def test_nccl_fsdp2_tp2_on_4_gpus(tmp_path, refs, name):
+    """TP 2 x FSDP2 over DP 2 on 4 GPUs, same global batch (accumulation 2): fp32 with the reference kernels equals
+    one GPU (1e-4); bf16 with the Triton kernels (bf16 all-gathers, fp32 reduce-scatters) follows DDP's 2-GPU bf16
+    run (2e-3), and a resume from its step-2 checkpoint gives the same steps 3-4 (2e-3)."""
+    if torch.cuda.device_count() < 4:
+        pytest.skip("needs 4 CUDA GPUs")
+    one, ddp_bf16 = refs
+    par = _train(tmp_path / "fp32", 4, ["train.precision=fp32", *FSDP2_TP[name]])
+    assert sorted(par) == sorted(one) and all(abs(par[s] - one[s]) <= 1e-4 * abs(one[s]) for s in one), (par, one)
+    got = _train(tmp_path / name, 4, ["train.precision=bf16", *FSDP2_TP[name]], kernels="auto")
+    assert all(abs(got[s] - ddp_bf16[s]) <= 2e-3 * abs(ddp_bf16[s]) for s in ddp_bf16), (got, ddp_bf16)
+    again = _train(tmp_path / "again", 4, ["train.precision=bf16", *FSDP2_TP[name],
                                             f"run.resume={tmp_path / name}/checkpoints/step_00000002"], kernels="auto")
     assert all(abs(again[s] - got[s]) <= 2e-3 * abs(got[s]) for s in (3, 4)), (again, got)

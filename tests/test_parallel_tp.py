@@ -66,8 +66,9 @@ def test_check_supported_allows_tp_cp_pp(monkeypatch):
     check_supported(_cfg("parallel.pp=2"))  # pipeline parallel (tests/test_parallel_pp.py)
     check_supported(_cfg("parallel.engine=fsdp2"))  # pure data parallel: engines (test_parallel_engines.py)
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(ConfigError, match="engine=fsdp2 with parallel.tp=2"):
-        check_supported(_cfg("parallel.tp=2", "parallel.engine=fsdp2"))
+    check_supported(_cfg("parallel.tp=2", "parallel.engine=fsdp2"))  # FSDP2 x TP (test_parallel_engines.py)
+    with pytest.raises(ConfigError, match="engine=fsdp2 with parallel.pp=2"):
+        check_supported(_cfg("parallel.pp=2", "parallel.engine=fsdp2"))
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ConfigError, match="sp=true needs parallel.tp"):
         check_supported(_cfg("parallel.sp=true"))

@@ -268,7 +268,11 @@ _run = partial(train_losses, base=TINY)
 ])
 def test_dp2_sharded_checkpoint_resumes_in_other_layouts(name, resumes, tmp_path):
     """Saved (async) at DP 2 by the engine; the step-2 checkpoint resumed at DP 1 (one process), TP 2 or PP 2
-    continues the uninterrupted DP-2 run's losses (fp32 rounding: the reductions differ by layout)."""
+    continues the uninterrupted DP-2 run's losses (fp32 rounding: the reductions differ by layout), and so does
+    its canonical conversion (megassm-checkpoint) resumed in one process: the layout records the single-device
+    optimizer's groups and order (FSDP2's optimizer splits each group in two)."""
+    from megassm.checkpoint_cli import main
+
     run_dir = tmp_path / name
     straight = _run(run_dir, nproc=2, extra=ENGINES[name] + SHARDED + ["run.async_save=true"])
     path = _ckpt(run_dir, 2)
@@ -280,3 +284,30 @@ def test_dp2_sharded_checkpoint_resumes_in_other_layouts(name, resumes, tmp_path
     for nproc, layout in resumes:
         resumed = _run(tmp_path / f"r{nproc}{'-'.join(layout)}", nproc=nproc, extra=layout + SHARDED, resume=path)
         assert _close(resumed, {s: straight[s] for s in (3, 4)}), (name, layout, resumed, straight)
+    canonical = tmp_path / "canonical"
+    assert main(["convert", "--input", path, "--output", str(canonical), "--to", "canonical"]) == 0
+    groups = [len(g["params"]) for g in torch.load(canonical / "optim.pt", weights_only=True)["param_groups"]]
+    assert len(groups) == 2, groups  # weight decay and none, as the single-device optimizer has them
+    resumed = _run(tmp_path / "r-canonical", resume=canonical)
+    assert _close(resumed, {s: straight[s] for s in (3, 4)}), (name, resumed, straight)
+
+
+def test_fsdp2_tp2_sharded_checkpoint_resumes_and_converts(tmp_path):
+    """TP 2 x FSDP2 over DP 2 with SP (4 ranks) saves (async) sharded checkpoints: every rank writes its DP shard of
+    its TP-local tensors as chunks of the canonical ones. The step-2 checkpoint resumed at the same layout continues
+    the uninterrupted run's losses; converted to canonical (megassm-checkpoint) it resumes in one process."""
+    from megassm.checkpoint_cli import main
+
+    layout = ["parallel.engine=fsdp2", "parallel.tp=2", "parallel.sp=true"]
+    straight = _run(tmp_path / "straight", nproc=4, extra=layout + SHARDED + ["run.async_save=true"])
+    path = _ckpt(tmp_path / "straight", 2)
+    meta = ckpt.read_meta(path)
+    assert meta["format"] == "sharded" and meta["world_size"] == 4
+    written = {f.split("_")[2] for f in meta["files"] if f.startswith("dcp/__")}
+    assert sorted(written) == ["0", "1", "2", "3"], written  # every rank wrote its pieces
+    resumed = _run(tmp_path / "resumed", nproc=4, extra=layout + SHARDED, resume=path)
+    assert _close(resumed, {s: straight[s] for s in (3, 4)}), (resumed, straight)
+    canonical = tmp_path / "canonical"
+    assert main(["convert", "--input", path, "--output", str(canonical), "--to", "canonical"]) == 0
+    one = _run(tmp_path / "one", resume=canonical)
+    assert _close(one, {s: straight[s] for s in (3, 4)}), (one, straight)

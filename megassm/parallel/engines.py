@@ -21,7 +21,8 @@ optimizer steps, and how the states reach the canonical checkpoint.
              AdamW states sharded over the DP group (ZeRO-3), all-gathered in bf16 under bf16 training
              (MixedPrecisionPolicy; no autocast weight casts), gradients reduce-scattered in fp32 after every
              micro-batch's backward; the small per-channel parameters stay fp32 replicas (FSDP2Engine).
-             tp = pp = cp = 1.
+             With tp > 1 (and sp), FSDP2 x TP: the TP plan first, then fully_shard over the DP group of
+             each TP rank's local tensors (fsdp2_tp.py). pp = cp = 1.
   deepspeed  DeepSpeed ZeRO stage parallel.zero_stage (0-3) with our AdamW as its client optimizer and a
              config derived from ours (deepspeed_config): batch triad, bf16, clipping, stage; a JSON partial
              (parallel.deepspeed_config) may add other keys (offload, buckets) but never the derived ones.
@@ -71,12 +72,22 @@ def check_engine(cfg: Config) -> None:
         if p.engine == "deepspeed" and p.deepspeed_config:
             load_partial(p.deepspeed_config)  # a broken partial fails now, not at the first DP run
         return
-    others = [f"parallel.{k}={getattr(p, k)}" for k in ("tp", "pp", "cp") if getattr(p, k) > 1]
-    if others:
-        raise ConfigError(
-            f"parallel.engine={p.engine} with {', '.join(others)}: the {p.engine} engine shards over the data-"
-            "parallel group of a pure data-parallel layout only in this version; use parallel.engine=ddp with "
-            "tensor / context / pipeline parallelism (docs/parallelism.md, 'Engines')")
+    if p.engine == "fsdp2":  # FSDP2 x TP (parallel/fsdp2_tp.py); not with pipeline or context parallelism
+        others = [f"parallel.{k}={getattr(p, k)}" for k in ("pp", "cp") if getattr(p, k) > 1]
+        if others:
+            raise ConfigError(
+                f"parallel.engine=fsdp2 with {', '.join(others)}: the fsdp2 engine shards over the data-parallel "
+                "group of a data-parallel or tensor-parallel (parallel.tp, with or without parallel.sp) layout only "
+                "in this version; use parallel.engine=ddp (parallel.zero_stage=1 shards the AdamW states) with "
+                "pipeline / context parallelism (docs/parallelism.md, 'Engines')")
+    else:
+        others = [f"parallel.{k}={getattr(p, k)}" for k in ("tp", "pp", "cp") if getattr(p, k) > 1]
+        if others:
+            raise ConfigError(
+                f"parallel.engine={p.engine} with {', '.join(others)}: the {p.engine} engine shards over the data-"
+                "parallel group of a pure data-parallel layout only in this version; use parallel.engine=ddp with "
+                "tensor / context / pipeline parallelism, or parallel.engine=fsdp2 with tensor parallelism "
+                "(docs/parallelism.md, 'Engines')")
     if p.engine == "deepspeed":
         if cfg.train.bptt:
             raise ConfigError("parallel.engine=deepspeed with train.bptt=true: the BPTT carrier runs its own "

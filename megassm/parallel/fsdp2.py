@@ -1,6 +1,7 @@
 """The fsdp2 engine (`parallel.engine=fsdp2`): torch fully_shard over the data-parallel group, with bf16
 all-gathers of the matmul weights and fp32 replicas of the small per-channel parameters (FSDP2Engine;
-docs/parallelism.md "Data-parallel engines")."""
+docs/parallelism.md "Data-parallel engines"). Beside tensor parallelism (parallel.tp > 1) it shards each TP
+rank's local tensors over that rank's DP group (FSDP2 x TP; the TP-specific parts in fsdp2_tp.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -12,8 +13,10 @@ import torch
 from megassm.config import ConfigError
 from megassm.models.registry import block_kinds
 
+from . import fsdp2_tp
 from .dp import allreduce_grads
 from .engines import Engine
+from .tp import plan_of
 
 log = logging.getLogger("megassm.parallel.engines")
 
@@ -45,7 +48,13 @@ class FSDP2Engine(Engine):
     (ignored_params): fp32 replicas that the kernels read in fp32 as under DDP, their gradients averaged by one
     flat all-reduce per step. Block inputs are not cast (cast_forward_inputs=False): the residual stream stays
     fp32. parallel.fsdp_prefetch blocks ahead are all-gathered explicitly in forward and backward (the forward
-    reads seq_idx on the host at attention blocks, so the CPU cannot be relied on to run ahead)."""
+    reads seq_idx on the host at attention blocks, so the CPU cannot be relied on to run ahead).
+
+    Under tensor parallelism the model arrives TP-planned (plain TP-local tensors, parallel/tp.py) and the units
+    are sharded over the DP group only (a 1-D mesh of this TP rank's DP peers): every TP rank's local tensors
+    sharded over DP. The TP gradient sync runs on the gradient shards (runtime.finish_grads), the clipping norm
+    sums over DP and TP with TP-replicated components counted once, and the canonical states gather over both
+    (fsdp2_tp.py)."""
 
     name = "fsdp2"
     handles_states = True
@@ -56,7 +65,8 @@ class FSDP2Engine(Engine):
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         p = cfg.parallel
-        mesh = DeviceMesh.from_group(groups.dp_group, device.type)
+        self.tp_plan = plan_of(model)  # FSDP2 x TP: the model holds TP-local tensors already
+        mesh = DeviceMesh.from_group(groups.dp_group, device.type)  # this TP rank's DP peers only
         gather = fsdp_param_dtype(p.fsdp_param_dtype, bf16)
         reduce = {"fp32": torch.float32, "bf16": torch.bfloat16}[p.fsdp_reduce_dtype]
         low = MixedPrecisionPolicy(param_dtype=gather, reduce_dtype=reduce, cast_forward_inputs=False)
@@ -90,12 +100,14 @@ class FSDP2Engine(Engine):
         self.units = [m for m in model.modules() if isinstance(m, FSDPModule)]
         n_local = sum(q.to_local().numel() for q in model.parameters() if id(q) in sharded)
         n_rep = sum(q.numel() for q in self.replicated)
-        log.info("engine fsdp2: fully_shard per block%s + root over %d DP ranks: %.2fM sharded parameter elements "
+        over_tp = "" if self.tp_plan is None else (f" (TP rank {groups.tp_rank}'s local tensors, TP {groups.tp}"
+                                                   f"{' + SP' if self.tp_plan.sp else ''})")
+        log.info("engine fsdp2: fully_shard per block%s + root over %d DP ranks%s: %.2fM sharded parameter elements "
                  "on this rank (fp32 shards and AdamW states), all-gathered in %s, gradients reduce-scattered in %s "
                  "every micro-batch; %.3fM small parameters (norms, A_log, dt_bias, D, conv) kept as fp32 replicas, "
                  "all-reduced once per step; gathered weights freed after each %s; prefetch %d block(s)%s", "" if tied else
-                 " + embedding", groups.dp, n_local / 1e6, "bf16" if gather is not None else "fp32", p.fsdp_reduce_dtype
-                 if gather is not None else "fp32", n_rep / 1e6, {"block": "block's forward and backward",
+                 " + embedding", groups.dp, over_tp, n_local / 1e6, "bf16" if gather is not None else "fp32",
+                 p.fsdp_reduce_dtype if gather is not None else "fp32", n_rep / 1e6, {"block": "block's forward and backward",
                  "micro_batch": "micro-batch's backward", "step": "step's last backward"}[p.fsdp_reshard], k,
                  f"; blocks {', '.join(fp32_kinds)} gathered in fp32 (their kernels read some weights directly)"
                  if fp32_kinds and gather is not None else "")
@@ -119,6 +131,15 @@ class FSDP2Engine(Engine):
         accepted = inspect.signature(torch.optim.AdamW).parameters
         self.optimizer = torch.optim.AdamW(groups, **{k: v for k, v in base.defaults.items() if k in accepted})
         return self.optimizer
+
+    def canonical_order(self) -> list[tuple[dict, list[str]]]:
+        """The single-device optimizer's groups: [(hyperparameters, parameter names)], the hyperparameters as the
+        live groups hold them now (the scheduler's lr). The canonical index order of optim.pt and of a sharded
+        checkpoint's layout (this optimizer splits every group in two: sharded and replicated parameters)."""
+        name_of = {id(q): n for n, q in self.model.named_parameters()}
+        live = {name_of[id(q)]: g for g in self.optimizer.param_groups for q in g["params"]}
+        return [({k: v for k, v in live[names[0]].items() if k != "params"} if names else dict(opts), list(names))
+                for opts, names in self._canonical]
 
     def micro_batch(self, last: bool):
         if self.reshard == "step":  # keep the gathered weights for the step's next micro-batch, free after the last
@@ -153,7 +174,10 @@ class FSDP2Engine(Engine):
                 return torch.zeros((), device=dev, dtype=torch.float32)
             return torch.stack(torch._foreach_norm(ts)).float().pow(2).sum()
 
-        total = (comm.all_reduce(sq_sum(shards), self.groups.dp_group) + sq_sum(plain)).sqrt()
+        if self.tp_plan is not None:  # over DP and TP, TP-replicated components once
+            total = fsdp2_tp.grad_sq(self.model, self.groups).sqrt()
+        else:
+            total = (comm.all_reduce(sq_sum(shards), self.groups.dp_group) + sq_sum(plain)).sqrt()
         norm = float(total)
         if max_norm > 0 and math.isfinite(norm):
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -172,9 +196,12 @@ class FSDP2Engine(Engine):
         return [[name_of[id(q)] for q in g["params"]] for g in self.optimizer.param_groups]
 
     def gather_states(self):
-        """Full (canonical) model and AdamW states on rank 0 (collective over DP; None elsewhere), in the
+        """Full (canonical) model and AdamW states on rank 0 (collective over DP, and TP; None elsewhere), in the
         canonical groups' order."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        if self.tp_plan is not None:  # DP all-gather then TP all-gather, tensor by tensor (fsdp2_tp.py)
+            return fsdp2_tp.gather_states(self.model, self.optimizer, self.canonical_order(), self.groups)
 
         msd, osd = get_state_dict(self.model, self.optimizer,
                                   options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -194,6 +221,9 @@ class FSDP2Engine(Engine):
                                                              set_optimizer_state_dict)
 
         opts = StateDictOptions(full_state_dict=True)
+        plan = self.tp_plan  # FSDP2 x TP: the canonical tensors cut to this rank's TP-local ones, then sharded
+        if plan is not None:
+            model_state = {n: fsdp2_tp.tp_local(v, n, plan) for n, v in model_state.items()}
         set_model_state_dict(self.model, model_state, options=opts)
         if optim_state is None:
             return
@@ -208,6 +238,8 @@ class FSDP2Engine(Engine):
                 hyper[n] = {k: v for k, v in g.items() if k != "params"}
         by_index = dict(names)
         state = {by_index[int(i)]: v for i, v in optim_state["state"].items()}
+        if plan is not None:
+            state = {n: {k: fsdp2_tp.tp_local(v, n, plan) for k, v in st.items()} for n, st in state.items()}
         groups = [{**hyper[fqns[0]], "params": fqns} for fqns in self._fqn_groups()]
         set_optimizer_state_dict(self.model, self.optimizer, {"state": state, "param_groups": groups}, options=opts)
 

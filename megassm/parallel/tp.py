@@ -60,7 +60,7 @@ from .substitute import substitute
 __all__ = ["Piece", "ShardSpec", "TPPlan", "apply_tensor_parallel", "sync_tp_grads", "clip_grad_norm_tp",
            "grad_norm_tp", "grad_sq_tp", "canonical_state_dict", "load_canonical_state_dict", "gather_canonical",
            "shard_canonical", "state_shard_specs", "optimizer_state_to_canonical", "load_canonical_optimizer_state",
-           "canonical_grads", "plan_of"]
+           "canonical_grads", "plan_of", "local_box", "local_pieces"]
 
 
 @dataclass(frozen=True)
@@ -339,17 +339,44 @@ def apply_tensor_parallel(model: LanguageModel, tp_group, sp: bool = False) -> L
 # ----------------------------------------------------------------------------------------------------
 # gradients
 # ----------------------------------------------------------------------------------------------------
-def _pieces_of(grad: torch.Tensor, spec: ShardSpec):
+def local_box(t: torch.Tensor) -> tuple[tuple, torch.Tensor]:
+    """(offsets, local tensor): the part of the TP-local tensor `t` this rank holds and where it sits in it. A
+    plain tensor is all of itself; a DTensor (FSDP2's shard over the data-parallel ranks of a TP-local parameter
+    or gradient, parallel/fsdp2.py) gives its local shard and the shard's offsets."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return (0,) * t.dim(), t
+    local = t.to_local()
+    if local.numel() == 0:  # an uneven FSDP2 split can leave a rank without rows
+        return (0,) * t.dim(), local
+    (chunk,) = t.__create_chunk_list__()
+    return tuple(chunk.offsets), local
+
+
+def local_pieces(grad: torch.Tensor, spec: ShardSpec):
+    """(piece, view) for each ShardSpec piece of the local tensor that this rank holds a part of: the whole piece
+    for a plain tensor, its rows inside this rank's shard for an FSDP2 DTensor. The TP ranks of one data-parallel
+    rank hold shards of equal shapes at equal offsets, so their views of a piece line up."""
+    offs, local = local_box(grad)
+    if local.numel() == 0:
+        return
+    d = spec.dim
+    b0, b1 = offs[d], offs[d] + local.shape[d]
     off = 0
     for pc in spec.pieces:
         ln = pc.size // pc.nparts
-        yield pc, grad.narrow(spec.dim, off, ln)
+        lo, hi = max(b0, off), min(b1, off + ln)
+        if lo < hi:
+            yield pc, local.narrow(d, lo - b0, hi - lo)
         off += ln
 
 
 @torch.no_grad()
 def sync_tp_grads(model: nn.Module) -> None:
-    """Sum the partial gradients of replicated components over their replicas (one all-reduce in all)."""
+    """Sum the partial gradients of replicated components over their replicas (one all-reduce in all). Under
+    FSDP2 x TP the gradients are DP shards (DTensors) of the TP-local ones: each rank sums the rows of the
+    replicated components inside its shard (`local_pieces`), which line up over the TP group."""
     plan = plan_of(model)
     if plan is None:
         return
@@ -357,7 +384,7 @@ def sync_tp_grads(model: nn.Module) -> None:
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
-        for pc, g in _pieces_of(p.grad, plan.specs[name]):
+        for pc, g in local_pieces(p.grad, plan.specs[name]):
             if pc.partial:
                 views.append((g, pc.nparts, pc.parts[plan.rank]))
     if not views:
@@ -396,7 +423,7 @@ def grad_sq_tp(model: nn.Module, exclude=()) -> torch.Tensor:
         if plan is None:
             total += p.grad.float().pow(2).sum()
             continue
-        for pc, g in _pieces_of(p.grad, plan.specs[name]):
+        for pc, g in local_pieces(p.grad, plan.specs[name]):
             total += g.float().pow(2).sum() * (pc.nparts / plan.tp)
     if plan is not None:
         total = comm.all_reduce(total, plan.group)

@@ -51,7 +51,8 @@ GiB = float(2 ** 30)
 #             states (parallel/fsdp2.py FSDP2Engine; `fsdp2_terms`). Gathered weights in the all-gather dtype
 #             (bf16 under bf16 training): the block being computed plus the prefetched ones (fsdp_reshard=block),
 #             or the whole model (micro_batch, step: kept from the forward to the backward); with fp32
-#             all-gathers under bf16 autocast, autocast's bf16 copies as under DDP
+#             all-gathers under bf16 autocast, autocast's bf16 copies as under DDP. FSDP2 x TP: all of this for
+#             the TP-local model (rank_models cuts it as training does), sharded over the dp ranks
 ENGINE_BYTES = {
     "ddp": {"weights": 4, "grads": 4, "optimizer": 8},
     "deepspeed": {"weights": 2, "grads": 2, "optimizer": 12},
@@ -75,7 +76,8 @@ def engine_bytes(engine: str, zero_stage: int, bf16: bool, dp: int) -> dict:
 
 
 def fsdp2_terms(model, dp: int, gather_bytes: int, reshard: str, prefetch: int) -> dict:
-    """Bytes per GPU of the fsdp2 engine's states for `model` (a meta model as the engine sees it): the matmul
+    """Bytes per GPU of the fsdp2 engine's states for `model` (a meta model as the engine sees it: TP-sharded
+    under FSDP2 x TP, whose local tensors FSDP2 shards over the dp ranks): the matmul
     weights sharded over dp (fp32 weights and gradients, AdamW m + v), the other parameters whole on every
     rank; `gather`: the weights all-gathered at once (gather_bytes each), the blocks in flight under
     reshard=block (the current one plus `prefetch`, the last block kept, the head with the root), the whole

@@ -465,7 +465,7 @@ class ShardedCheckpointer:
                 if self.rank == 0 else None
         else:
             entries = save_entries(model, optimizer, self.groups)
-            layout = self._layout(model, optimizer)
+            layout = self._layout(model, optimizer, engine)
         if self.async_save:
             entries = self._stage(entries)
         payload = None
@@ -480,9 +480,9 @@ class ShardedCheckpointer:
         self.last_stats = {"snapshot_s": snap_s, "blocked_s": time.perf_counter() - t0}
         return final
 
-    def _layout(self, model, optimizer) -> dict | None:
+    def _layout(self, model, optimizer, engine=None) -> dict | None:
         inner, tplan, pplan = model_context(model)
-        names = canonical_param_names(model, optimizer) if optimizer is not None else []
+        names = canonical_param_names(model, optimizer, engine) if optimizer is not None else []
         if pplan is not None:
             model_keys = list(pplan.state_names)
             groups = None
@@ -508,7 +508,7 @@ class ShardedCheckpointer:
                         off += len(ns)
         else:
             model_keys = list(inner.state_dict())
-            groups = canonical_groups(optimizer) if optimizer is not None else []
+            groups = canonical_groups(optimizer, engine) if optimizer is not None else []
         if self.rank != 0:
             return None
         return layout_record(model_keys, names, groups or [], state_keys(optimizer) if optimizer is not None else [])

@@ -138,6 +138,9 @@ def canonical_param_names(model, optimizer, engine=None) -> list[str]:
         return list(pplan.decay_names) + list(pplan.no_decay_names)
     if engine is not None and getattr(engine, "name", None) == "deepspeed":
         return [n for names in engine._names for n in names]
+    order = _engine_order(engine)
+    if order is not None:  # FSDP2: its optimizer splits the canonical groups (sharded / replicated parameters)
+        return [n for _, names in order for n in names]
     name_of = {id(p): n for n, p in inner.named_parameters()}
     return [name_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
 
@@ -242,11 +245,22 @@ def layout_record(model_keys: list, param_names: list, param_groups: list, state
             "param_groups": param_groups, "state_keys": list(state_keys)}
 
 
-def canonical_groups(optimizer) -> list:
+def _engine_order(engine):
+    """The engine's canonical optimizer groups [(hyperparameters, names)] where its optimizer's groups are not
+    the single-device ones (FSDP2Engine.canonical_order), else None."""
+    order = getattr(engine, "canonical_order", None)
+    return order() if order is not None else None
+
+
+def canonical_groups(optimizer, engine=None) -> list:
+    """The single-device optimizer's param_groups, parameters as indices in canonical_param_names' order."""
+    order = _engine_order(engine)
+    if order is None:
+        order = [({k: v for k, v in g.items() if k != "params"}, g["params"]) for g in optimizer.param_groups]
     groups, off = [], 0
-    for g in optimizer.param_groups:
-        n = len(g["params"])
-        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(off, off + n))})
+    for hyper, params in order:
+        n = len(params)
+        groups.append({**hyper, "params": list(range(off, off + n))})
         off += n
     return groups
 
