@@ -29,7 +29,7 @@ from .tp import (apply_tensor_parallel, canonical_state_dict, clip_grad_norm_tp,
                  load_canonical_state_dict, optimizer_state_to_canonical, plan_of, sync_tp_grads)
 
 __all__ = ["setup", "init_model", "prepare_model", "pipeline_step", "pipeline_eval", "local_batch", "sum_over_dp", "finish_grads",
-           "clip_grad_norm", "mean_over_dp", "gather_states", "load_states", "barrier", "is_rank0"]
+           "clip_grad_norm", "mean_over_dp", "gather_states", "load_states", "backend", "barrier", "is_rank0"]
 
 
 def setup(cfg, device: torch.device) -> tuple[ParallelGroups, torch.device]:
@@ -153,6 +153,11 @@ def load_states(model, optimizer, model_state: dict, optim_state: dict | None) -
     load_canonical_state_dict(model, model_state)
     if optimizer is not None and optim_state is not None:
         load_canonical_optimizer_state(optimizer, model, optim_state)
+
+
+def backend(group) -> str:
+    """The backend of a process group ("nccl", "gloo"); "none" without torch.distributed (one process)."""
+    return dist.get_backend(group) if dist.is_initialized() else "none"
 
 
 def barrier(groups: ParallelGroups) -> None:

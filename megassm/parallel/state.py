@@ -20,13 +20,14 @@ import logging
 import os
 import sys
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["ParallelGroups", "init_distributed", "build_groups", "destroy", "single_process_groups", "group_builder",
-           "nccl_error_handling"]
+           "nccl_error_handling", "release_before_destroy"]
 
 log = logging.getLogger("megassm.parallel")
 
@@ -239,6 +240,17 @@ def _build_groups_torch(tp: int, cp: int, pp: int) -> ParallelGroups:
                           pp_rank=pp_ranks.index(rank), pp_group=my_pp, emb_group=my_emb, megatron=False)
 
 
+# objects whose release() must run before the process groups are destroyed: CUDA graphs holding captured NCCL
+# collectives (training/cuda_graph.py), since NCCL >= 2.26 waits in a communicator's destruction until no graph
+# references it; weakly held, so a graph released with its trainer is simply gone
+_RELEASE_FIRST: weakref.WeakSet = weakref.WeakSet()
+
+
+def release_before_destroy(obj) -> None:
+    """Have destroy() call obj.release() before it tears the process groups down (while obj lives)."""
+    _RELEASE_FIRST.add(obj)
+
+
 def destroy(barrier: bool = False) -> None:
     """Tear down the process groups. With `barrier` (a run that finished normally on every rank) the ranks
     first wait for each other, so none tears down its groups while a peer's last pipeline sends and
@@ -248,6 +260,11 @@ def destroy(barrier: bool = False) -> None:
     here frees it before the groups go."""
     if barrier and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+    for obj in list(_RELEASE_FIRST):  # CUDA graphs with captured collectives go before their communicators
+        try:
+            obj.release()
+        except Exception as e:  # an error path (a broken CUDA context): the teardown goes on
+            log.warning("releasing %s before the process groups: %s", type(obj).__name__, e)
     # objects that still hold a group (a released model's pipeline stages, DDP reducer, ... in reference
     # cycles) are freed now, while the groups and the interpreter are intact, not by the collector at exit
     gc.collect()

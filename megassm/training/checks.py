@@ -67,25 +67,45 @@ def _check_group_builder(cfg: Config) -> None:
                           "(pip install megatron-core, or MEGASSM_PROCESS_GROUPS=auto)")
 
 
+# torch reads these as booleans: "1", "true", ... (NCCL_BLOCKING_WAIT is the deprecated name)
+_BLOCKING_WAIT = ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT")
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "y", "on")
+
+
 def _check_cuda_graph(cfg: Config) -> None:
-    """train.cuda_graph=true: refuse what a captured micro-batch cannot hold (training/cuda_graph.py): model
-    parallelism's collectives, sharding engines' backward hooks, BPTT, activation checkpointing, and blocks
-    whose forward reads values on the host (COFFEE, B'MOJO with the packed batches' document resets).
-    Attention is taken: under the graph it builds its document mask on the device for every batch."""
+    """train.cuda_graph=true: refuse what a captured micro-batch cannot hold (training/cuda_graph.py): context and
+    pipeline parallelism, sharding engines' backward hooks, BPTT, activation checkpointing, blocks whose forward
+    reads values on the host (COFFEE, B'MOJO with the packed batches' document resets), and NCCL's blocking
+    wait under TP. Tensor parallelism (+ SP) is taken: its collectives are captured in the graph, its
+    replicated gradients' sum and the DP all-reduce run after the replays. Attention is taken: under the graph
+    it builds its document mask on the device for every batch."""
     from megassm.config import blocks_of
     from megassm.training.cuda_graph import GRAPH_SAFE_LETTERS
 
     p, t = cfg.parallel, cfg.train
     why = None
-    if p.tp > 1 or p.cp > 1 or p.pp > 1:
-        why = (f"parallel.tp={p.tp}, parallel.cp={p.cp}, parallel.pp={p.pp}: their collectives run inside the "
-               "forward and backward; only data parallelism (parallel.engine=ddp) combines with it")
+    if p.cp > 1:
+        why = (f"parallel.cp={p.cp}: context parallelism's exchanges (halo and state all-gathers, the gathered "
+               "document ids) are not examined under a capture; tensor parallelism (+ SP) and data parallelism "
+               "(parallel.engine=ddp) combine with it")
+    elif p.pp > 1:
+        why = (f"parallel.pp={p.pp}: the pipeline schedule runs each micro-batch's forward and backward itself, "
+               "with point-to-point sends between stages, not as the one call a graph captures; tensor "
+               "parallelism (+ SP) and data parallelism (parallel.engine=ddp) combine with it")
     elif p.engine != "ddp" and data_parallel_size(cfg) > 1:
         why = f"parallel.engine={p.engine}: FSDP2 and DeepSpeed hook the backward; use parallel.engine=ddp"
     elif t.bptt:
         why = "train.bptt=true: the carried state changes between windows"
     elif t.activation_checkpointing:
         why = "train.activation_checkpointing=true: recomputation under a capture is not tested"
+    elif p.tp > 1 and any(_env_flag(v) for v in _BLOCKING_WAIT):
+        name = next(v for v in _BLOCKING_WAIT if _env_flag(v))
+        why = (f"{name}={os.environ[name]} with parallel.tp={p.tp}: every collective would wait for its "
+               "completion on the host, which a capture cannot do (unset it; parallel.timeout_s still bounds "
+               "the eager collectives after the replays)")
     else:
         bad = sorted(set(blocks_of(cfg.model.pattern)) - set(GRAPH_SAFE_LETTERS))
         if bad:

@@ -28,11 +28,43 @@ eager loop takes for batches with document resets. A captured graph replays that
 holds; single-document batches go through the masked kernel too (its cost against the causal kernel is not
 measured yet). Hybrid patterns (`M*M-`, configs/hybrid-1.3b.yaml) are therefore captured.
 
+Tensor parallelism (`parallel.tp > 1`, with or without SP, over NCCL): the TP collectives of the forward and
+backward (comm.py: all-reduce, all-gather, reduce-scatter called with async_op=False inside the autograd
+Functions of layers.py / sp.py) are captured with the rest: NCCL >= 2.9.6 takes collectives into a graph,
+and torch's ProcessGroupNCCL records a captured collective in the graph (async_op=False makes the current
+stream wait for it, a stream dependency the capture records, never the host). Every replay is then a
+collective launch over the TP group, so every TP rank captures and replays the same graphs in the same order
+(they do: the same micro-batches per step, the same steps). What is done for it:
+- the warm-up passes run the same collectives eagerly first, so the TP group's NCCL communicator exists
+  before any capture (a capture must not create one); they run on the side stream, which ProcessGroupNCCL
+  treats like any current stream;
+- the capture uses `capture_error_mode="thread_local"` (`collectives=True`): the NCCL watchdog thread queries
+  events of earlier, eager collectives while this thread captures, which the default "global" mode may
+  turn into a failed capture (recent torch makes the watchdog's own queries thread-local; this covers the
+  others);
+- the watchdog does not see captured collectives (ProcessGroupNCCL leaves them out of its queue), so
+  parallel.timeout_s cannot time out a stall inside a replay: the eager collectives the trainer issues
+  after the replays (sync_tp_grads, the gradient norm's all-reduce) are the ones that time out and end the
+  job (TORCH_NCCL_ASYNC_ERROR_HANDLING=3, parallel/state.py);
+- TORCH_NCCL_BLOCKING_WAIT is refused with TP (checks.py): it makes every collective wait on the host;
+- release() resets the graphs; the process groups' teardown (parallel/state.py destroy) calls it first,
+  because NCCL >= 2.26 waits in a communicator's destruction until no graph references it (a hang at exit
+  otherwise).
+Only the TP communicator is in the graphs. TP's sum of the replicated components' partial gradients
+(sync_tp_grads: SP norms, replicated B/C, K/V) and the data-parallel average (one flat all-reduce, engine ddp,
+also with ZeRO-1) run eagerly after the step's replays, like clipping and the optimizer step. Not run on GPUs
+yet: the TP graph tests (tests/test_cuda_graph.py, `pytest -m gpu -k tensor_parallelism`, 2 and 4 GPUs) were
+written without a multi-GPU machine; on CPU the refusals are tested, and that the TP forward + backward,
+collectives included, reads no value on the host (gloo). docs/parallelism.md has the caveats in full.
+
 What cannot be captured is refused by the config check (trainer.check_supported): host syncs inside the
 forward (COFFEE's DEER solver tests values on the host, and B'MOJO counts its memory groups on the host when
-a batch has document resets), collectives (TP / CP / PP, and DDP's backward hooks: data parallelism instead
-averages the accumulated gradients after the replays with one flat all-reduce), BPTT's carried state and
-activation checkpointing (untested under capture).
+a batch has document resets); context and pipeline parallelism (CP's exchanges are not examined under a
+capture; the pipeline schedule runs the micro-batches' forward and backward itself, with point-to-point sends
+between stages); DDP's backward hooks (data parallelism instead averages the accumulated gradients after the
+replays with one flat all-reduce) and FSDP2 / DeepSpeed at DP > 1, which hook the backward; BPTT's carried
+state and activation checkpointing (untested under capture). A CUDA graph needs a CUDA device, so NCCL: the
+gloo backend never meets it (the trainer refuses it should a process group of another backend hold TP).
 """
 from __future__ import annotations
 
@@ -42,6 +74,7 @@ from collections.abc import Callable
 import torch
 
 from megassm.models.registry import block_kinds
+from megassm.parallel.state import release_before_destroy
 
 log = logging.getLogger("megassm.training.cuda_graph")
 
@@ -59,15 +92,39 @@ GRAPH_SAFE_WITHOUT_RESETS = {k.letter: f"{k.name} (without document resets)" for
 
 class GraphedMicroBatch:
     def __init__(self, params: list[torch.nn.Parameter], fwd_bwd: Callable[[dict], torch.Tensor],
-                 warmup: int = 2):
+                 warmup: int = 2, collectives: bool = False):
+        """`collectives`: fwd_bwd runs NCCL collectives (tensor parallelism): the capture then takes
+        capture_error_mode="thread_local", and release() runs before the process groups are destroyed."""
         self.params = [p for p in params if p.requires_grad]
         self.fwd_bwd = fwd_bwd
         self.warmup = warmup
+        self.collectives = collectives
+        if collectives:  # the graphs must go before the NCCL communicators they reference
+            release_before_destroy(self)
         self.graph: torch.cuda.CUDAGraph | None = None  # a step's first micro-batch: writes the gradients
         self.acc_graph: torch.cuda.CUDAGraph | None = None  # the others: add into them
         self.static: dict[str, torch.Tensor] = {}
         self.loss = self.acc_loss = None
         self.grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self._first_of_step = True
+
+    def _capturing(self, graph: torch.cuda.CUDAGraph, pool=None):
+        if self.collectives:  # the NCCL watchdog thread's event queries must not invalidate the capture
+            return torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")
+        return torch.cuda.graph(graph, pool=pool)
+
+    def release(self) -> None:
+        """Drop the graphs (a later step's first micro-batch captures again). With collectives in them this
+        must happen before the NCCL communicators are destroyed: NCCL >= 2.26 waits in the destruction until no
+        graph references the communicator. The gradient tensors stay the parameters' until the optimizer
+        detaches them."""
+        for g in (self.graph, self.acc_graph):
+            if g is not None:
+                g.reset()
+        self.graph = self.acc_graph = None
+        self.loss = self.acc_loss = None
+        self.static = {}
+        self.grads = []
         self._first_of_step = True
 
     def begin_step(self) -> None:
@@ -102,9 +159,11 @@ class GraphedMicroBatch:
             s.copy_(v, non_blocking=True)
 
     def _capture(self, batch: dict[str, torch.Tensor]) -> None:
-        """Warm up (autotuning) on a side stream, then capture the first-micro-batch graph: with no gradient
-        present, the captured backward hands its own output tensors to the parameters as their .grad, so each
-        replay writes fresh gradients there (no zeroing, no add: the eager loop's first micro-batch)."""
+        """Warm up (autotuning; with collectives, also the NCCL communicator's creation) on a side stream, then
+        capture the first-micro-batch graph: with no gradient present, the captured backward hands its own
+        output tensors to the parameters as their .grad, so each replay writes fresh gradients there (no
+        zeroing, no add: the eager loop's first micro-batch). Every rank of a TP group gets here at the same
+        micro-batch, so the collectives pair up in the warm-up and in the capture."""
         if any(p.grad is not None for p in self.params):
             raise RuntimeError("train.cuda_graph: gradients must be empty at the capture (a step's first micro-batch)")
         self.static = {k: v.clone() for k, v in batch.items()}
@@ -121,19 +180,19 @@ class GraphedMicroBatch:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the warm-up's cached activations: the graph's pool holds its own
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with self._capturing(graph):
             self.loss = self.fwd_bwd(self.static)
         self.graph = graph
         # a parameter the forward never reaches keeps no gradient, as in the eager loop
         self.grads = [(p, p.grad) for p in self.params if p.grad is not None]
-        log.info("train.cuda_graph: forward + backward of one micro-batch captured (%d gradient tensors)",
-                 len(self.grads))
+        log.info("train.cuda_graph: forward + backward of one micro-batch captured (%d gradient tensors%s)",
+                 len(self.grads), ", with its tensor-parallel collectives" if self.collectives else "")
 
     def _capture_accumulating(self) -> None:
         """The graph of the step's later micro-batches: captured with the gradients present, so its backward adds
         into them in place. It shares the first graph's memory pool (they never run at the same time)."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.graph.pool()):
+        with self._capturing(graph, pool=self.graph.pool()):
             self.acc_loss = self.fwd_bwd(self.static)
         for p, g in self.grads:
             if p.grad is not g:
