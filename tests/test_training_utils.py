@@ -484,3 +484,39 @@ def test_step_profile_summary_families_overlap_and_top_kernels():
     assert s["families"] == {"matmul": 0.45, "nccl": 0.4, "ssd / scan": 0.1, "elementwise / copy / other": 0.05}
     assert s["top"][0] == ["nvjet_tst_128x256_gemm", "matmul", 0.45, 2]
     assert [t[0] for t in s["top"]][-1] == "elementwise_kernel<copy>" and len(s["top"]) == 4
+
+
+def test_dp_gradient_average_in_buckets_equals_the_mean():
+    """parallel/dp.allreduce_grads over 2 gloo ranks: every gradient becomes the mean over the ranks, whatever
+    the bucket size (one bucket, several, a gradient larger than a bucket reduced in place; two dtypes), and
+    parameters without gradients are left alone."""
+    from multiproc import spawn
+
+    assert spawn(_dp_average_worker, 2) == [3, 3]
+
+
+def _dp_average_worker(rank, world):
+    import torch.distributed as dist
+
+    from megassm.parallel.dp import allreduce_grads
+
+    shapes = [(3, 5), (7,), (64, 16), (1,), (33,)]
+    for bucket_bytes in (1 << 30, 64, 4 * 64 * 16):
+        params = [nn.Parameter(torch.zeros(s)) for s in shapes] + [nn.Parameter(torch.zeros(4, dtype=torch.float64))]
+        for i, p in enumerate(params):
+            g = torch.Generator().manual_seed(100 * i + rank)
+            p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+        skipped = nn.Parameter(torch.zeros(2))
+        want = []
+        for i, p in enumerate(params):
+            gs = [torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * i + r), dtype=p.dtype)
+                  for r in range(world)]
+            want.append(sum(gs) / world)
+        allreduce_grads(params + [skipped], dist.group.WORLD, bucket_bytes=bucket_bytes)
+        for p, w in zip(params, want):
+            torch.testing.assert_close(p.grad, w, rtol=1e-6, atol=1e-7)
+        assert skipped.grad is None
+        allreduce_grads(params, dist.group.WORLD, bucket_bytes=bucket_bytes, average=False)  # CP's sum
+        for p, w in zip(params, want):
+            torch.testing.assert_close(p.grad, w * world, rtol=1e-6, atol=1e-7)  # the equal means summed
+    return 3  # bucket sizes checked

@@ -51,6 +51,7 @@ from megassm.models.registry import block_kind
 from megassm.models.state import KVCache
 
 from . import comm
+from .dp import allreduce_grads
 from .substitute import substitute
 
 __all__ = ["CPPlan", "CPContext", "ContextParallel", "apply_context_parallel", "cp_plan_of", "local_slice", "global_mean_loss",
@@ -410,16 +411,6 @@ def apply_context_parallel(model: LanguageModel, cp_group) -> LanguageModel:
 
 @torch.no_grad()
 def allreduce_cp_grads(params, cp_group) -> None:
-    """Sum the gradients over the CP group (each rank holds the gradient of its own tokens' loss)."""
-    if comm.world(cp_group) == 1:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    by_dtype: dict = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for gs in by_dtype.values():
-        flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in gs]), cp_group)
-        off = 0
-        for g in gs:
-            g.copy_(flat[off:off + g.numel()].view_as(g))
-            off += g.numel()
+    """Sum the gradients over the CP group (each rank holds the gradient of its own tokens' loss), in buckets
+    (parallel/dp.py)."""
+    allreduce_grads(params, cp_group, average=False)

@@ -14,7 +14,7 @@ optimizer steps, and how the states reach the canonical checkpoint.
              backward; accumulation under no_sync(). Under PP (the schedule runs the stage modules) and BPTT
              with several windows per backward (DDP wants one forward per backward), and under
              train.cuda_graph (DDP's hooks cannot be replayed), the gradients are averaged after the step's
-             backward by one flat all-reduce per dtype instead (logged). parallel.zero_stage=1 shards the
+             backward by bucketed all-reduces (parallel/dp.py) instead (logged). parallel.zero_stage=1 shards the
              AdamW states over the DP group (parallel/zero.py: Megatron's distributed optimizer), composing
              with TP, CP, PP, BPTT and CUDA graphs.
   fsdp2      torch fully_shard per residual block + the root: the matmul weights, their gradients and
@@ -183,7 +183,7 @@ class DDPEngine(Engine):
         if not self.overlapped:
             why = ("pipeline stages run by the schedule" if groups.pp > 1 else "BPTT windows share one backward"
                    if cfg.train.bptt else "the micro-batches are CUDA graph replays (train.cuda_graph)")
-            log.info("engine ddp: %s; gradients averaged over the %d DP ranks by one flat all-reduce per dtype "
+            log.info("engine ddp: %s; gradients averaged over the %d DP ranks by bucketed all-reduces "
                      "after the step's backward (no overlap)", why, groups.dp)
             return
         from torch.nn.parallel import DistributedDataParallel as DDP

@@ -51,7 +51,7 @@ collective launch over the TP group, so every TP rank captures and replays the s
   because NCCL >= 2.26 waits in a communicator's destruction until no graph references it (a hang at exit
   otherwise).
 Only the TP communicator is in the graphs. TP's sum of the replicated components' partial gradients
-(sync_tp_grads: SP norms, replicated B/C, K/V) and the data-parallel average (one flat all-reduce, engine ddp,
+(sync_tp_grads: SP norms, replicated B/C, K/V) and the data-parallel average (bucketed all-reduces, engine ddp,
 also with ZeRO-1) run eagerly after the step's replays, like clipping and the optimizer step. Not run on GPUs
 yet: the TP graph tests (tests/test_cuda_graph.py, `pytest -m gpu -k tensor_parallelism`, 2 and 4 GPUs) were
 written without a multi-GPU machine; on CPU the refusals are tested, and that the TP forward + backward,
@@ -62,7 +62,7 @@ forward (COFFEE's DEER solver tests values on the host, and B'MOJO counts its me
 a batch has document resets); context and pipeline parallelism (CP's exchanges are not examined under a
 capture; the pipeline schedule runs the micro-batches' forward and backward itself, with point-to-point sends
 between stages); DDP's backward hooks (data parallelism instead averages the accumulated gradients after the
-replays with one flat all-reduce) and FSDP2 / DeepSpeed at DP > 1, which hook the backward; BPTT's carried
+replays with bucketed all-reduces) and FSDP2 / DeepSpeed at DP > 1, which hook the backward; BPTT's carried
 state and activation checkpointing (untested under capture). A CUDA graph needs a CUDA device, so NCCL: the
 gloo backend never meets it (the trainer refuses it should a process group of another backend hold TP).
 """
