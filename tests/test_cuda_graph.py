@@ -281,7 +281,13 @@ def test_capture_safe_tensor_parallel_forward_reads_nothing_on_the_host(sp):
 def test_cuda_graph_trains_like_the_eager_loop(tmp_path, pattern):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    common = ("train.steps=6", "train.precision=fp32", "run.save_interval=3")
+    _graph_trains_like_eager_and_resumes(tmp_path, ("train.steps=6", "train.precision=fp32", "run.save_interval=3"),
+                                         pattern)
+
+
+def _graph_trains_like_eager_and_resumes(tmp_path, common, pattern):
+    """fp32, 6 steps: the graphed trainer's losses and weights equal the eager one's, and stopped after 3 steps
+    and resumed, the resumed trainer captures a new graph and continues exactly. Returns (eager, graphed)."""
     eager = Trainer(_cfg(tmp_path / "eager", *common, pattern=pattern))
     eager_losses = eager.fit()
     graphed = Trainer(_cfg(tmp_path / "graph", *common, "train.cuda_graph=true", pattern=pattern))
@@ -290,13 +296,13 @@ def test_cuda_graph_trains_like_the_eager_loop(tmp_path, pattern):
     torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=1e-5, atol=1e-6)
     for (name, a), b in zip(eager.model.named_parameters(), graphed.model.parameters()):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=name)
-    # stopped after 3 steps and resumed: the resumed trainer captures a new graph and continues exactly
     first = Trainer(_cfg(tmp_path / "cut", *common, "train.cuda_graph=true", pattern=pattern))
     first.cfg.train.steps = 3
     head = first.fit()
     resumed = Trainer(_cfg(tmp_path / "cut", *common, "train.cuda_graph=true", "run.resume=auto", pattern=pattern))
     assert resumed.step == 3
     torch.testing.assert_close(torch.tensor(head + resumed.fit()), torch.tensor(graph_losses), rtol=1e-6, atol=1e-7)
+    return eager, graphed
 
 
 @pytest.mark.gpu
@@ -360,22 +366,8 @@ def test_cuda_graph_trains_a_hybrid_like_the_eager_loop(tmp_path, pattern):
     data = ("data.builtin=none", f"data.paths=[{_short_documents(tmp_path)}]")
     common = (*data, *HYBRID, "train.steps=6", "train.precision=fp32", "run.save_interval=3")
     _assert_resets_in_every_row(_cfg(tmp_path / "eager", *common, pattern=pattern), micro_batches=12)
-    eager = Trainer(_cfg(tmp_path / "eager", *common, pattern=pattern))
-    eager_losses = eager.fit()
-    assert not eager.model.capture_safe
-    graphed = Trainer(_cfg(tmp_path / "graph", *common, "train.cuda_graph=true", pattern=pattern))
-    assert graphed.model.capture_safe
-    graph_losses = graphed.fit()
-    assert graphed.graphed is not None and graphed.graphed.graph is not None
-    torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=1e-5, atol=1e-6)
-    for (name, a), b in zip(eager.model.named_parameters(), graphed.model.parameters()):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=name)
-    first = Trainer(_cfg(tmp_path / "cut", *common, "train.cuda_graph=true", pattern=pattern))
-    first.cfg.train.steps = 3
-    head = first.fit()
-    resumed = Trainer(_cfg(tmp_path / "cut", *common, "train.cuda_graph=true", "run.resume=auto", pattern=pattern))
-    assert resumed.step == 3
-    torch.testing.assert_close(torch.tensor(head + resumed.fit()), torch.tensor(graph_losses), rtol=1e-6, atol=1e-7)
+    eager, graphed = _graph_trains_like_eager_and_resumes(tmp_path, common, pattern)
+    assert not eager.model.capture_safe and graphed.model.capture_safe
 
 
 @pytest.mark.gpu

@@ -31,6 +31,9 @@ written before the record existed still load (with one warning that they cannot 
 
 Carried recurrent states (BPTT) go in `extra["carried_states"]` like any other state: any structure of
 tensors, lists, dicts and tuples is saved as is.
+
+The checkpoints folder itself (names, listing, completeness, pruning, leftovers of interrupted saves) is
+checkpoint_dir.py; its names are re-exported here.
 """
 from __future__ import annotations
 
@@ -50,6 +53,9 @@ import numpy as np
 import torch
 
 from megassm.config import ConfigError
+from megassm.training.checkpoint_dir import (CHECKPOINTS, META, _newest_first, _prune, check_writable,
+                                             checkpoint_name, clean_temp_dirs, find_latest, is_complete,
+                                             list_checkpoints, marked_complete, read_meta)
 from megassm.training.failures import RunIOError, describe_os_error, one_line
 from megassm.training.integrity import (INTEGRITY_ALGO, HashingWriter, check_file, file_record,
                                         integrity_record, nonfinite_tensors)
@@ -84,15 +90,11 @@ __all__ = [
     "read_model_and_optim",
 ]
 
-CHECKPOINTS = "checkpoints"
-META = "meta.json"
 MODEL = "model.pt"
 OPTIM = "optim.pt"
 _RESERVED = {"model", "optim", "meta"}
-_NAME_RE = re.compile(r"^step_(\d{8,})$")
 _KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _SCALARS = (str, int, float, bool, type(None))
-_TEMP_PREFIXES = (".tmp-", ".old-")
 
 
 class CheckpointError(ConfigError):
@@ -111,10 +113,6 @@ class CheckpointMismatchError(CheckpointError):
 
 class CheckpointWriteError(RunIOError):
     """A checkpoint could not be written (unwritable directory, full disk); its temp directory is removed."""
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step_{step:08d}"
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -288,57 +286,6 @@ def _torch_load(path: str, map_location: Any) -> Any:
 def _cpu_state_dict(model: torch.nn.Module) -> dict:
     return {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
             for k, v in unwrap_model(model).state_dict().items()}
-
-
-def read_meta(path: str) -> dict | None:
-    """meta.json of a checkpoint directory, or None when absent or unreadable."""
-    try:
-        with open(os.path.join(path, META)) as f:
-            meta = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return meta if isinstance(meta, dict) else None
-
-
-def is_complete(path: str) -> bool:
-    meta = read_meta(path)
-    if meta is None or meta.get("complete") is not True:
-        return False
-    return all(os.path.isfile(os.path.join(path, f)) for f in meta.get("files", []))
-
-
-def list_checkpoints(run_dir: str, complete_only: bool = True) -> list[tuple[int, str]]:
-    """(step, path) of the checkpoint directories under run_dir/checkpoints, oldest first. Temp
-    directories (names starting with '.') are never listed."""
-    root = os.path.join(run_dir, CHECKPOINTS)
-    try:
-        names = os.listdir(root)
-    except FileNotFoundError:
-        return []
-    out = []
-    for name in names:
-        m = _NAME_RE.match(name)
-        path = os.path.join(root, name)
-        if m and os.path.isdir(path) and (not complete_only or is_complete(path)):
-            out.append((int(m.group(1)), path))
-    return sorted(out)
-
-
-def find_latest(run_dir: str) -> str | None:
-    """The newest (highest step) complete checkpoint under run_dir/checkpoints, or None."""
-    cks = list_checkpoints(run_dir)
-    return cks[-1][1] if cks else None
-
-
-def _prune(run_dir: str, keep_last: int, protect: str) -> None:
-    if keep_last <= 0:
-        return
-    complete = list_checkpoints(run_dir)
-    keep = {p for _, p in complete[-keep_last:]} | {protect}
-    for _, path in complete:
-        if path not in keep:
-            log.info("removing old checkpoint %s (run.keep_last=%d)", path, keep_last)
-            shutil.rmtree(path, ignore_errors=True)
 
 
 def save_checkpoint(
@@ -593,13 +540,6 @@ def _complete_meta(path: str) -> dict:
     return meta
 
 
-def marked_complete(path: str | os.PathLike) -> bool:
-    """Whether the save of this checkpoint finished (meta.json says "complete": true), whatever happened to its
-    files since: a checkpoint that is not was interrupted, one that is but fails verification is damaged."""
-    meta = read_meta(os.fspath(path))
-    return meta is not None and meta.get("complete") is True
-
-
 def _refuse_damaged(path: str) -> None:
     problems = verify_checkpoint(path)
     if problems:
@@ -637,57 +577,6 @@ def resume_candidates(run_dir: str | os.PathLike, resume: str | None) -> tuple[l
             raise CheckpointError(f"run.resume: run directory {path} has no checkpoint")
         return found, True
     return [path], False
-
-
-def _newest_first(run_dir: str) -> list[str]:
-    return [p for _, p in reversed(list_checkpoints(run_dir, complete_only=False))]
-
-
-def clean_temp_dirs(run_dir: str | os.PathLike) -> list[str]:
-    """Remove what interrupted saves left under run_dir/checkpoints: `.tmp-*` directories (never complete),
-    and `.old-*` ones (a replaced checkpoint, restored to its name when the kill came before its successor's
-    rename). Call only while holding the run directory (no save in flight). Returns what was done, in words."""
-    root = os.path.join(os.fspath(run_dir), CHECKPOINTS)
-    try:
-        names = sorted(os.listdir(root))
-    except FileNotFoundError:
-        return []
-    done = []
-    for name in names:
-        path = os.path.join(root, name)
-        if not name.startswith(_TEMP_PREFIXES):
-            continue
-        m = re.match(r"^\.old-(step_\d{8,})-\d+(?:-\d+)?$", name)  # pid, and the writer thread: publish()
-        if m and not os.path.exists(os.path.join(root, m.group(1))) and is_complete(path):
-            os.rename(path, os.path.join(root, m.group(1)))
-            done.append(f"restored {m.group(1)} from {name}, left by a save killed while replacing it")
-            continue
-        size = _tree_bytes(path)
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-        done.append(f"removed {name} ({size / 2**20:.1f} MiB), left by an interrupted save")
-    return done
-
-
-def _tree_bytes(path: str) -> int:
-    if not os.path.isdir(path):
-        return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
-
-
-def check_writable(run_dir: str | os.PathLike) -> None:
-    """run_dir/checkpoints exists and takes a new file; otherwise a RunIOError naming it, before any compute."""
-    root = os.path.join(os.fspath(run_dir), CHECKPOINTS)
-    probe = os.path.join(root, f".tmp-write-probe-{os.getpid()}")
-    try:
-        os.makedirs(root, exist_ok=True)
-        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, b"megassm")
-        finally:
-            os.close(fd)
-        os.remove(probe)
-    except OSError as e:
-        raise RunIOError(f"cannot write checkpoints to {root}: {describe_os_error(e)}") from None
 
 
 def resolve_resume(run_dir: str | os.PathLike, resume: str | None) -> str | None:
