@@ -29,6 +29,10 @@ __all__ = [
     "rmsnorm",
     "gated_rmsnorm",
     "add_rmsnorm",
+    "gated_rmsnorm_sumsq",
+    "gated_rmsnorm_apply",
+    "gated_rmsnorm_bwd_dot",
+    "gated_rmsnorm_bwd_apply",
     "selective_scan",
     "selective_scan_sequential",
     "selective_scan_step",
@@ -140,6 +144,47 @@ def add_rmsnorm(x, residual, weight, eps=1e-5):
     if _eager_reference(x):
         return reference.add_rmsnorm(x, residual, weight, eps)
     return ops.add_rmsnorm_call(x, residual, weight, float(eps))
+
+
+# gated_rmsnorm in stages, for norm groups whose channels are spread over devices (tensor parallelism with fewer
+# Mamba-2 groups than ranks, parallel/tp.py): the caller sums `sumsq` (forward) and `dot` (backward) over the
+# devices between the stages and writes the autograd Function itself. Plain functions: no autograd, no custom op.
+# sumsq / dot: [..., G] fp32 (fp64 for fp64); group_size: the width of a whole group, over all devices.
+def _staged(x) -> bool:
+    use = ops.use_triton(x)
+    ops._announce(use, x)
+    return use
+
+
+def gated_rmsnorm_sumsq(x, z, ngroups=1, norm_before_gate=False):
+    """Each row's per-group sum of squares of x * silu(z) (of x when norm_before_gate or z is None)."""
+    if _staged(x):
+        return ops.triton_kernels().gated_rmsnorm_sumsq(x, z, int(ngroups), bool(norm_before_gate))
+    return reference.gated_rmsnorm_sumsq(x, z, ngroups, norm_before_gate)
+
+
+def gated_rmsnorm_apply(x, z, weight, sumsq, group_size, eps=1e-5, norm_before_gate=False):
+    """gated_rmsnorm(x, z, weight) with the groups' statistics given (sumsq summed over the devices)."""
+    if _staged(x):
+        return ops.triton_kernels().gated_rmsnorm_apply(x, z, weight, sumsq, int(group_size), float(eps),
+                                                        bool(norm_before_gate))
+    return reference.gated_rmsnorm_apply(x, z, weight, sumsq, group_size, eps, norm_before_gate)
+
+
+def gated_rmsnorm_bwd_dot(dout, x, z, weight, sumsq, group_size, eps=1e-5, norm_before_gate=False):
+    """Backward, first stage: each row's per-group sum of dn * n, to be summed over the devices."""
+    if _staged(x):
+        return ops.triton_kernels().gated_rmsnorm_bwd_dot(dout, x, z, weight, sumsq, int(group_size), float(eps),
+                                                          bool(norm_before_gate))
+    return reference.gated_rmsnorm_bwd_dot(dout, x, z, weight, sumsq, group_size, eps, norm_before_gate)
+
+
+def gated_rmsnorm_bwd_apply(dout, x, z, weight, sumsq, dot, group_size, eps=1e-5, norm_before_gate=False):
+    """Backward, second stage: (dx, dz, dweight) of gated_rmsnorm_apply with the summed `dot`."""
+    if _staged(x):
+        return ops.triton_kernels().gated_rmsnorm_bwd_apply(dout, x, z, weight, sumsq, dot, int(group_size),
+                                                            float(eps), bool(norm_before_gate))
+    return reference.gated_rmsnorm_bwd_apply(dout, x, z, weight, sumsq, dot, group_size, eps, norm_before_gate)
 
 
 def selective_scan(x, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, decay="exp",

@@ -67,6 +67,15 @@ def make_batch(vocab: int, bsz: int, seqlen: int, seed: int = 0, device="cpu"):
     return {k: v.to(device) for k, v in dict(tokens=tokens, labels=labels, seq_idx=seq_idx).items()}
 
 
+def layer_collectives(case: dict, kinds, tp: int, sp: bool) -> list[dict]:
+    """The collectives each layer's forward issues under TP (equivalence_worker's per_layer_fwd): the
+    row-parallel all-reduce (SP: its reduce-scatter, plus the all-gather in front of the layer), and for a
+    Mamba-2 layer whose norm groups span ranks (tp > ngroups) the all-reduce of its norm statistics."""
+    base = {"all_gather": 1, "reduce_scatter": 1} if sp else {"all_reduce": 1}
+    spans = case.get("ngroups", 1) % tp != 0
+    return [dict(base, all_reduce=base.get("all_reduce", 0) + 1) if k == "M" and spans else base for k in kinds]
+
+
 def equivalence_worker(rank, world, tp, sp, cases, out_path, steps=3, device="cpu", tol=1e-5, seqlen=24, bsz=2):
     """For each case (dict of tiny_model_config kwargs): single-device reference vs TP (this group) on the
     same batch: loss, logits (gathered), every canonical gradient, `steps` AdamW steps with clipping, and the

@@ -191,6 +191,67 @@ def test_gated_rmsnorm_triton(triton_mode, norm_before_gate, gate):
 
 
 @needs_triton
+@pytest.mark.parametrize("norm_before_gate", [False, True])
+@pytest.mark.parametrize("gate", [True, False])
+def test_gated_rmsnorm_stages_over_split_groups(triton_mode, norm_before_gate, gate):
+    """The staged gated norm (tensor parallelism with fewer groups than ranks): each group's channels split over
+    two 'devices', sumsq and dot summed between the stages, gives gated_rmsnorm's output and gradients on both
+    backends; x and z are strided rows (slices of one wider tensor, as Mamba-2's z is of in_proj's output)."""
+    G, D, h = 2, 48, 12  # 2 groups of 24 channels, 12 on each device
+    wide = torch.randn(3, 5, 3 * D).to(DEV)
+    x, z = wide[..., :D], (wide[..., D:2 * D] if gate else None)
+    w, dout = torch.randn(D).to(DEV), torch.randn(3, 5, D).to(DEV)
+    leaves = [t.clone().requires_grad_(True) for t in (x, w) + ((z,) if gate else ())]
+    ref = R.gated_rmsnorm(leaves[0], leaves[2] if gate else None, leaves[1], ngroups=G,
+                          norm_before_gate=norm_before_gate)
+    want = (ref,) + torch.autograd.grad(ref, leaves, dout)
+
+    def part(t, q):  # device q's channels of every group
+        return None if t is None else t.unflatten(-1, (G, 2, h))[..., q, :].flatten(-2)
+
+    def whole(ts):
+        return torch.stack([t.unflatten(-1, (G, h)) for t in ts], -2).flatten(-3)
+
+    for lib in (K, R):
+        dev = [(part(x, q), part(z, q), part(w, q), part(dout, q)) for q in range(2)]
+        ss = sum(lib.gated_rmsnorm_sumsq(a, b, G, norm_before_gate) for a, b, _, _ in dev)
+        out = whole([lib.gated_rmsnorm_apply(a, b, c, ss, 2 * h, 1e-5, norm_before_gate) for a, b, c, _ in dev])
+        dot = sum(lib.gated_rmsnorm_bwd_dot(e, a, b, c, ss, 2 * h, 1e-5, norm_before_gate) for a, b, c, e in dev)
+        grads = [lib.gated_rmsnorm_bwd_apply(e, a, b, c, ss, dot, 2 * h, 1e-5, norm_before_gate)
+                 for a, b, c, e in dev]
+        got = (out, whole([g[0] for g in grads]), whole([g[2][None] for g in grads])[0])
+        if gate:
+            got += (whole([g[1] for g in grads]),)
+        assert ss.shape == (3, 5, G) and ss.dtype == torch.float32
+        for u, v in zip(got, want):
+            assert rel(u, v) < 1e-5
+
+
+@needs_triton
+@pytest.mark.parametrize("slot", [0, 1])
+def test_gated_rmsnorm_stages_read_strided_statistics(triton_mode, slot):
+    """TP with 2 norm groups over 4 ranks: a rank's statistics are one column (its group's slot) of the
+    all-reduced [..., 2] buffer; the kernels read it in place and write their own sums densely."""
+    g = torch.Generator().manual_seed(slot)
+    x, z, do = (torch.randn(2, 16, 12, generator=g).to(DEV) for _ in range(3))
+    w = torch.randn(12, generator=g).to(DEV)
+
+    def column(t):  # t [..., 1] in `slot` of a [..., 2] buffer (the other group's slot holds other numbers)
+        return torch.cat([t * 2.0, t + 1.0] if slot == 0 else [t + 1.0, t * 2.0], -1)[..., slot:slot + 1]
+
+    outs = []
+    for lib in (K, R):
+        ss = lib.gated_rmsnorm_sumsq(x, z, 1, False)
+        assert ss.shape == (2, 16, 1) and ss.is_contiguous()
+        ssc = column(ss)
+        out = lib.gated_rmsnorm_apply(x, z, w, ssc, 24, 1e-5, False)
+        dot = column(lib.gated_rmsnorm_bwd_dot(do, x, z, w, ssc, 24, 1e-5, False))
+        outs.append((ss, out, dot) + lib.gated_rmsnorm_bwd_apply(do, x, z, w, ssc, dot, 24, 1e-5, False))
+    for u, v in zip(*outs):
+        assert rel(u, v) < 1e-5
+
+
+@needs_triton
 def test_rmsnorm_and_add_rmsnorm_triton(triton_mode):
     x = torch.randn(4, 3, 40).to(DEV)
     w = torch.randn(40).to(DEV)

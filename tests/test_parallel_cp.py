@@ -60,7 +60,7 @@ def test_cp_matches_single_device(tmp_path, monkeypatch, cp):
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2-cp2", "tp2-sp-cp2"])
 def test_tp2_x_cp2_matches_single_device(tmp_path, sp):
     """TP shards heads first, CP hands over the local heads' states. ngroups=1: B/C replicated over TP and the
-    fused norm path; n_kv_heads=1: K/V replicated over TP. With SP the norms and residuals hold [B, L/cp/tp]
+    norm statistics summed over ranks; n_kv_heads=1: K/V replicated over TP. With SP the norms and residuals hold [B, L/cp/tp]
     and each TP region gathers this CP slice's sequence, inside which the CP exchange runs unchanged."""
     out = tmp_path / "report.json"
     cases = [dict(pattern="MM", ngroups=1), dict(pattern="M*M-", ngroups=2, window=9, n_kv_heads=1)]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from multiproc import spawn, train_losses
-from parallel_cases import equivalence_worker
+from parallel_cases import equivalence_worker, layer_collectives
 
 
 pytestmark = pytest.mark.gpu
@@ -39,8 +39,7 @@ def test_nccl_tp_exact_reference_kernels(tmp_path, monkeypatch, tp, sp):
     out = tmp_path / "r.json"
     spawn(equivalence_worker, tp, tp, sp, [dict(c) for c in CASES], str(out), 3, "cuda", backend="nccl")
     for rec in json.loads(out.read_text()):
-        want = {"all_gather": 1, "reduce_scatter": 1} if sp else {"all_reduce": 1}
-        assert rec["per_layer_fwd"] == [want] * len(rec["kinds"])
+        assert rec["per_layer_fwd"] == layer_collectives(rec["case"], rec["kinds"], tp, sp)
 
 
 @pytest.mark.parametrize("tp,sp", [(2, False), (2, True), (4, False), (4, True)], ids=["tp2", "tp2-sp", "tp4", "tp4-sp"])

@@ -13,7 +13,7 @@ from megassm.config import ConfigError
 
 from conftest import use_megatron_groups
 from multiproc import spawn
-from parallel_cases import equivalence_worker
+from parallel_cases import equivalence_worker, layer_collectives
 
 CASES = [
     dict(pattern="MM", ngroups=2),  # tp=2: ngroups % tp == 0 (fast path); tp=4: tp > ngroups > 1 (2 slots)
@@ -36,17 +36,19 @@ def test_tp_matches_single_device(tmp_path, monkeypatch, tp, sp):
     assert len(report) == len(CASES)
     for rec in report:
         assert rec["worst_grad_rel"] <= 1e-5 and rec["logits_rel"] <= 1e-5 and rec["step_loss_rel"] <= 1e-5, rec
-        # exactly one collective per layer forward: the row-parallel all-reduce (SP: its reduce-scatter, plus
-        # the all-gather in front of the layer)
-        want = {"all_gather": 1, "reduce_scatter": 1} if sp else {"all_reduce": 1}
-        assert rec["per_layer_fwd"] == [want] * len(rec["kinds"]), rec["per_layer_fwd"]
+        # one collective per layer forward: the row-parallel all-reduce (SP: its reduce-scatter, plus the
+        # all-gather in front of the layer); a Mamba-2 layer whose norm groups span ranks (tp > ngroups) adds
+        # the small all-reduce of its norm statistics, forward and backward
+        assert rec["per_layer_fwd"] == layer_collectives(rec["case"], rec["kinds"], tp, sp), rec["per_layer_fwd"]
         n = len(rec["kinds"])
+        ns = sum(k == "M" for k in rec["kinds"]) if rec["case"].get("ngroups", 1) % tp else 0
         if sp:  # + embedding reduce-scatter, head all-gather, 2 small CE all-reduces
-            assert rec["fwd_total"] == {"all_gather": n + 1, "reduce_scatter": n + 1, "all_reduce": 2}
-            assert rec["bwd_total"] == {"all_gather": n + 1, "reduce_scatter": n + 1}
+            assert rec["fwd_total"] == {"all_gather": n + 1, "reduce_scatter": n + 1, "all_reduce": 2 + ns}
+            assert rec["bwd_total"] == dict({"all_gather": n + 1, "reduce_scatter": n + 1}, **(
+                {"all_reduce": ns} if ns else {}))
         else:  # + embedding all-reduce, 2 small CE all-reduces; backward: one per layer + the head's input
-            assert rec["fwd_total"] == {"all_reduce": n + 3}
-            assert rec["bwd_total"] == {"all_reduce": n + 1}
+            assert rec["fwd_total"] == {"all_reduce": n + 3 + ns}
+            assert rec["bwd_total"] == {"all_reduce": n + 1 + ns}
 
 
 def _cfg(*over):
@@ -105,3 +107,44 @@ def test_megatron_groups_on_gloo_match_layout(tmp_path):
     # rank 0's groups, by hand for two layouts: tp2 x dp2, and tp2 x pp2 (a pipeline is ranks {0, 2})
     assert rec["layouts"][0]["tp"] == [0, 1] and rec["layouts"][0]["dp"] == [0, 2]
     assert rec["layouts"][4]["pp"] == [0, 2] and rec["layouts"][4]["emb"] == [0, 2]
+
+
+def test_tp_rank_adds_no_copies_per_mamba2_layer():
+    """What one TP rank runs per Mamba-2 layer beyond its share (benchmarks/tp_ops.py: the aten ops of the
+    second layer's forward and backward, kernels counted as one op each as on the GPU), ngroups 1 like
+    mamba2-2.7b so the norm groups span the ranks: against TP 1, no elementwise op and no copy, cast or fill
+    is added, except the clone of the input gradient before its in-place all-reduce (copy_to_tp's backward)
+    and, under SP, gloo's copy in its reduce-scatter; the launches added are the collectives and the norm's
+    two statistics kernels. The host reads of the step are TP 1's (the clip's one .item())."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = ["--patterns", "MM", "--tp", "1", "2", "--sp", "off", "on", "--d-model", "64", "--d-state", "16",
+            "--headdim", "16", "--chunk-size", "32", "--seq-len", "64", "--vocab", "128", "--ngroups", "1"]
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "tp_ops.py"), *args], capture_output=True,
+                       text=True, cwd=root, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+
+    def layer(tp, sp, phase):
+        row = next(x for x in rows if (x["tp"], x["sp"], x["phase"], x["where"]) == (tp, sp, phase, "1:M"))
+        fam = row["families"]
+        n = {f: fam.get(f, [0, 0])[0] for f in ("copy", "cast", "fill", "elementwise", "kernel", "comm")}
+        return dict(copy_like=n["copy"] + n["cast"] + n["fill"], elementwise=n["elementwise"], kernel=n["kernel"],
+                    comm=n["comm"], launches=row["launches"])
+
+    one = {ph: layer(1, False, ph) for ph in ("fwd", "bwd")}
+    # extra ops per layer on a TP 2 rank: (copy-like, kernels, collectives) forward / backward
+    extra = {False: {"fwd": (0, 1, 2), "bwd": (1, 1, 2)},  # sumsq / bwd_dot kernels; norm stats + out_proj
+             True: {"fwd": (1, 1, 3), "bwd": (1, 1, 3)}}  # + the SP all-gather; gloo's reduce-scatter copy
+    for sp in (False, True):
+        for ph in ("fwd", "bwd"):
+            got, base = layer(2, sp, ph), one[ph]
+            cl, kn, cm = extra[sp][ph]
+            want = dict(copy_like=base["copy_like"] + cl, elementwise=base["elementwise"], kernel=base["kernel"] + kn,
+                        comm=cm, launches=base["launches"] + cl + kn + cm)
+            assert got == want, (sp, ph, got, want, base)
+        reads = next(x for x in rows if (x["tp"], x["sp"], x["where"]) == (2, sp, "host_reads"))["host_reads"]
+        assert [h["at"].split(":")[0] for h in reads] == ["megassm/parallel/tp.py"] and reads[0]["n"] == 1, reads

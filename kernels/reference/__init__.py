@@ -1,7 +1,8 @@
 """Pure-PyTorch reference ops: the CPU implementation and the test oracle for the Triton kernels."""
 from .coffee import coffee_scan
 from .conv import causal_conv1d, causal_conv1d_step
-from .norm import add_rmsnorm, gated_rmsnorm, rmsnorm
+from .norm import (add_rmsnorm, gated_rmsnorm, gated_rmsnorm_apply, gated_rmsnorm_bwd_apply, gated_rmsnorm_bwd_dot,
+                   gated_rmsnorm_sumsq, rmsnorm)
 from .scan import selective_scan, selective_scan_sequential, selective_scan_step
 from .ssd import segsum, ssd, ssd_sequential, ssd_step
 
@@ -15,6 +16,10 @@ __all__ = [
     "rmsnorm",
     "gated_rmsnorm",
     "add_rmsnorm",
+    "gated_rmsnorm_sumsq",
+    "gated_rmsnorm_apply",
+    "gated_rmsnorm_bwd_dot",
+    "gated_rmsnorm_bwd_apply",
     "selective_scan",
     "selective_scan_sequential",
     "selective_scan_step",

@@ -6,6 +6,8 @@ from .coffee import coffee_scan_bwd, coffee_scan_fwd  # noqa: E402
 from .conv import causal_conv1d_bwd, causal_conv1d_fwd  # noqa: E402
 from .scan import selective_scan_bwd, selective_scan_fwd, selective_scan_step_fwd  # noqa: E402
 from .norm import add_rmsnorm_bwd, add_rmsnorm_fwd, gated_rmsnorm_bwd, gated_rmsnorm_fwd  # noqa: E402
+from .norm import (gated_rmsnorm_apply, gated_rmsnorm_bwd_apply, gated_rmsnorm_bwd_dot,  # noqa: E402
+                   gated_rmsnorm_sumsq)
 from .ssd import ssd_fwd  # noqa: E402
 from .ssd_bwd import ssd_bwd  # noqa: E402
 from .ssd import supported as ssd_supported  # noqa: E402

@@ -58,7 +58,7 @@ class CausalConv1d(nn.Module):
 
 class Mamba2Mixer(nn.Module):
     stateful = True  # carries a recurrent state (models/state.py)
-    norm_spans_ranks = False  # a TP variant sets it: the grouped norm's statistics are reduced with out_proj
+    norm_spans_ranks = False  # a TP variant sets it: the grouped norm's statistics are summed over the TP ranks
 
     def __init__(self, cfg: ModelConfig, n_layer: int):
         super().__init__()
@@ -100,7 +100,7 @@ class Mamba2Mixer(nn.Module):
 
     def norm_out_proj(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """out_proj(gated_rmsnorm(y, z)). One method so that a tensor-parallel plan whose norm groups span
-        ranks (TP > ngroups) can fold the norm statistics into out_proj's single all-reduce."""
+        ranks (TP > ngroups) can sum the norm statistics over them (parallel/tp.py)."""
         return self.out_proj(self.norm(y, z))
 
     # ------------------------------------------------------------------------------------------------
@@ -259,14 +259,12 @@ def mamba2_activation_bytes(m, a: int, ctx=None) -> tuple[int, int]:
     """(local, stream) bytes per token of a Mamba-2 mixer: in_proj output [z|x|B|C|dt] (conv and SSD read
     views of it), conv output (SSD's x, B, C), SSD output y (the gated norm's input), gated-norm output
     (out_proj's input); the Triton ops save only their inputs. When the norm groups span TP ranks (TP >
-    ngroups) the gated norm runs in fp32 PyTorch inside out_proj's all-reduce (parallel/tp.py): y, z, the gate
-    and y * gate in fp32, the normed product in y's dtype, and the reduced fp32 buffer [G x d_model + G]."""
+    ngroups) the norm also keeps its all-reduced sums of squares (G fp32 numbers per token; parallel/tp.py)."""
     gn = m.ngroups * m.d_state
     zxbcdt = 2 * m.d_inner + 2 * gn + m.nheads
     kept = _ssd_kept_state_bytes(m, a)
-    if m.norm_spans_ranks:
-        return a * (zxbcdt + m.conv_dim) + (16 + a) * m.d_inner + kept, 4 * m.n_slots * (m.d_model + 1)
-    return a * (zxbcdt + m.conv_dim + 2 * m.d_inner) + kept, 0
+    spans = 4 * m.n_slots if m.norm_spans_ranks else 0
+    return a * (zxbcdt + m.conv_dim + 2 * m.d_inner) + kept + spans, 0
 
 
 def _ssd_kept_state_bytes(m, a: int) -> int:

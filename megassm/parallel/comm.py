@@ -45,34 +45,45 @@ def all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
-def _move(x: torch.Tensor, dim: int) -> torch.Tensor:
-    return x if dim == 0 else x.movedim(dim, 0)
+def _flat_order(x: torch.Tensor, dim: int) -> bool:
+    """Whether the ranks' blocks along `dim` are contiguous in memory (no dim before it larger than 1): then a
+    collective over the flat buffer is one along `dim`, with no copy (micro-batch 1 under SP)."""
+    return all(s == 1 for s in x.shape[:dim])
 
 
 def all_gather_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """Concatenate the ranks' `x` along `dim` (rank order)."""
+    """Concatenate the ranks' `x` along `dim` (rank order). The result is contiguous: when dims before `dim`
+    are larger than 1 the ranks' blocks are gathered stacked ([n, *x.shape]) and reordered by one copy."""
     n = world(group)
     if n == 1:
         return x
-    xs = _move(x, dim).contiguous()
-    out = xs.new_empty((xs.shape[0] * n, *xs.shape[1:]))
+    dim = dim % x.dim()
+    x = x.contiguous()
     COUNTS["all_gather"] += 1
-    dist.all_gather_into_tensor(out, xs, group=group)
-    return out if dim == 0 else out.movedim(0, dim)
+    flat = _flat_order(x, dim)
+    out = x.new_empty((*x.shape[:dim], x.shape[dim] * n, *x.shape[dim + 1:]) if flat else (n, *x.shape))
+    # rank-major flat views: the backends check the sizes along dim 0
+    dist.all_gather_into_tensor(out.view(n, -1), x.view(1, -1), group=group)
+    return out if flat else out.movedim(0, dim).flatten(dim, dim + 1)
 
 
 def reduce_scatter_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """Sum over the ranks, each rank keeps its 1/n slice along `dim`."""
+    """Sum over the ranks, each rank keeps its 1/n slice along `dim` (a contiguous tensor; when dims before
+    `dim` are larger than 1 the input is reordered rank-major by one copy first)."""
     n = world(group)
     if n == 1:
         return x
-    xs = _move(x, dim).contiguous()
-    if xs.shape[0] % n:
-        raise ValueError(f"reduce_scatter: size {xs.shape[0]} of dim {dim} not divisible by {n} ranks")
-    out = xs.new_empty((xs.shape[0] // n, *xs.shape[1:]))
+    dim = dim % x.dim()
+    if x.shape[dim] % n:
+        raise ValueError(f"reduce_scatter: size {x.shape[dim]} of dim {dim} not divisible by {n} ranks")
     COUNTS["reduce_scatter"] += 1
-    dist.reduce_scatter_tensor(out, xs, group=group)
-    return out if dim == 0 else out.movedim(0, dim)
+    if _flat_order(x, dim):
+        xs = x.contiguous()
+    else:
+        xs = x.unflatten(dim, (n, x.shape[dim] // n)).movedim(dim, 0).contiguous()
+    out = x.new_empty((*x.shape[:dim], x.shape[dim] // n, *x.shape[dim + 1:]))
+    dist.reduce_scatter_tensor(out.view(1, -1), xs.view(n, -1), group=group)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------

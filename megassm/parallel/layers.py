@@ -4,7 +4,8 @@ same code on gloo/CPU and NCCL/GPU).
 
 Regions (Megatron's f / g operators):
     copy_to_tp(x)      fwd identity      bwd all-reduce    (input of column-parallel projections)
-    reduce_from_tp(x)  fwd all-reduce    bwd identity      (output of row-parallel projections)
+    reduce_from_tp(x)  fwd all-reduce    bwd identity      (output of row-parallel projections; in place on x,
+                                                            a fresh projection output)
 
 Modules (substituted by megassm.parallel.tp for the single-device module, holding its parameters, so parameter
 names and init rules stay those of the canonical model; parallel/substitute.py):
@@ -43,9 +44,15 @@ class _CopyToTP(torch.autograd.Function):
 
 
 class _ReduceFromTP(torch.autograd.Function):
+    """In place on `x` (marked dirty): callers pass a projection's fresh output, which nothing else reads (an op
+    that saved it for its backward would make autograd raise, never compute silently wrong gradients)."""
+
     @staticmethod
     def forward(ctx, x, group):
-        return comm.all_reduce(x.clone(), group)
+        if not x.is_contiguous():
+            return comm.all_reduce(x.contiguous(), group)
+        ctx.mark_dirty(x)
+        return comm.all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, g):

@@ -20,8 +20,9 @@ Layer by layer:
   Mamba-2   in_proj per component [z|x|B|C|dt] column-parallel (plain local Linear), conv / A_log / dt_bias /
             D / norm weight rank-local, grouped norm over local groups, out_proj row-parallel: the layer's
             one all-reduce (reduce-scatter under SP). tp > ngroups: B/C rows of in_proj and conv replicated;
-            the norm group then spans ranks, and its sum of squares (one fp32 number per token and group)
-            rides in the same all-reduce as out_proj's partial output: out = sum_r W_r(g_r*w_r) * rsqrt(ms).
+            the norm group then spans ranks: its sum of squares (one fp32 number per token and group) is
+            all-reduced before the norm kernel normalizes (and its backward's sum of dn * n likewise), then
+            out_proj reduces as usual.
   attention q heads split, K/V heads split (or replicated when n_kv_heads < tp), o_proj row-parallel.
   MLP       w1 / w3 column-parallel, w2 row-parallel.
   COFFEE    in_proj column-parallel by channel, lam / w / C / w_out cut by channel, out_proj row-parallel
@@ -46,6 +47,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megassm import kernels
 from megassm.models.bmojo import BMojoMixer
 from megassm.models.lm import IGNORE_INDEX, LanguageModel
 from megassm.models.mamba2 import Mamba2Mixer
@@ -53,7 +55,7 @@ from megassm.models.registry import Replicate, Split, TPLayout, block_kind
 
 from . import comm
 from .layers import (RowParallelLinear, VocabParallelEmbedding, copy_to_tp, reduce_from_tp, region_in,
-                     region_out, vocab_parallel_cross_entropy)
+                     vocab_parallel_cross_entropy)
 from .sp import split_to_sp
 from .substitute import substitute
 
@@ -143,10 +145,48 @@ def _replica(size: int, nparts: int, tp: int, partial: bool = True) -> Piece:
     return Piece(size, nparts, tuple(q // per for q in range(tp)), partial)
 
 
-class _FusedNormMamba2Mixer(Mamba2Mixer):
-    """TP > ngroups: a norm group spans tp/ngroups ranks. Its statistics go into out_proj's all-reduce:
-    buffer [..., G*d_model + G] with this rank's partial output in its group's slot, and its partial sum of
-    squares; after the reduction out = sum_g partial_g * rsqrt(ss_g / group_size + eps) (+ bias)."""
+class _SpanningGatedNorm(torch.autograd.Function):
+    """The Mamba-2 gated norm of this rank's channels when its group spans the `tp / ngroups` ranks of `group`
+    holding the group's other channels (tp > ngroups). The statistics of a row's group are sums over those
+    ranks: forward, each rank's sum of squares (one fp32 number per token and group), all-reduced before the
+    normalization; backward, each rank's sum of dn * n, all-reduced before the gradients
+    (kernels.gated_rmsnorm_sumsq / _apply / _bwd_dot / _bwd_apply: the Triton norm kernel in stages on the
+    GPU). With G groups the buffer is [..., G], this rank's group in its slot: the other groups' ranks add
+    zeros to it."""
+
+    @staticmethod
+    def forward(ctx, y, z, weight, mixer):
+        norm = mixer.norm
+        ss = kernels.gated_rmsnorm_sumsq(y, z, 1, norm.norm_before_gate)
+        ss = _slot_sum(ss, mixer)
+        out = kernels.gated_rmsnorm_apply(y, z, weight, ss, mixer.group_size, norm.eps, norm.norm_before_gate)
+        ctx.save_for_backward(y, z, weight, ss)
+        ctx.mixer = mixer
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        y, z, weight, ss = ctx.saved_tensors
+        m = ctx.mixer
+        nbg, eps = m.norm.norm_before_gate, m.norm.eps
+        dot = _slot_sum(kernels.gated_rmsnorm_bwd_dot(dout, y, z, weight, ss, m.group_size, eps, nbg), m)
+        dy, dz, dw = kernels.gated_rmsnorm_bwd_apply(dout, y, z, weight, ss, dot, m.group_size, eps, nbg)
+        return dy, dz, dw, None
+
+
+def _slot_sum(t: torch.Tensor, mixer) -> torch.Tensor:
+    """t [..., 1]: this rank's part of its group's statistic -> the sum over the group's ranks [..., 1]."""
+    G = mixer.n_slots
+    if G == 1:
+        return comm.all_reduce(t, mixer.tp_group)
+    buf = F.pad(t, (mixer.slot, G - 1 - mixer.slot))
+    return comm.all_reduce(buf, mixer.tp_group)[..., mixer.slot:mixer.slot + 1]
+
+
+class _SpanningNormMamba2Mixer(Mamba2Mixer):
+    """TP > ngroups: a norm group spans tp/ngroups ranks; its statistics are summed over them by a small
+    all-reduce ([..., ngroups] fp32 per token, forward and backward; `_SpanningGatedNorm`), then out_proj is
+    the usual row-parallel projection (one bf16 all-reduce, or reduce-scatter under SP)."""
 
     norm_spans_ranks = True
     tp_group = None
@@ -156,28 +196,7 @@ class _FusedNormMamba2Mixer(Mamba2Mixer):
     group_size = 1
 
     def norm_out_proj(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        norm = self.norm
-        yf = y.float()
-        gate = F.silu(z.float())
-        if norm.norm_before_gate:
-            ss_src, h = yf, yf * norm.weight * gate
-        else:
-            ss_src = yf * gate
-            h = ss_src * norm.weight
-        ss = ss_src.pow(2).sum(dim=-1, keepdim=True)
-        partial = F.linear(h.to(y.dtype), self.out_proj.weight)
-        dm = partial.shape[-1]
-        parts = []
-        for g in range(self.n_slots):
-            parts.append(partial.float() if g == self.slot else partial.new_zeros(*partial.shape[:-1], dm, dtype=torch.float32))
-        for g in range(self.n_slots):
-            parts.append(ss if g == self.slot else torch.zeros_like(ss))
-        red = region_out(torch.cat(parts, dim=-1), self.tp_group, self.sp and y.dim() == 3)
-        G = self.n_slots
-        scale = torch.rsqrt(red[..., G * dm:] / self.group_size + norm.eps)  # [..., G]
-        out = sum(red[..., g * dm:(g + 1) * dm] * scale[..., g:g + 1] for g in range(G))
-        out = out.to(partial.dtype)
-        return out if self.out_proj.bias is None else out + self.out_proj.bias
+        return self.out_proj(_SpanningGatedNorm.apply(y, z, self.norm.weight, self))
 
 
 class VocabParallelHead:
@@ -248,8 +267,8 @@ def _piece(pc, tp: int) -> Piece:
 
 
 def _variant_mamba2_norm_spans_ranks(mixer, plan: TPPlan, groups: int, group_size: int, sp: bool):
-    """TP > ngroups: each rank's B/C group is its slot in the fused out_proj all-reduce."""
-    return _FusedNormMamba2Mixer, dict(tp_group=plan.group, sp=sp, n_slots=groups,
+    """TP > ngroups: each rank's B/C group is its slot in the norm statistics' all-reduce."""
+    return _SpanningNormMamba2Mixer, dict(tp_group=plan.group, sp=sp, n_slots=groups,
                                        slot=plan.rank // (plan.tp // groups), group_size=group_size)
 
 
@@ -374,9 +393,10 @@ def local_pieces(grad: torch.Tensor, spec: ShardSpec):
 
 @torch.no_grad()
 def sync_tp_grads(model: nn.Module) -> None:
-    """Sum the partial gradients of replicated components over their replicas (one all-reduce in all). Under
-    FSDP2 x TP the gradients are DP shards (DTensors) of the TP-local ones: each rank sums the rows of the
-    replicated components inside its shard (`local_pieces`), which line up over the TP group."""
+    """Sum the partial gradients of replicated components over their replicas (one all-reduce in all; the
+    pieces go into and out of its buffer by two multi-tensor copies). Under FSDP2 x TP the gradients are DP
+    shards (DTensors) of the TP-local ones: each rank sums the rows of the replicated components inside its
+    shard (`local_pieces`), which line up over the TP group."""
     plan = plan_of(model)
     if plan is None:
         return
@@ -390,18 +410,18 @@ def sync_tp_grads(model: nn.Module) -> None:
     if not views:
         return
     sizes = [g.numel() * n for g, n, _ in views]
-    buf = views[0][0].new_zeros(sum(sizes), dtype=torch.float32)
-    off = 0
+    # a piece cut into n > 1 slices fills only its own slice j of its n slots: the others must read 0
+    new = views[0][0].new_zeros if any(n > 1 for _, n, _ in views) else views[0][0].new_empty
+    buf = new(sum(sizes), dtype=torch.float32)
+    slots, off = [], 0
     for (g, n, j), s in zip(views, sizes):
         ln = g.numel()
-        buf[off + j * ln: off + (j + 1) * ln].copy_(g.reshape(-1))
+        slots.append(buf[off + j * ln: off + (j + 1) * ln].view(g.shape))
         off += s
+    grads = [g for g, _, _ in views]
+    torch._foreach_copy_(slots, grads)
     comm.all_reduce(buf, plan.group)
-    off = 0
-    for (g, n, j), s in zip(views, sizes):
-        ln = g.numel()
-        g.copy_(buf[off + j * ln: off + (j + 1) * ln].view(g.shape))
-        off += s
+    torch._foreach_copy_(grads, slots)
 
 
 @torch.no_grad()
@@ -414,17 +434,23 @@ def grad_norm_tp(model: nn.Module) -> torch.Tensor:
 @torch.no_grad()
 def grad_sq_tp(model: nn.Module, exclude=()) -> torch.Tensor:
     """Squared L2 norm of the canonical gradient over the TP group (grad_norm_tp squared), leaving out the
-    parameters named in `exclude` (pipeline parallelism: the last stage's copy of a tied embedding)."""
+    parameters named in `exclude` (pipeline parallelism: the last stage's copy of a tied embedding). A
+    replicated component's square counts nparts / tp on each rank (its replicas sum to one); the norms come
+    from one multi-tensor kernel per such weight."""
     plan = plan_of(model)
     params = [(n, p) for n, p in model.named_parameters() if p.grad is not None and n not in exclude]
     dev = params[0][1].grad.device if params else torch.device("cpu")
-    total = torch.zeros((), device=dev, dtype=torch.float32)
+    by_weight: dict = {}
     for name, p in params:
         if plan is None:
-            total += p.grad.float().pow(2).sum()
+            by_weight.setdefault(1.0, []).append(p.grad)
             continue
         for pc, g in local_pieces(p.grad, plan.specs[name]):
-            total += g.float().pow(2).sum() * (pc.nparts / plan.tp)
+            by_weight.setdefault(pc.nparts / plan.tp, []).append(g)
+    total = torch.zeros((), device=dev, dtype=torch.float32)
+    for weight, grads in by_weight.items():
+        sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).pow(2).sum()
+        total += sq if weight == 1.0 else sq * weight
     if plan is not None:
         total = comm.all_reduce(total, plan.group)
     return total
@@ -438,9 +464,7 @@ def clip_grad_norm_tp(model: nn.Module, max_norm: float) -> float:
     if max_norm > 0 and math.isfinite(value):
         coef = min(1.0, max_norm / (value + 1e-6))
         if coef < 1.0:
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+            torch._foreach_mul_([p.grad for p in model.parameters() if p.grad is not None], coef)
     return value
 
 
