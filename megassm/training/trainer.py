@@ -151,10 +151,6 @@ class Trainer:
             # (models/lm.py); evaluation, eager, takes the same path
             self.model.capture_safe = True
             # TP: its collectives are captured with the rest of the micro-batch (training/cuda_graph.py)
-            if self.groups.tp > 1 and prt.is_rank0(self.groups):
-                log.warning("train.cuda_graph with parallel.tp=%d: NCCL collectives captured in the graph; this "
-                            "path has not been run on GPUs yet (docs/parallelism.md, 'CUDA graphs with tensor "
-                            "parallelism')", self.groups.tp)
             self.graphed = GraphedMicroBatch(list(self.model.parameters()), self._forward_backward,
                                              collectives=self.groups.tp > 1)
         self.carrier = None  # BPTT: the rows' recurrent states between windows (training/bptt.py)
