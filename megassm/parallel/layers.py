@@ -82,9 +82,11 @@ class RowParallelLinear(nn.Linear):
 
     tp_group = None
     sp = False
+    weight_cache = None  # train.cast_weights_once: the weight's bf16 copy (training/weight_cache.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = region_out(F.linear(x, self.weight), self.tp_group, self.sp and x.dim() == 3)
+        w = self.weight if self.weight_cache is None else self.weight_cache
+        y = region_out(F.linear(x, w), self.tp_group, self.sp and x.dim() == 3)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

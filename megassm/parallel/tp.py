@@ -238,15 +238,17 @@ class _TPBMojoMixer(BMojoMixer):
         return split_to_sp(y, self.tp_group) if self.sp and y.dim() == 3 else y
 
 
-class _ReplicatedRowLinear(nn.Linear):
+class ReplicatedRowLinear(nn.Linear):
     """Row-parallel Linear whose output every rank needs in full for its own channels' work (Mamba-1 /
     Longhorn x_proj): all-reduce forward (whatever SP says: the input is the full sequence), and the gradient
     of that replicated output, which each rank only holds for its channels, all-reduced backward."""
 
     tp_group = None
+    weight_cache = None  # train.cast_weights_once: the weight's bf16 copy (training/weight_cache.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = copy_to_tp(reduce_from_tp(F.linear(x, self.weight), self.tp_group), self.tp_group)
+        w = self.weight if self.weight_cache is None else self.weight_cache
+        y = copy_to_tp(reduce_from_tp(F.linear(x, w), self.tp_group), self.tp_group)
         return y if self.bias is None else y + self.bias
 
 
@@ -299,7 +301,7 @@ def apply_layout(block: nn.Module, layout: TPLayout, pre: str, plan: TPPlan) -> 
     for path, sp in layout.row_parallel.items():
         substitute(mixer, path, RowParallelLinear, tp_group=plan.group, sp=sp)
     for path in layout.replicated_row:
-        substitute(mixer, path, _ReplicatedRowLinear, tp_group=plan.group)
+        substitute(mixer, path, ReplicatedRowLinear, tp_group=plan.group)
     # submodules first, the mixer itself last (its variant then holds the substituted children)
     for path, (name, args) in sorted(layout.variants.items(), key=lambda kv: -len(kv[0])):
         if name not in TP_VARIANTS:

@@ -44,11 +44,36 @@ def check_supported(cfg: Config) -> None:
         )
     if cfg.train.cuda_graph:
         _check_cuda_graph(cfg)
+    if cfg.train.cast_weights_once:
+        _check_cast_weights_once(cfg)
     _check_group_builder(cfg)
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda but no CUDA device is visible (use train.device=auto or cpu)")
     if cfg.train.precision == "bf16" and pick_device(cfg).type == "cpu":
         log.warning("train.precision=bf16 on CPU: autocast to bf16 on CPU is slow; fp32 is the CPU default")
+
+
+def _check_cast_weights_once(cfg: Config) -> None:
+    """train.cast_weights_once=true (training/weight_cache.py): bf16 autocast, the ddp engine, no PP or BPTT, and
+    with several DP ranks only under train.cuda_graph (eager torch DDP's reducer hooks wait for gradients on the
+    parameters themselves; after the graphs' replays the engine averages them instead)."""
+    p, t = cfg.parallel, cfg.train
+    why = None
+    if autocast_dtype(cfg, pick_device(cfg)) is not torch.bfloat16:
+        why = (f"train.precision={t.precision} on {pick_device(cfg).type}: the weights are cast for bf16 autocast "
+               "(train.precision=bf16, or auto on a GPU)")
+    elif p.engine != "ddp" and data_parallel_size(cfg) > 1:
+        why = f"parallel.engine={p.engine}: FSDP2 and DeepSpeed keep bf16 weights of their own; use parallel.engine=ddp"
+    elif p.pp > 1:
+        why = f"parallel.pp={p.pp}: not built for pipeline stages"
+    elif t.bptt:
+        why = "train.bptt=true: not built for the windows' loop"
+    elif data_parallel_size(cfg) > 1 and not t.cuda_graph:
+        why = (f"{data_parallel_size(cfg)} data-parallel ranks without train.cuda_graph: torch DDP's hooks wait for "
+               "gradients on the fp32 parameters, which now come from the copies' hooks; set train.cuda_graph=true "
+               "(the gradients are then averaged after the replays) or leave this off")
+    if why is not None:
+        raise ConfigError(f"train.cast_weights_once=true: {why}")
 
 
 def _check_group_builder(cfg: Config) -> None:

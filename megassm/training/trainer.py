@@ -132,6 +132,14 @@ class Trainer:
         self.model = prt.prepare_model(model, self.groups, cfg)  # TP/SP, CP, PP plans, activation checkpointing
         if cfg.train.loss_chunk_tokens:  # head + loss in checkpointed chunks (models/lm.py head_loss)
             self.model.loss_chunk_tokens = cfg.train.loss_chunk_tokens
+        self.weight_cache = None  # train.cast_weights_once: bf16 weight copies, cast once per step
+        if cfg.train.cast_weights_once:
+            from megassm.training.weight_cache import WeightCache
+
+            self.weight_cache = WeightCache(self.model)
+            if prt.is_rank0(self.groups):
+                log.warning("train.cast_weights_once: equal to autocast on CPU (tests); not run on GPUs yet "
+                            "(docs/config.md)")
         # the data-parallel engine last (DDP / FSDP2 / DeepSpeed ZeRO); it owns the optimizer step
         self.engine = build_engine(cfg, self.model, self.groups, self.device, bf16=self.amp_dtype is torch.bfloat16)
         self.optimizer = self.engine.make_optimizer(lambda: build_optimizer(
@@ -201,6 +209,8 @@ class Trainer:
         t0 = time.perf_counter()
         lr = self.scheduler.step_to(self.step)
         self.model.train()
+        if self.weight_cache is not None:  # the weights as the last optimizer step (or a load) left them
+            self.weight_cache.refresh()
         loss_sum = torch.zeros((), device=self.device)
         if self.carrier is not None:  # BPTT: states carried across windows, K windows per step (bptt.py)
             data_time = self.carrier.train_step(self, loss_sum)
@@ -291,6 +301,8 @@ class Trainer:
         """Validation loss: the token-weighted mean cross-entropy over the held-out set (eval_samples()), the
         same tokens and the same mean for every layout (DP, TP, PP at any micro-batch count, CP)."""
         self.model.eval()
+        if self.weight_cache is not None:  # the copies still hold the weights before the last step
+            self.weight_cache.refresh()
         host = list(self.data.eval_batches(self.eval_samples()))
         # labelled tokens per micro-batch, counted on the whole rows (CP ranks hold slices; their loss is the
         # mean over the whole rows already)
