@@ -107,13 +107,18 @@ class DeepSpeedEngine(Engine):
         name_of = {id(p): n for n, p in self.model.named_parameters()}
         self._names = [[name_of[id(p)] for p in g["params"]] for g in base.param_groups]
         self._group_options = [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups]
-        root = self.model
+        # DeepSpeed's engine starts each backward (`_backward_prologue`: the optimizer learns whether this micro-batch
+        # is the accumulation boundary) from hooks it puts on the tensors its module returns; it cannot see into our
+        # LMOutput dataclass, so the root (_LossOnly) returns the loss tensor, in every stage. Without it ZeRO-1 kept
+        # the boundary flag of the backward before: the first micro-batch of a step reduced every bucket as if at the
+        # boundary, the others only the bucket it left unfilled, so most of their gradients were never averaged over
+        # DP, and the non-partition parameters' gradients, left as views of the reused IPG buckets, summed into that
+        # bucket's (wrong losses at DP 2 once a backward fills more than one reduce bucket; docs/history/parallel.md)
+        root = _LossOnly(self.model)
         if self.stage == 3:
-            root = _LossOnly(self.model)
             self._register_zero3_units(deepspeed.zero.register_external_parameter, root)
         self.ds, self.optimizer, _, _ = deepspeed.initialize(model=root, optimizer=base,
                                                              config=self.ds_config, dist_init_required=False)
-        self._loss_only = root is not self.model
         self.module = self.ds
         log.info("engine deepspeed: ZeRO stage %d over %d DP ranks, bf16 %s; config %s", self.stage,
                  self.groups.dp, self.bf16, json.dumps(self.ds_config, sort_keys=True))
@@ -136,11 +141,9 @@ class DeepSpeedEngine(Engine):
             register(root, p)  # the backward
 
     def forward(self, *args, **kwargs):
-        if self._loss_only:
-            from megassm.models.lm import LMOutput
+        from megassm.models.lm import LMOutput
 
-            return LMOutput(loss=self.ds(*args, **kwargs), logits=None, states=None)
-        return self.ds(*args, **kwargs)
+        return LMOutput(loss=self.ds(*args, **kwargs), logits=None, states=None)
 
     def backward(self, loss: torch.Tensor, accum: int) -> None:
         self.ds.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
@@ -286,7 +289,8 @@ class DeepSpeedEngine(Engine):
 
 
 class _LossOnly(torch.nn.Module):
-    """ZeRO-3's root: the language model's loss as a plain tensor (see _register_zero3_units)."""
+    """DeepSpeed's root in every stage: the language model's loss as a plain tensor, so that DeepSpeed's hooks on
+    its module's outputs run (make_optimizer; ZeRO-3 also gathers through it: _register_zero3_units)."""
 
     def __init__(self, lm):
         super().__init__()

@@ -12,7 +12,9 @@ What counts, per GPU (docs/launch.md "Memory estimate" has the derivation and th
 measured peaks of docs/benchmarks.md):
 
   weights / grads / optimizer   bytes per parameter by engine (ENGINE_BYTES), divided over the
-                                data-parallel ranks where ZeRO / FSDP2 shards them
+                                data-parallel ranks where ZeRO / FSDP2 shards them; one data-parallel rank
+                                builds no engine (parallel/engines.py build_engine): priced as plain ddp
+  buffers                       deepspeed: the gradient buckets of its ZeRO optimizer (`deepspeed_terms`)
   weight copies                 bf16 autocast casts of the matmul weights, saved for the backward
   activations                   the tensors each block saves for its backward, per token (`block_bytes`),
                                 times tokens per micro-batch (micro_batch x seq_len / cp), times the
@@ -36,7 +38,7 @@ from dataclasses import dataclass
 from megassm.config import Config, data_parallel_size, world_size
 from megassm.models.registry import ActivationContext, block_kind
 
-__all__ = ["ENGINE_BYTES", "engine_bytes", "fsdp2_terms", "block_bytes", "head_bytes", "checkpointed_bytes", "inflight_microbatches",
+__all__ = ["ENGINE_BYTES", "engine_bytes", "deepspeed_zero_settings", "deepspeed_terms", "fsdp2_terms", "block_bytes", "head_bytes", "checkpointed_bytes", "inflight_microbatches",
            "rank_models", "estimate", "layout_warnings", "format_table", "to_json", "GiB", "GPU_MEMORY_GIB"]
 
 GiB = float(2 ** 30)
@@ -45,7 +47,8 @@ GiB = float(2 ** 30)
 #   ddp       fp32 master weights used in place, fp32 grads, AdamW m + v (fp32); bf16 autocast makes
 #             per-step bf16 copies of the matmul weights (counted as "weight copies")
 #   deepspeed ZeRO's mixed precision: bf16 weights and grads, fp32 master copy + m + v in the optimizer
-#             (2 + 2 + 12; the ZeRO paper's K = 12); no autocast copies (the weights are bf16 already)
+#             (2 + 2 + 12; the ZeRO paper's K = 12); no autocast copies (the weights are bf16 already).
+#             Which DeepSpeed 0.19.8 buffer each is, and the buckets beside them: `deepspeed_terms`
 #   fsdp2     the matmul weights (nn.Linear / nn.Embedding): fp32 shards, fp32 gradient shards and AdamW
 #             states over dp (ZeRO-3); the small per-channel parameters: fp32 replicas with their own grads and
 #             states (parallel/fsdp2.py FSDP2Engine; `fsdp2_terms`). Gathered weights in the all-gather dtype
@@ -64,7 +67,8 @@ def engine_bytes(engine: str, zero_stage: int, bf16: bool, dp: int) -> dict:
     """Bytes per local parameter of weights, grads and optimizer states, after sharding over `dp` ranks."""
     b = dict(ENGINE_BYTES[engine])
     if engine == "deepspeed" and not bf16:  # fp32 training: fp32 weights / grads, no master copy
-        b = {"weights": 4, "grads": 4, "optimizer": 8}
+        # (but ZeRO 1/2 clone their fp32 partition of the flat fp32 weights all the same: 4 + 8)
+        b = {"weights": 4, "grads": 4, "optimizer": 12 if zero_stage in (1, 2) else 8}
     stage = 3 if engine == "fsdp2" else zero_stage
     if stage >= 1:
         b["optimizer"] /= dp
@@ -73,6 +77,77 @@ def engine_bytes(engine: str, zero_stage: int, bf16: bool, dp: int) -> dict:
     if stage >= 3:
         b["weights"] /= dp
     return b
+
+
+# DeepSpeed 0.19.8's defaults for the zero_optimization keys the estimate reads (runtime/zero/config.py)
+_DS_ZERO_DEFAULTS = {"overlap_comm": None, "contiguous_gradients": True, "reduce_bucket_size": int(5e8),
+                     "stage3_prefetch_bucket_size": int(5e7), "stage3_max_live_parameters": int(1e9),
+                     "sub_group_size": int(1e9)}
+
+
+def deepspeed_zero_settings(cfg: Config, bf16: bool) -> dict:
+    """The zero_optimization keys of the DeepSpeed JSON this run would get (parallel/deepspeed_engine.py
+    `deepspeed_config`, the partial parallel.deepspeed_config merged), DeepSpeed's defaults for those it lacks."""
+    from megassm.parallel.deepspeed_engine import deepspeed_config
+
+    zero = deepspeed_config(cfg, bf16).get("zero_optimization", {})
+    out = {k: zero.get(k, v) for k, v in _DS_ZERO_DEFAULTS.items()}
+    if out["overlap_comm"] is None:  # DeepSpeed: on for stage 3 only
+        out["overlap_comm"] = cfg.parallel.zero_stage == 3
+    return out
+
+
+def deepspeed_terms(n: int, dp: int, stage: int, bf16: bool, zero: dict, biggest_block: int = 0) -> dict:
+    """Bytes per GPU of DeepSpeed 0.19.8 (`deepspeed.initialize` with our torch AdamW as the client optimizer) for
+    `n` parameters over `dp` ranks; `zero`: deepspeed_zero_settings. lp: the model's dtype (bf16 mode: 2; 4 in
+    fp32). Keys: weights, grads (held through the micro-batches of a step), optimizer, buckets (the gradient
+    buckets, held through the backward), gather (ZeRO-3's gathered weights), boundary_grads (ZeRO-1: the
+    partition's gradients that appear in the last micro-batch's backward), step_grads (the gradients at the
+    optimizer step, which replace `grads` there).
+
+    stage 0, bf16 (engine.py DDP_BFLOAT16 -> fp16/unfused_optimizer.py FP16_UnfusedOptimizer: our AdamW is no
+        DeepSpeed FusedAdam): the model's bf16 weights and .grad (accumulated, all-reduced at the boundary),
+        fp32 masters per parameter (fp32_groups) + AdamW m, v; at the step an fp32 copy of every gradient;
+        fp32: no wrapper, our AdamW on the fp32 model
+    stage 1, 2 (zero/stage_1_and_2.py DeepSpeedZeroOptimizer; our bf16 config accumulates in bf16, so no
+        grad_accum buffer): the model's weights are views of bit16_groups_flat (lp n); the fp32 partition
+        single_partition_of_fp32_groups (4 n / dp, a clone even in fp32) + AdamW m, v on it (8 n / dp).
+        Gradients: ZeRO-1 keeps every parameter's own .grad (lp n), accumulated over the micro-batches and
+        reduced only in the last one's backward, where each is copied into a bucket and, for this rank's
+        partition, into grads_in_partition (lp n / dp) as the buckets fill (boundary_grads); ZeRO-2 reduces
+        every micro-batch's and keeps grads_in_partition only. Buckets (setup_buckets): contiguous_gradients
+        -> reduce_bucket_size elements of lp, twice with overlap_comm (ZeRO-1: from the first backward of a
+        step to the last; ZeRO-2: each backward). Step (DeepSpeedZeroOptimizer.step): grads_in_partition, its
+        flat copy and that copy in fp32, 2 lp + 4 bytes per partition element (lp = 4: the .to(fp32) is no copy)
+    stage 3 (zero/stage3.py DeepSpeedZeroOptimizer_Stage3): lp n / dp partitioned weights, the block being
+        computed plus up to stage3_prefetch_bucket_size prefetched elements gathered (capped at
+        stage3_max_live_parameters), grad_partitions_flat_buffer (lp n / dp), fp32 partitions + AdamW
+        (12 n / dp), one reduce bucket of reduce_bucket_size (contiguous_gradients, allocated at start-up);
+        step, per sub-group of sub_group_size elements: the flat gradients and their fp32 copy.
+    Not counted: parameters under stage3_param_persistence_threshold kept whole (norms, biases: <0.1% of a
+    7B model), the straddling parameters grads_in_partition holds whole (at most two per parameter group),
+    the reduce / reduce-scatter temporaries and the all-gather of the step (bucket-sized or in place)."""
+    lp = 2 if bf16 else 4
+    b = engine_bytes("deepspeed", stage, bf16, dp)
+    shard = n / dp
+    out = {"weights": b["weights"] * n, "grads": b["grads"] * n, "optimizer": b["optimizer"] * n,
+           "buckets": 0.0, "gather": 0.0, "boundary_grads": 0.0, "step_grads": b["grads"] * n}
+    if stage == 0:
+        if bf16:
+            out["step_grads"] = (lp + 4) * n  # FP16_UnfusedOptimizer.step: fp32_param.grad = grad.to(fp32)
+        return out
+    bucket = zero["reduce_bucket_size"] if zero["contiguous_gradients"] else 0
+    if stage in (1, 2):
+        out["buckets"] = float(lp * bucket * (2 if zero["overlap_comm"] else 1))
+        out["step_grads"] = (2 * lp + (4 if lp != 4 else 0)) * shard
+        if stage == 1:
+            out["boundary_grads"] = lp * shard
+        return out
+    out["buckets"] = float(lp * bucket)
+    live = min(biggest_block + zero["stage3_prefetch_bucket_size"], zero["stage3_max_live_parameters"], n)
+    out["gather"] = float(lp * max(live, biggest_block))
+    out["step_grads"] = out["grads"] + (lp + (4 if lp != 4 else 0)) * min(zero["sub_group_size"], shard)
+    return out
 
 
 def fsdp2_terms(model, dp: int, gather_bytes: int, reshard: str, prefetch: int) -> dict:
@@ -238,11 +313,14 @@ def estimate(cfg: Config, vocab: int | None = None, bf16: bool | None = None, do
     accum = t.global_batch // (t.micro_batch * dp)
     tokens = t.micro_batch * t.seq_len // p.cp  # per micro-batch on one rank
     sp_tp = p.tp if p.sp else 1
-    eb = engine_bytes(p.engine, p.zero_stage, bf16, dp)
+    # one data-parallel rank: build_engine builds no engine whatever parallel.engine says (plain fp32 stepping)
+    engine, stage = (p.engine, p.zero_stage) if dp > 1 else ("ddp", 0)
+    eb = engine_bytes(engine, stage, bf16, dp)
     gather_dtype = None  # fsdp2: bytes of a gathered weight element
-    if p.engine == "fsdp2" and dp > 1:
+    if engine == "fsdp2":
         gather_dtype = 2 if bf16 and p.fsdp_param_dtype != "fp32" else 4
-    autocast_copies = bf16 and (p.engine == "ddp" or gather_dtype == 4)
+    zero = deepspeed_zero_settings(cfg, bf16) if engine == "deepspeed" else None
+    autocast_copies = bf16 and (engine == "ddp" or gather_dtype == 4)
     windows = t.bptt_windows if t.bptt else 1
     grads_accumulate = accum > 1 or p.pp > 1 or windows > 1
 
@@ -269,15 +347,18 @@ def estimate(cfg: Config, vocab: int | None = None, bf16: bool | None = None, do
         weights = eb["weights"] * n_params
         grads = eb["grads"] * n_params
         optim = eb["optimizer"] * n_params
+        step_grads = grads
         copies = 2.0 * n_matmul if autocast_copies else 0.0
-        gather = 0.0
+        gather = buffers = boundary_grads = 0.0
         if gather_dtype is not None:
             ft = fsdp2_terms(model, dp, gather_dtype, p.fsdp_reshard, p.fsdp_prefetch)
             weights, grads, optim, gather = ft["weights"], ft["grads"], ft["optimizer"], ft["gather"]
+            step_grads = grads
             eb = dict(eb, grads=grads / max(n_params, 1))  # per-block gradient shares below
-        elif p.engine == "deepspeed" and p.zero_stage >= 3:
-            biggest = max((b.params for b in blocks), default=0)
-            gather = 2 * (2 if bf16 else 4) * biggest  # the block being computed and the prefetched one
+        elif zero is not None:
+            ds = deepspeed_terms(n_params, dp, stage, bf16, zero, max((b.params for b in blocks), default=0))
+            weights, grads, optim, gather = ds["weights"], ds["grads"], ds["optimizer"], ds["gather"]
+            buffers, boundary_grads, step_grads = ds["buckets"], ds["boundary_grads"], ds["step_grads"]
 
         # the timeline: forward end, then the backward block by block (last first), then the optimizer step
         ac = t.activation_checkpointing
@@ -292,19 +373,32 @@ def estimate(cfg: Config, vocab: int | None = None, bf16: bool | None = None, do
         fwd_end = sum(saved) + copies + head + held_grads
         head_bwd = sum(saved) + copies + head + (grads if grads_accumulate else other_grads)
         act_peak = max(fwd_end, head_bwd)
+        # deepspeed ZeRO-1, the last micro-batch's backward: the gradients of the parameters done so far (the
+        # head's, then block by block) have moved into the buckets, and once a bucket filled, this rank's
+        # partition of them into grads_in_partition (boundary_grads); the others are still the accumulated ones
+        emb = model.embedding.weight.numel() if model.embedding is not None else 0
+        done = n_params - sum(b.params for b in blocks) - emb  # the head and final norm: their grads come first
+        lp = grads / max(n_params, 1)
         for k in range(len(blocks) - 1, -1, -1):  # backward of block k
             live = sum(saved[:k + 1])
             if ac:  # block k recomputed: its activations and its weights cast again
                 live += blocks[k].act + cast[k]
             else:  # the casts of blocks not yet done are still saved
                 live += sum(cast[:k + 1])
+            if boundary_grads:
+                held = lp * (n_params - done) if grads_accumulate else 0.0
+                last = live + held + (boundary_grads if done >= zero["reduce_bucket_size"] else 0.0)
+                act_peak = max(act_peak, last)
+                done += blocks[k].params
+                if not grads_accumulate:  # one micro-batch per step: it is the last one
+                    continue
             live += grads if grads_accumulate else other_grads + sum(block_grads[k:])
             act_peak = max(act_peak, live)
         act_report = sum(saved) + (max((b.act for b in blocks), default=0.0) if ac else 0.0)
-        step_peak = weights + grads + optim  # optimizer step: every gradient and state
-        peak = max(weights + optim + act_peak + gather, step_peak)
+        step_peak = weights + step_grads + optim  # optimizer step: every gradient and state
+        peak = max(weights + optim + act_peak + gather + buffers, step_peak)
         sizes = {"weights": weights, "grads": grads, "optimizer": optim, "weight_copies": copies,
-                 "activations": act_report, "head": head, "gather": gather, "peak": peak}
+                 "activations": act_report, "head": head, "gather": gather, "buffers": buffers, "peak": peak}
         ranks.append({"pp_rank": r, "blocks": "".join(b.kind for b in blocks), "params": n_params,
                       "inflight_microbatches": inflight, **{k: int(round(v)) for k, v in sizes.items()}})
     worst = max(ranks, key=lambda x: x["peak"])
@@ -354,7 +448,8 @@ def layout_warnings(cfg: Config, est: dict) -> list[str]:
 def format_table(est: dict) -> str:
     """The estimate as a fixed-width table, GiB per GPU, one row per pipeline rank."""
     cols = [("weights", "weights"), ("grads", "grads"), ("optimizer", "optim"), ("weight_copies", "bf16 copies"),
-            ("activations", "activations"), ("head", "logits/loss"), ("gather", "gathered"), ("peak", "PEAK")]
+            ("activations", "activations"), ("head", "logits/loss"), ("gather", "gathered"), ("buffers", "buffers"),
+            ("peak", "PEAK")]
     head = f"{'pp rank':>7} {'blocks':>6} {'params':>9} " + " ".join(f"{h:>11}" for _, h in cols)
     lines = [
         f"# memory per GPU (GiB): world {est['world_size']} = tp {est['tp']} x cp {est['cp']} x pp {est['pp']} x "
@@ -366,7 +461,7 @@ def format_table(est: dict) -> str:
     ]
     for r in est["ranks"]:
         lines.append(f"{r['pp_rank']:>7} {len(r['blocks']):>6} {r['params'] / 1e6:>8.1f}M " +
-                     " ".join(f"{r[k] / GiB:>11.2f}" for k, _ in cols))
+                     " ".join(f"{r.get(k, 0) / GiB:>11.2f}" for k, _ in cols))
     lines.append(f"# peak {est['peak_per_gpu_gib']:.2f} GiB per GPU (pipeline rank {est['worst_pp_rank']}); "
                  "allocated bytes as torch.cuda.max_memory_allocated counts them: add the CUDA context "
                  "(~1 GiB), NCCL buffers and allocator slack (docs/launch.md)")
