@@ -25,6 +25,9 @@ TINY = [
 ENGINES = {
     "ddp": ["parallel.engine=ddp"],
     "ddp_zero1": ["parallel.engine=ddp", "parallel.zero_stage=1"],
+    # many gradient buckets (the tiny model fits DDP's default 25 MB in one): each bucket's all-reduce must fire
+    # once per step, in the last micro-batch's backward, and none under no_sync
+    "ddp_zero1_buckets": ["parallel.engine=ddp", "parallel.zero_stage=1", "parallel.bucket_mb=0.02"],
     "fsdp2": ["parallel.engine=fsdp2", "train.eval_interval=3", "train.eval_tokens=640"],  # an evaluation between steps: weights released
     "fsdp2_block": ["parallel.engine=fsdp2", "parallel.fsdp_reshard=block", "parallel.fsdp_prefetch=2"],
     "fsdp2_micro": ["parallel.engine=fsdp2", "parallel.fsdp_reshard=micro_batch", "parallel.fsdp_prefetch=0"],
