@@ -87,6 +87,23 @@ def test_dp2_equals_dp1_with_doubled_accumulation(name, single, tmp_path):
     _same_checkpoints(tmp_path / name, ref_dir, 4)
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_with_many_reduce_buckets(stage, single, tmp_path):
+    """DeepSpeed with reduce buckets far smaller than one backward's gradients (as at 7B: 500M elements of 6.9B;
+    the tiny model fits the default one): 2 ranks x 2 micro-batches equal 1 rank x 4. ZeRO-1 reduces only at the
+    accumulation boundary, which DeepSpeed learns from hooks on its module's output: the engine's root returns
+    the loss tensor (deepspeed_engine.py _LossOnly). Without it the first micro-batch reduced as if it were the
+    last, the others were never averaged over DP, and this test fails at step 2."""
+    if not _has_deepspeed():
+        pytest.skip("DeepSpeed is not installed (pip install 'megassm[deepspeed]')")
+    partial = tmp_path / "buckets.json"  # ~118K parameters in buckets of 20K elements
+    partial.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 20000, "allgather_bucket_size": 20000}}))
+    _, ref = single
+    got = _run(tmp_path / "ds", nproc=2, extra=["parallel.engine=deepspeed", f"parallel.zero_stage={stage}",
+                                                f"parallel.deepspeed_config={partial}", "run.save_interval=0"])
+    assert _close(got, ref), (stage, got, ref)
+
+
 def _same_checkpoints(a_dir, b_dir, step: int, groups_exact: bool = False) -> None:
     """The canonical checkpoints (model.pt, optim.pt) of two runs at `step` hold the same weights and AdamW
     moments (rel 1e-4 of each tensor's largest value) in the same optimizer order (groups_exact: and the same
