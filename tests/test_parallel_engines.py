@@ -94,8 +94,7 @@ def test_deepspeed_with_many_reduce_buckets(stage, single, tmp_path):
     accumulation boundary, which DeepSpeed learns from hooks on its module's output: the engine's root returns
     the loss tensor (deepspeed_engine.py _LossOnly). Without it the first micro-batch reduced as if it were the
     last, the others were never averaged over DP, and this test fails at step 2."""
-    if not _has_deepspeed():
-        pytest.skip("DeepSpeed is not installed (pip install 'megassm[deepspeed]')")
+    _needs("zero1")
     partial = tmp_path / "buckets.json"  # ~118K parameters in buckets of 20K elements
     partial.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 20000, "allgather_bucket_size": 20000}}))
     _, ref = single

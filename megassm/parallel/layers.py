@@ -26,7 +26,7 @@ from torch import nn
 from . import comm
 from .sp import SEQ_DIM, gather_from_sp, reduce_scatter_to_sp
 
-__all__ = ["copy_to_tp", "reduce_from_tp", "region_in", "region_out", "RowParallelLinear",
+__all__ = ["copy_to_tp", "reduce_from_tp", "region_in", "region_out", "matmul_weight", "RowParallelLinear",
            "VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
 
 IGNORE_INDEX = -100
@@ -77,16 +77,21 @@ def region_out(x: torch.Tensor, group, sp: bool) -> torch.Tensor:
     return reduce_scatter_to_sp(x, group) if sp else reduce_from_tp(x, group)
 
 
+def matmul_weight(linear: nn.Linear) -> torch.Tensor:
+    """The tensor a Linear multiplies with: its weight's bf16 copy under train.cast_weights_once (the module's
+    `weight_cache`, training/weight_cache.py), else the weight."""
+    w = getattr(linear, "weight_cache", None)
+    return linear.weight if w is None else w
+
+
 class RowParallelLinear(nn.Linear):
     """Holds weight columns [out, in_local]; x [..., in_local] -> reduced [..., out] (+ bias after)."""
 
     tp_group = None
     sp = False
-    weight_cache = None  # train.cast_weights_once: the weight's bf16 copy (training/weight_cache.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight if self.weight_cache is None else self.weight_cache
-        y = region_out(F.linear(x, w), self.tp_group, self.sp and x.dim() == 3)
+        y = region_out(F.linear(x, matmul_weight(self)), self.tp_group, self.sp and x.dim() == 3)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

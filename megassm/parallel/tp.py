@@ -54,7 +54,7 @@ from megassm.models.mamba2 import Mamba2Mixer
 from megassm.models.registry import Replicate, Split, TPLayout, block_kind
 
 from . import comm
-from .layers import (RowParallelLinear, VocabParallelEmbedding, copy_to_tp, reduce_from_tp, region_in,
+from .layers import (RowParallelLinear, matmul_weight, VocabParallelEmbedding, copy_to_tp, reduce_from_tp, region_in,
                      vocab_parallel_cross_entropy)
 from .sp import split_to_sp
 from .substitute import substitute
@@ -244,11 +244,9 @@ class ReplicatedRowLinear(nn.Linear):
     of that replicated output, which each rank only holds for its channels, all-reduced backward."""
 
     tp_group = None
-    weight_cache = None  # train.cast_weights_once: the weight's bf16 copy (training/weight_cache.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight if self.weight_cache is None else self.weight_cache
-        y = copy_to_tp(reduce_from_tp(F.linear(x, w), self.tp_group), self.tp_group)
+        y = copy_to_tp(reduce_from_tp(F.linear(x, matmul_weight(self)), self.tp_group), self.tp_group)
         return y if self.bias is None else y + self.bias
 
 

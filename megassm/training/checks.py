@@ -58,9 +58,10 @@ def _check_cast_weights_once(cfg: Config) -> None:
     with several DP ranks only under train.cuda_graph (eager torch DDP's reducer hooks wait for gradients on the
     parameters themselves; after the graphs' replays the engine averages them instead)."""
     p, t = cfg.parallel, cfg.train
+    device = pick_device(cfg)
     why = None
-    if autocast_dtype(cfg, pick_device(cfg)) is not torch.bfloat16:
-        why = (f"train.precision={t.precision} on {pick_device(cfg).type}: the weights are cast for bf16 autocast "
+    if autocast_dtype(cfg, device) is not torch.bfloat16:
+        why = (f"train.precision={t.precision} on {device.type}: the weights are cast for bf16 autocast "
                "(train.precision=bf16, or auto on a GPU)")
     elif p.engine != "ddp" and data_parallel_size(cfg) > 1:
         why = f"parallel.engine={p.engine}: FSDP2 and DeepSpeed keep bf16 weights of their own; use parallel.engine=ddp"

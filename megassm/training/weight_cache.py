@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megassm.parallel.layers import RowParallelLinear
+from megassm.parallel.layers import RowParallelLinear, matmul_weight
 from megassm.parallel.substitute import substitute
 from megassm.parallel.tp import ReplicatedRowLinear
 
@@ -43,8 +43,7 @@ class CachedLinear(nn.Linear):
     weight_cache: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight if self.weight_cache is None else self.weight_cache
-        return F.linear(x, w, self.bias)
+        return F.linear(x, matmul_weight(self), self.bias)
 
 
 def _add_into(master: nn.Parameter, copy: torch.Tensor) -> None:
@@ -81,6 +80,6 @@ class WeightCache:
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Cast every weight into its copy (in place: CUDA graphs read the same tensors)."""
-        for w, copy in self.pairs:
-            copy.copy_(w)
+        """Cast every weight into its copy (in place: CUDA graphs read the same tensors), one foreach launch."""
+        if self.pairs:
+            torch._foreach_copy_([c for _, c in self.pairs], [w for w, _ in self.pairs])
