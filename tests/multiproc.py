@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import random
+import signal
 import socket
 import subprocess
 import sys
@@ -22,7 +24,30 @@ import torch.multiprocessing as mp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_RNG = random.SystemRandom()  # not the random module's state: tests seed it, and two workers must not pick alike
+
+
 def free_port() -> int:
+    """A port nothing listens on, picked below the kernel's ephemeral range where it can: the ports the kernel
+    hands out by itself (gloo's pair sockets, outgoing connections: hundreds per test) then never take it
+    between this check and the launcher's bind; only another pick can, which the launch retries."""
+    low = _ephemeral_low()
+    for _ in range(50):
+        port = _RNG.randrange(10000, low) if low > 11000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -132,18 +157,63 @@ def spawn(fn, world: int, *args, backend: str = "gloo", timeout: float = 600, gr
                 raise
 
 
+def stop(proc: subprocess.Popen, group: bool = False) -> tuple[str, str]:
+    """Kill `proc` (with group=True its whole process group: it was started with start_new_session=True, as a
+    torchrun or a batch script whose ranks must not outlive the test) and return what it wrote. Never waits
+    more than 30 s on the pipes, which a surviving grandchild may hold open."""
+    try:
+        if group:
+            os.killpg(proc.pid, signal.SIGKILL)
+        elif proc.poll() is None:
+            proc.kill()
+    except ProcessLookupError:
+        pass
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        return "", "(output not read: a child of the killed process still holds its pipes)"
+    return out or "", err or ""
+
+
+def wait_until(proc: subprocess.Popen, done, timeout: float, what: str, group: bool = False) -> None:
+    """Poll `done()` every 50 ms while `proc` runs. Fails with the process's output when it exits first or
+    `timeout` seconds pass; either way it is killed first (stop), so a stalled run fails the test instead of
+    hanging it on a read of the pipes."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        exited = proc.poll() is not None
+        if exited or time.monotonic() > deadline:
+            _, err = stop(proc, group)
+            why = f"the process exited with {proc.returncode} first" if exited else f"not within {timeout} s"
+            raise AssertionError(f"{what}: {why}\n{err[-3000:]}")
+        time.sleep(0.05)
+
+
+def run_bounded(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw), except that the timeout kills
+    the whole process tree (its own session), so no rank of a torchrun outlives it; raises TimeoutExpired."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                          **kw) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            out, err = stop(p, group=True)
+            raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
 def launch(cwd: str, args: list[str], nproc: int = 1, env: dict | None = None,
            timeout: int = 400) -> subprocess.CompletedProcess:
     """Run `megassm.train` with `args` as one process (nproc 1) or under torchrun (nproc ranks on this host),
     one thread per process, in `cwd`, and return its CompletedProcess whatever the exit code (`.seconds`: the
-    wall time of the launch that counted)."""
+    wall time of the launch that counted). Past `timeout` every process of the launch is killed (TimeoutExpired)."""
     full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
     for _ in range(_PORT_TRIES if launcher else 1):
         port = ["--master_port", str(free_port())] if launcher else []
         cmd = [sys.executable, *launcher, *port, "-m", "megassm.train", *args]
         t0 = time.monotonic()
-        r = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=full_env, timeout=timeout)
+        r = run_bounded(cmd, timeout, cwd=cwd, env=full_env)
         r.seconds = time.monotonic() - t0
         if r.returncode == 0 or not port_clash(r.stderr):
             break

@@ -6,15 +6,15 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
 from megassm.launch import slurm
 from megassm.launch.cli import main
+
+from multiproc import free_port, run_bounded, wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -102,12 +102,6 @@ TINY = ["data.builtin=stdlib", "model.pattern=M*M-", "model.d_model=32", "model.
         "train.eval_interval=0", "run.progress=false", "run.save_interval=0", "train.device=cpu", "train.steps=30"]
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _losses(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return {r["step"]: r["loss"] for r in map(json.loads, filter(str.strip, f)) if "loss" in r}
@@ -121,7 +115,7 @@ def test_generated_script_trains_preempts_requeues_and_resumes(tmp_path):
         (bin_dir / name).chmod(0o755)
     run = str(tmp_path / "run")
     r = subprocess.run([sys.executable, "-m", "megassm.launch.cli", "slurm", "--nodes", "2", "--gpus-per-node", "2",
-                        "--config", "configs/tiny.yaml", "--port", str(_free_port()), "--python", sys.executable,
+                        "--config", "configs/tiny.yaml", "--port", str(free_port()), "--python", sys.executable,
                         f"run.dir={run}", *TINY], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     script = os.path.join(run, "launch", "job.sbatch")
@@ -136,15 +130,15 @@ def test_generated_script_trains_preempts_requeues_and_resumes(tmp_path):
     p = subprocess.Popen(["bash", script], env=env, cwd=str(tmp_path), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        t0 = time.time()
-        while not (os.path.exists(os.path.join(run, "metrics.jsonl")) and len(_losses(run)) >= 2):
-            assert p.poll() is None and time.time() - t0 < 180, p.communicate()
-            time.sleep(0.05)
+        wait_until(p, lambda: os.path.exists(os.path.join(run, "metrics.jsonl")) and len(_losses(run)) >= 2, 180,
+                   "two logged steps of the first allocation", group=True)
         p.send_signal(signal.SIGUSR1)
         out, err = p.communicate(timeout=180)
     finally:
-        if p.poll() is None:
+        try:  # whatever of the job is still running (its ranks outlive a killed batch shell)
             os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     assert p.returncode == 0, err[-3000:]
     status = json.load(open(os.path.join(run, "last_exit.json")))
     k = status["step"]
@@ -153,8 +147,7 @@ def test_generated_script_trains_preempts_requeues_and_resumes(tmp_path):
     assert "checkpointed; requeueing job 4242" in err
 
     # the requeued job: same script, resumes from step k and finishes
-    r = subprocess.run(["bash", script], env={**env, "SLURM_RESTART_COUNT": "1"}, cwd=str(tmp_path),
-                       capture_output=True, text=True, timeout=300)
+    r = run_bounded(["bash", script], 300, env={**env, "SLURM_RESTART_COUNT": "1"}, cwd=str(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.load(open(os.path.join(run, "last_exit.json")))["exit_code"] == 0
     assert (tmp_path / "slurm.log").read_text() == "requeue 4242\n"  # no second requeue
@@ -163,9 +156,9 @@ def test_generated_script_trains_preempts_requeues_and_resumes(tmp_path):
 
     # an uninterrupted 4-rank run gives the same losses at every step
     straight = str(tmp_path / "straight")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                        "-m", "megassm.train", "--config", "configs/tiny.yaml", *TINY, f"run.dir={straight}"],
-                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = run_bounded([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                     "-m", "megassm.train", "--config", "configs/tiny.yaml", *TINY, f"run.dir={straight}"], 300,
+                    env=env, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     # equal to fp32 rounding: torch DDP reduces the first step after the resume with its initial bucket
     # layout, the uninterrupted run with the layout it rebuilt after step 1 (gloo's ring sums each element in

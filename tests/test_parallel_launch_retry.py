@@ -1,8 +1,12 @@
 """The multi-process test helpers (multiproc.py) start a group again on a new port when the one free_port()
 picked was taken before the rendezvous bound it (seen in CI: two pytest workers' groups, EADDRINUSE), report
 any other failure at once with every failed rank's traceback, stop ranks that outlive their timeout, and
-return every rank's result."""
+return every rank's result; a launch past its timeout leaves no process of its tree behind, and a wait on a
+running process fails with its output instead of hanging (a stalled run read without a timeout holds the
+test, and CI, forever)."""
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -85,15 +89,64 @@ def test_run_train_retries_a_taken_port_only(tmp_path, monkeypatch):
     for results, want_calls, ok in [([clash, ""], 2, True), (["ValueError: bad config", ""], 1, False)]:
         calls = []
 
-        def fake_run(cmd, results=results, calls=calls, **kw):
+        def fake_run(cmd, timeout, results=results, calls=calls, **kw):
             calls.append(cmd[cmd.index("--master_port") + 1])
             err = results[len(calls) - 1]
             return testing.subprocess.CompletedProcess(cmd, 1 if err else 0, "", err)
 
-        monkeypatch.setattr(testing.subprocess, "run", fake_run)
+        monkeypatch.setattr(testing, "run_bounded", fake_run)
         if ok:
             assert testing.run_train(str(tmp_path), [f"run.dir={tmp_path}"], nproc=2) == [{"step": 1, "loss": 2.0}]
         else:
             with pytest.raises(AssertionError, match="bad config"):
                 testing.run_train(str(tmp_path), [f"run.dir={tmp_path}"], nproc=2)
         assert len(calls) == want_calls and len(set(calls)) == want_calls
+
+
+def _gone(pid: int) -> bool:
+    """Not running: no such process, or a zombie left for init to reap."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_run_bounded_kills_the_whole_tree_past_its_timeout(tmp_path):
+    """A launcher's children (torchrun's ranks; here a shell's background sleep) die with it at the timeout,
+    and the call returns although they held its pipes."""
+    pid_file = tmp_path / "pid"
+    t0 = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        testing.run_bounded(["bash", "-c", f"sleep 300 & echo $! > {pid_file}; wait"], 2)
+    assert time.monotonic() - t0 < 30
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(pid)
+    r = testing.run_bounded([sys.executable, "-c", "import sys; print('out'); sys.exit('err')"], 60)
+    assert (r.returncode, r.stdout, r.stderr) == (1, "out\n", "err\n")
+
+
+def _python(code: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def test_wait_until_fails_with_the_output_of_a_stalled_or_exited_process(tmp_path):
+    stalled = _python("import sys, time; print('started', file=sys.stderr, flush=True); time.sleep(300)")
+    with pytest.raises(AssertionError, match="two steps: not within 2 s\nstarted"):
+        testing.wait_until(stalled, lambda: False, 2, "two steps", group=True)
+    assert stalled.poll() is not None
+    exited = _python("import sys; sys.exit('bad config')")
+    with pytest.raises(AssertionError, match="two steps: the process exited with 1 first\nbad config"):
+        testing.wait_until(exited, lambda: False, 60, "two steps")
+    marker = tmp_path / "marker"
+    writer = _python(f"import time; open({str(marker)!r}, 'w').close(); time.sleep(300)")
+    try:
+        testing.wait_until(writer, marker.exists, 60, "the marker")
+        assert writer.poll() is None
+    finally:
+        testing.stop(writer, group=True)
+    assert writer.poll() is not None

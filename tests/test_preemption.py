@@ -7,9 +7,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 from megassm.training.preemption import PREEMPT_EXIT_CODE
+
+from multiproc import stop, wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["data.builtin=stdlib", "model.pattern=M*M-", "model.d_model=64", "model.mamba.d_state=16",
@@ -31,24 +32,22 @@ def _losses(run_dir):
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def _wait_for_steps(run_dir, proc, n, timeout=120):
+def _wait_for_steps(run_dir, proc, n, group=False):
     path = os.path.join(run_dir, "metrics.jsonl")
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        assert proc.poll() is None, proc.communicate()
-        if os.path.exists(path) and len(_losses(run_dir)) >= n:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"no {n} training steps in {timeout}s")
+    wait_until(proc, lambda: os.path.exists(path) and len(_losses(run_dir)) >= n, 120, f"{n} training steps",
+               group=group)
 
 
 def test_sigusr1_checkpoints_exits_99_and_resumes_exactly(tmp_path):
     run = str(tmp_path / "pre")
     p = subprocess.Popen([sys.executable, *_train_cmd(run, 400)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
-    _wait_for_steps(run, p, 3)
-    p.send_signal(signal.SIGUSR1)
-    out, err = p.communicate(timeout=120)
+    try:
+        _wait_for_steps(run, p, 3)
+        p.send_signal(signal.SIGUSR1)
+        out, err = p.communicate(timeout=120)
+    finally:
+        stop(p)
     assert p.returncode == PREEMPT_EXIT_CODE, err[-2000:]
     status = json.load(open(os.path.join(run, "last_exit.json")))
     k = status["step"]
@@ -83,12 +82,16 @@ def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     run = str(tmp_path / "ddp")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            *_train_cmd(run, 400)]
-    p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for_steps(run, p, 3)
-    workers = {_rank_of(c): c for c in _children(p.pid)}
-    assert set(workers) == {0, 1}, workers
-    os.kill(workers[1], signal.SIGUSR1)  # rank 0 (which saves the metadata) is never signalled
-    out, err = p.communicate(timeout=180)
+    p = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        _wait_for_steps(run, p, 3, group=True)
+        workers = {_rank_of(c): c for c in _children(p.pid)}
+        assert set(workers) == {0, 1}, workers
+        os.kill(workers[1], signal.SIGUSR1)  # rank 0 (which saves the metadata) is never signalled
+        out, err = p.communicate(timeout=180)
+    finally:
+        stop(p, group=True)  # the ranks too, should torchrun have left any
     # torchrun turns a worker's non-zero exit into its own failure; the batch script therefore reads the
     # code from last_exit.json, written by rank 0
     assert p.returncode != 0, err[-3000:]
