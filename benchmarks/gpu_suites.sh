@@ -6,7 +6,8 @@
 #   bash benchmarks/gpu_suites.sh OUT_DIR [PER_TEST_SECONDS] [FILE ...]
 #
 # Default files: the TP, CP, PP, engine, ZeRO, BPTT and fault suites. Per-test limit: 240 s (pytest-timeout;
-# a test that runs over fails with its stack instead of holding the call). The leftover ranks of a test that
+# signal method, not pytest.ini's thread method, which would end the whole pytest process of the file: a test that
+# runs over fails with its stack and the next test runs). The leftover ranks of a test that
 # timed out are killed before the next file (GPU_SUITES_KILL=0 skips that, for several of these scripts run side by
 # side on one machine, each with its own OUT_DIR and files).
 # MEGASSM_TRITON_AUTOTUNE defaults to 0 here (the first config of each kernel: compiling every config of every
@@ -24,7 +25,7 @@ mkdir -p "$out"
 for f in "${files[@]}"; do
     name=$(basename "$f" .py)
     start=$(date +%s)
-    python3 -m pytest -m gpu ${GPU_SUITES_K:+-k "$GPU_SUITES_K"} -q -rfE -p no:cacheprovider --durations=0 --timeout "$per" --junitxml="$out/$name.xml" "$f" \
+    python3 -m pytest -m gpu ${GPU_SUITES_K:+-k "$GPU_SUITES_K"} -q -rfE -p no:cacheprovider --durations=0 --timeout "$per" --timeout-method=signal --junitxml="$out/$name.xml" "$f" \
         > "$out/$name.log" 2>&1
     rc=$?
     [ "${GPU_SUITES_KILL:-1}" = 0 ] || pkill -9 -f "[-]m megassm[.]train" 2>/dev/null || true
