@@ -429,7 +429,10 @@ TP_BASE = ["train.steps=4", "train.log_interval=1", "train.eval_interval=2", "tr
            "train.micro_batch=2", "train.global_batch=8", "train.precision=fp32", "train.device=cuda",
            "run.progress=false", "run.tensorboard=false"]
 TP_LAYOUTS = {"tp2": (2, ["parallel.tp=2"]), "tp2-sp": (2, ["parallel.tp=2", "parallel.sp=true"]),
-              "tp2-dp2": (4, ["parallel.tp=2"])}
+              "tp2-dp2": (4, ["parallel.tp=2"]),
+              # the region's backward collective begun (async_op) before in_proj's weight gradient, in the capture
+              "tp2-overlap": (2, ["parallel.tp=2", "parallel.tp_overlap=true"]),
+              "tp2-sp-overlap": (2, ["parallel.tp=2", "parallel.sp=true", "parallel.tp_overlap=true"])}
 CAPTURED_TP = "with its tensor-parallel collectives"  # GraphedMicroBatch's log line (rank 0)
 
 

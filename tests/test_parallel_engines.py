@@ -40,8 +40,9 @@ ENGINES = {
 # in_proj, so FSDP2's shards of in_proj hold partial gradients that the TP sync sums
 FSDP2_TP = {
     "fsdp2_tp2": ["parallel.engine=fsdp2", "parallel.tp=2"],
+    # with parallel.tp_overlap: in_proj (ColumnParallelLinear) under FSDP2's per-block gathers and re-gathers
     "fsdp2_tp2_sp": ["parallel.engine=fsdp2", "parallel.tp=2", "parallel.sp=true", "parallel.fsdp_reshard=block",
-                     "parallel.fsdp_prefetch=2"],
+                     "parallel.fsdp_prefetch=2", "parallel.tp_overlap=true"],
 }
 
 

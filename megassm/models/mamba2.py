@@ -127,8 +127,10 @@ class Mamba2Mixer(nn.Module):
         """u [B, L, d_model]; seq_idx [B, L] int32 document ids; state: carried into the first document of
         each row; cp: the context-parallel context (read by parallel/cp.py's conv and scan). Returns (out
         [B, L, d_model], final state or None)."""
-        bsz, seqlen, _ = u.shape
         zxbcdt = self.in_proj(u)
+        # the rows' length from the projection: under TP + SP with parallel.tp_overlap, in_proj all-gathers the
+        # sequence shards itself (parallel/layers.py ColumnParallelLinear)
+        bsz, seqlen, _ = zxbcdt.shape
         z, xBC, dt = torch.split(zxbcdt, [self.d_inner, self.conv_dim, self.nheads], dim=-1)
         xBC, conv_state = self.conv(xBC, seq_idx, None if state is None else state.conv, return_state, cp=cp)
         x, B, C = torch.split(xBC, self.conv_sizes, dim=-1)
@@ -308,6 +310,7 @@ def mamba2_tp_layout(mixer: Mamba2Mixer, tp: int, sp: bool) -> TPLayout:
     lay.sizes = {"d_inner": dl, "nheads": hl, "ngroups": g_local, "conv_dim": dl + 2 * gnl,
                  "in_proj_sizes": [dl, dl, gnl, gnl, hl], "conv_sizes": [dl, gnl, gnl], "norm.ngroups": g_local}
     lay.row_parallel = {"out_proj": sp}
+    lay.entry = "in_proj"  # forward() and step() read u only through in_proj
     if spans:
         lay.variants[""] = ("mamba2_norm_spans_ranks", {"groups": G, "group_size": di // G, "sp": sp})
     return lay

@@ -72,6 +72,9 @@ class TPLayout:
                     backward, whatever SP says
     variants        submodule ("" = the mixer) -> (variant name, its arguments): a parallel-layer subclass
                     parallel/tp.py substitutes for it (e.g. a norm whose statistics span ranks)
+    entry           the column-parallel Linear that is the only reader of the mixer's input, if there is one:
+                    with parallel.tp_overlap it enters the TP region itself (no region hook on the mixer) and
+                    overlaps the region's backward collective with its weight gradient
     """
 
     params: dict = field(default_factory=dict)
@@ -79,9 +82,11 @@ class TPLayout:
     row_parallel: dict = field(default_factory=dict)
     replicated_row: tuple = ()
     variants: dict = field(default_factory=dict)
+    entry: str | None = None
 
     def merge(self, other: "TPLayout", prefix: str) -> "TPLayout":
-        """Add a submodule's layout (names under `prefix`, e.g. "ssm.")."""
+        """Add a submodule's layout (names under `prefix`, e.g. "ssm."); not its `entry`, which reads the
+        submodule's input, not the mixer's."""
         self.params.update({prefix + k: v for k, v in other.params.items()})
         self.sizes.update({prefix + k: v for k, v in other.sizes.items()})
         self.row_parallel.update({prefix + k: v for k, v in other.row_parallel.items()})

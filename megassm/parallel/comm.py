@@ -8,8 +8,9 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-__all__ = ["COUNTS", "reset_counts", "all_reduce", "all_reduce_max", "all_gather_dim", "reduce_scatter_dim",
-           "world", "rank", "gather_dim_autograd", "sum_fwd_identity_bwd"]
+__all__ = ["COUNTS", "reset_counts", "all_reduce", "all_reduce_start", "wait", "all_reduce_max", "all_gather_dim",
+           "reduce_scatter_dim", "reduce_scatter_dim_start", "world", "rank", "gather_dim_autograd",
+           "sum_fwd_identity_bwd"]
 
 COUNTS: Counter = Counter()
 
@@ -28,11 +29,28 @@ def rank(group) -> int:
 
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     """Sum over the group (in place on a contiguous copy; returns the result)."""
+    return _all_reduce(x, group, async_op=False)[0]
+
+
+def all_reduce_start(x: torch.Tensor, group):
+    """all_reduce begun, not waited on (async_op): (x, work); `wait(x, work)` before x is read. Meanwhile the
+    stream may run other work beside the collective (NCCL runs it on its own stream). all_reduce and
+    reduce_scatter_dim stay synchronous: only the paths that overlap (parallel.tp_overlap) begin collectives."""
+    return _all_reduce(x, group, async_op=True)
+
+
+def _all_reduce(x: torch.Tensor, group, async_op: bool):
     if world(group) == 1:
-        return x
+        return x, None
     x = x.contiguous()
     COUNTS["all_reduce"] += 1
-    dist.all_reduce(x, group=group)
+    return x, dist.all_reduce(x, group=group, async_op=async_op)
+
+
+def wait(x: torch.Tensor, work) -> torch.Tensor:
+    """The result of a collective begun by *_start, once it is done (a no-op for a group of one)."""
+    if work is not None:
+        work.wait()
     return x
 
 
@@ -70,9 +88,18 @@ def all_gather_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 def reduce_scatter_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Sum over the ranks, each rank keeps its 1/n slice along `dim` (a contiguous tensor; when dims before
     `dim` are larger than 1 the input is reordered rank-major by one copy first)."""
+    return _reduce_scatter_dim(x, dim, group, async_op=False)[0]
+
+
+def reduce_scatter_dim_start(x: torch.Tensor, dim: int, group):
+    """reduce_scatter_dim begun, not waited on: (out, work), as all_reduce_start."""
+    return _reduce_scatter_dim(x, dim, group, async_op=True)
+
+
+def _reduce_scatter_dim(x: torch.Tensor, dim: int, group, async_op: bool):
     n = world(group)
     if n == 1:
-        return x
+        return x, None
     dim = dim % x.dim()
     if x.shape[dim] % n:
         raise ValueError(f"reduce_scatter: size {x.shape[dim]} of dim {dim} not divisible by {n} ranks")
@@ -82,8 +109,7 @@ def reduce_scatter_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     else:
         xs = x.unflatten(dim, (n, x.shape[dim] // n)).movedim(dim, 0).contiguous()
     out = x.new_empty((*x.shape[:dim], x.shape[dim] // n, *x.shape[dim + 1:]))
-    dist.reduce_scatter_tensor(out.view(1, -1), xs.view(n, -1), group=group)
-    return out
+    return out, dist.reduce_scatter_tensor(out.view(1, -1), xs.view(n, -1), group=group, async_op=async_op)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -9,6 +9,9 @@ Regions (Megatron's f / g operators):
 
 Modules (substituted by megassm.parallel.tp for the single-device module, holding its parameters, so parameter
 names and init rules stay those of the canonical model; parallel/substitute.py):
+    ColumnParallelLinear    nn.Linear holding rows [out/tp, in], the only reader of its mixer's input
+                            (parallel.tp_overlap): it enters the TP region itself and overlaps the region's
+                            backward collective with its weight-gradient matmul
     RowParallelLinear       nn.Linear holding columns [out, in/tp]; reduces (or reduce-scatters, SP) its
                             output before adding the (replicated) bias
     VocabParallelEmbedding  nn.Embedding holding rows [V/tp, d]; tokens outside the shard give 0; summed
@@ -26,8 +29,8 @@ from torch import nn
 from . import comm
 from .sp import SEQ_DIM, gather_from_sp, reduce_scatter_to_sp
 
-__all__ = ["copy_to_tp", "reduce_from_tp", "region_in", "region_out", "matmul_weight", "RowParallelLinear",
-           "VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
+__all__ = ["copy_to_tp", "reduce_from_tp", "region_in", "region_out", "matmul_weight", "ColumnParallelLinear",
+           "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
 
 IGNORE_INDEX = -100
 
@@ -82,6 +85,59 @@ def matmul_weight(linear: nn.Linear) -> torch.Tensor:
     `weight_cache`, training/weight_cache.py), else the weight."""
     w = getattr(linear, "weight_cache", None)
     return linear.weight if w is None else w
+
+
+class _ColumnParallelLinear(torch.autograd.Function):
+    """region_in(x) then F.linear under the caller's autocast, with the backward reordered: the input gradient
+    first, its all-reduce (SP: reduce-scatter along the sequence) begun, the weight gradient computed while the
+    collective runs, then the wait (Megatron's asynchronous tensor-parallel all-reduce). The products are the
+    ones autograd forms for autocast's F.linear (MmBackward on the folded 2-D input, then the casts back), so
+    every gradient equals the separate region + Linear's bit for bit."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sp):
+        dev = x.device.type
+        ctx.group, ctx.sp, ctx.x_dtype, ctx.w_dtype = group, sp, x.dtype, weight.dtype
+        ctx.b_dtype = None if bias is None else bias.dtype
+        if sp:
+            x = comm.all_gather_dim(x, SEQ_DIM, group)
+        if torch.is_autocast_enabled(dev):  # autocast's casts, made here so the backward sees the same tensors
+            dt = torch.get_autocast_dtype(dev)
+            x, weight = x.to(dt), weight.to(dt)
+            bias = None if bias is None else bias.to(dt)
+        with torch.autocast(dev, enabled=False):
+            y = F.linear(x, weight, bias)
+        ctx.save_for_backward(x, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+        dx = g2.mm(weight).view(x.shape).to(ctx.x_dtype)
+        dx, work = (comm.reduce_scatter_dim_start(dx, SEQ_DIM, ctx.group) if ctx.sp
+                    else comm.all_reduce_start(dx, ctx.group))
+        dw = x2.t().mm(g2).t().to(ctx.w_dtype)  # beside the collective
+        db = None if ctx.b_dtype is None else g2.sum(0).to(ctx.b_dtype)
+        return comm.wait(dx, work), dw, db, None, None
+
+
+class ColumnParallelLinear(nn.Linear):
+    """Holds weight rows [out_local, in]; the TP region's entry for a mixer whose input nothing else reads:
+    region_in (identity, or the SP all-gather) and the projection in one autograd node, so that the backward
+    collective of the region runs beside this Linear's weight-gradient matmul (parallel.tp_overlap)."""
+
+    tp_group = None
+    sp = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if comm.world(self.tp_group) == 1:
+            return F.linear(x, matmul_weight(self), self.bias)
+        return _ColumnParallelLinear.apply(x, matmul_weight(self), self.bias, self.tp_group, self.sp and x.dim() == 3)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.weight.shape[1]}, out_local={self.weight.shape[0]}, bias={self.bias is not None}, "
+                f"sp={self.sp}, overlap=True")
 
 
 class RowParallelLinear(nn.Linear):

@@ -66,7 +66,7 @@ def init_model(model, groups: ParallelGroups, cfg, device, init_state: dict | No
 
 def prepare_model(model, groups: ParallelGroups, cfg):
     if groups.tp > 1:
-        apply_tensor_parallel(model, groups.tp_group, sp=cfg.parallel.sp)
+        apply_tensor_parallel(model, groups.tp_group, sp=cfg.parallel.sp, overlap=cfg.parallel.tp_overlap)
     if groups.cp > 1:
         apply_context_parallel(model, groups.cp_group)
     if groups.pp > 1:

@@ -35,7 +35,10 @@ Layer by layer:
             all-reduces per layer forward, two backward (SP: all-gather in, the x_proj all-reduce, reduce-scatter).
   LM        vocab-parallel embedding and head (tied or not), vocab-parallel cross-entropy.
 Each mixer's input passes `region_in` (a forward pre-hook: identity fwd / all-reduce bwd, or the SP
-all-gather), each mixer's output is reduced once by its row-parallel projection.
+all-gather), each mixer's output is reduced once by its row-parallel projection. With parallel.tp_overlap a
+mixer whose input only its entry Linear reads (Mamba-2: in_proj) has no hook: the entry is a
+ColumnParallelLinear that enters the region itself and begins the backward all-reduce (SP: reduce-scatter)
+before its weight gradient, waiting after it, so the collective runs beside that matmul.
 """
 from __future__ import annotations
 
@@ -54,8 +57,8 @@ from megassm.models.mamba2 import Mamba2Mixer
 from megassm.models.registry import Replicate, Split, TPLayout, block_kind
 
 from . import comm
-from .layers import (RowParallelLinear, matmul_weight, VocabParallelEmbedding, copy_to_tp, reduce_from_tp, region_in,
-                     vocab_parallel_cross_entropy)
+from .layers import (ColumnParallelLinear, RowParallelLinear, matmul_weight, VocabParallelEmbedding, copy_to_tp,
+                     reduce_from_tp, region_in, vocab_parallel_cross_entropy)
 from .sp import split_to_sp
 from .substitute import substitute
 
@@ -286,10 +289,12 @@ def _set_path(module: nn.Module, path: str, value) -> None:
     setattr(module.get_submodule(owner) if owner else module, attr, value)
 
 
-def apply_layout(block: nn.Module, layout: TPLayout, pre: str, plan: TPPlan) -> None:
+def apply_layout(block: nn.Module, layout: TPLayout, pre: str, plan: TPPlan, overlap: bool = False) -> bool:
     """Apply one mixer's TPLayout: its parameters' ShardSpecs into plan.specs (names prefixed by `pre`), its
     local sizes, its row-parallel projections and variants substituted in place of the single-device
-    modules. `block` is the mixer's parent (the mixer is its `mixer`)."""
+    modules; with `overlap`, its entry Linear (if it has one) becomes the ColumnParallelLinear that enters
+    the region itself. `block` is the mixer's parent (the mixer is its `mixer`). Returns whether the mixer
+    still needs the region hook on its input."""
     tp = plan.tp
     for name, cut in layout.params.items():
         plan.specs[pre + name] = ShardSpec(cut.dim, tuple(_piece(pc, tp) for pc in cut.pieces))
@@ -300,18 +305,24 @@ def apply_layout(block: nn.Module, layout: TPLayout, pre: str, plan: TPPlan) -> 
         substitute(mixer, path, RowParallelLinear, tp_group=plan.group, sp=sp)
     for path in layout.replicated_row:
         substitute(mixer, path, ReplicatedRowLinear, tp_group=plan.group)
+    entered = overlap and layout.entry is not None
+    if entered:
+        substitute(mixer, layout.entry, ColumnParallelLinear, tp_group=plan.group, sp=plan.sp)
     # submodules first, the mixer itself last (its variant then holds the substituted children)
     for path, (name, args) in sorted(layout.variants.items(), key=lambda kv: -len(kv[0])):
         if name not in TP_VARIANTS:
             raise ValueError(f"tensor parallelism: no parallel variant named {name!r}")
         cls, attrs = TP_VARIANTS[name](mixer.get_submodule(path), plan, **args)
         substitute(block, "mixer." + path if path else "mixer", cls, **attrs)
+    return not entered
 
 
 @torch.no_grad()
-def apply_tensor_parallel(model: LanguageModel, tp_group, sp: bool = False) -> LanguageModel:
+def apply_tensor_parallel(model: LanguageModel, tp_group, sp: bool = False, overlap: bool = False) -> LanguageModel:
     """Shard `model` (holding canonical weights) in place for the TP group `tp_group` (None or size 1: no-op).
-    Returns the model; its `tp_plan` describes every parameter's layout."""
+    `overlap` (parallel.tp_overlap): the mixers whose layout names an entry Linear run their region's backward
+    collective beside its weight gradient (ColumnParallelLinear). Returns the model; its `tp_plan` describes
+    every parameter's layout."""
     tp, rank = comm.world(tp_group), comm.rank(tp_group)
     if tp == 1:
         return model
@@ -329,8 +340,8 @@ def apply_tensor_parallel(model: LanguageModel, tp_group, sp: bool = False) -> L
         if kind.tp_layout is None:
             raise ValueError(f"tensor parallelism: no plan for block letter {layer.kind!r} ({kind.name})")
         specs[f"layers.{i}.norm.weight"] = rep
-        apply_layout(layer, kind.tp_layout(layer.mixer, tp, sp), f"layers.{i}.mixer.", plan)
-        layer.mixer.register_forward_pre_hook(_region_hook(tp_group, sp))
+        if apply_layout(layer, kind.tp_layout(layer.mixer, tp, sp), f"layers.{i}.mixer.", plan, overlap):
+            layer.mixer.register_forward_pre_hook(_region_hook(tp_group, sp))
     specs["norm_f.weight"] = rep
     vp = model.vocab_size_padded
     specs["embedding.weight"] = ShardSpec(0, (_sharded(vp, tp),))

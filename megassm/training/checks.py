@@ -23,6 +23,9 @@ def check_supported(cfg: Config) -> None:
                           "parallelism is not built; set one of them to 1 (PP x TP x DP is)")
     if p.sp and p.tp == 1:
         raise ConfigError("parallel.sp=true needs parallel.tp > 1 (sequence parallelism shards over the TP group)")
+    if p.tp_overlap and p.tp == 1:
+        raise ConfigError("parallel.tp_overlap=true needs parallel.tp > 1 (it overlaps the tensor-parallel "
+                          "collectives with compute)")
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size(cfg) != 1 and launched != world_size(cfg):
         raise ConfigError(

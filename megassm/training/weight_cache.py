@@ -12,7 +12,7 @@ the same bf16 matmul output, and the fp32 sum of the micro-batches' gradients ad
 order. The fp32 weights stay the parameters: the optimizer, clipping, the TP / CP / DP gradient paths and the
 checkpoints see nothing new. The copies are not parameters or buffers (no state_dict entries).
 
-Which modules: nn.Linear (swapped for `CachedLinear`, parallel/substitute.py) and the TP row-parallel Linears,
+Which modules: nn.Linear (swapped for `CachedLinear`, parallel/substitute.py) and the TP parallel Linears,
 whose forwards read `weight_cache`. Refused where it cannot hold (training/checks.py): without bf16, with
 FSDP2 / DeepSpeed (their own bf16 weights), PP, BPTT, and eager torch DDP over several ranks (its reducer
 hooks wait for gradients on the parameters themselves, which autograd no longer produces).
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megassm.parallel.layers import RowParallelLinear, matmul_weight
+from megassm.parallel.layers import ColumnParallelLinear, RowParallelLinear, matmul_weight
 from megassm.parallel.substitute import substitute
 from megassm.parallel.tp import ReplicatedRowLinear
 
@@ -34,7 +34,7 @@ __all__ = ["CachedLinear", "WeightCache"]
 
 log = logging.getLogger("megassm.train")
 
-_READS_CACHE = (RowParallelLinear, ReplicatedRowLinear)  # their forwards read `weight_cache` themselves
+_READS_CACHE = (ColumnParallelLinear, RowParallelLinear, ReplicatedRowLinear)  # forwards that read `weight_cache`
 
 
 class CachedLinear(nn.Linear):
