@@ -220,8 +220,8 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"  # 1f1b | gpipe (torch.distributed.pipelining schedules; docs/parallelism.md)
     pp_virtual: int = 1  # stages per pipeline rank (> 1: interleaved 1F1B)
     sp: bool = False
-    tp_overlap: bool = False  # tp > 1: the Mamba-2 input region's backward collective beside in_proj's weight
-    #                           gradient (parallel/layers.py ColumnParallelLinear; docs/parallelism.md)
+    tp_overlap: bool = False  # tp > 1: the input region's backward collective beside the weight gradients of the
+    #                           Mamba-2 in_proj / MLP w1, w3 (parallel/layers.py column_parallel; docs/parallelism.md)
     engine: str = "ddp"  # ddp | fsdp2 | deepspeed (parallel/engines.py, docs/parallelism.md "Engines")
     zero_stage: int = 0  # engine=deepspeed: ZeRO stage 0-3
     deepspeed_config: str | None = None  # engine=deepspeed: JSON partial merged into the derived config

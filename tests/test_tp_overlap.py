@@ -1,8 +1,8 @@
-"""parallel.tp_overlap (parallel/layers.py ColumnParallelLinear): a Mamba-2 mixer's in_proj enters the TP region
-itself and begins the region's backward all-reduce (SP: reduce-scatter) before its weight gradient, waiting after
-it. Over gloo at TP 2, with and without SP, fp32 and bf16 autocast, the hybrid M*M- with biases (attention and
-MLP keep the region hook): logits, loss, every gradient and the step's collectives equal the hook's path bit for
-bit; and the trainer's losses with the flag equal those without it."""
+"""parallel.tp_overlap (parallel/layers.py column_parallel): a Mamba-2 mixer's in_proj, and an MLP's w1 and w3 in
+one node, enter the TP region themselves and begin the region's backward all-reduce (SP: reduce-scatter) before
+their weight gradients, waiting after them. Over gloo at TP 2, with and without SP, fp32 and bf16 autocast, the
+hybrid M*M- with biases (attention keeps the region hook): logits, loss, every gradient and the step's
+collectives equal the hook's path bit for bit; and the trainer's losses with the flag equal those without it."""
 import json
 
 import pytest
@@ -14,21 +14,28 @@ from multiproc import losses, spawn, train_records
 from parallel_cases import make_batch, tiny_model_config, twin_models
 
 
-def overlap_worker(rank, world, sp, precision, out_path):
+def overlap_worker(rank, world, sp, precision, out_path, relu2=False):
     from megassm.parallel import comm
     from megassm.parallel.layers import ColumnParallelLinear
     from megassm.parallel.state import build_groups
-    from megassm.parallel.tp import apply_tensor_parallel
+    from megassm.parallel.tp import _FanOutMLP, apply_tensor_parallel
 
     groups = build_groups(tp=world)
-    mcfg = tiny_model_config("M*M-", ngroups=2, tie=False, proj_bias=True, attn_bias=True)
+    if relu2:  # the norm groups span the ranks (ngroups 1 < tp: the Mamba-2 variant holds the entry) and an
+        # MLP without w3
+        mcfg = tiny_model_config("M*M-", ngroups=1)
+        mcfg.mlp.activation = "relu2"
+    else:
+        mcfg = tiny_model_config("M*M-", ngroups=2, tie=False, proj_bias=True, attn_bias=True)
     hook, entered = twin_models(mcfg, torch.device("cpu"))
     apply_tensor_parallel(hook, groups.tp_group, sp=sp)
     apply_tensor_parallel(entered, groups.tp_group, sp=sp, overlap=True)
     kinds = [layer.kind for layer in entered.layers.values()]
     entries = [type(layer.mixer.in_proj) for layer in entered.layers.values() if layer.kind == "M"]
     assert entries == [ColumnParallelLinear] * 2, entries
-    assert [bool(layer.mixer._forward_pre_hooks) for layer in entered.layers.values()] == [k != "M" for k in kinds]
+    assert [type(layer.mixer) for layer in entered.layers.values() if layer.kind == "-"] == [_FanOutMLP]
+    # only attention keeps the region hook
+    assert [bool(layer.mixer._forward_pre_hooks) for layer in entered.layers.values()] == [k == "*" for k in kinds]
     assert all(layer.mixer._forward_pre_hooks for layer in hook.layers.values())
     batch = make_batch(mcfg.vocab_size, 2, 24, seed=1)
 
@@ -54,13 +61,18 @@ def overlap_worker(rank, world, sp, precision, out_path):
             json.dump({"loss": lh.item(), "bwd": bh, "grads": len(gh)}, f)
 
 
-@pytest.mark.parametrize("sp,precision", [(False, "fp32"), (False, "bf16"), (True, "bf16"), (True, "fp32")])
-def test_overlap_equals_region_hook(tmp_path, sp, precision):
+@pytest.mark.parametrize("sp,precision,relu2", [(False, "fp32", False), (False, "bf16", False), (True, "bf16", False),
+                                               (True, "fp32", False), (True, "bf16", True)])
+def test_overlap_equals_region_hook(tmp_path, sp, precision, relu2):
     out = tmp_path / "r.json"
-    spawn(overlap_worker, 2, sp, precision, str(out))
+    spawn(overlap_worker, 2, sp, precision, str(out), relu2)
     rec = json.loads(out.read_text())
-    # the backward still issues one region collective per layer (4 layers) plus the head's input
-    assert rec["bwd"] == ({"all_gather": 5, "reduce_scatter": 5} if sp else {"all_reduce": 5}), rec
+    # the backward still issues one region collective per layer (4 layers) plus the head's input; with norm groups
+    # spanning the ranks each Mamba-2 layer adds the all-reduce of its norm statistics
+    want = {"all_gather": 5, "reduce_scatter": 5} if sp else {"all_reduce": 5}
+    if relu2:
+        want["all_reduce"] = want.get("all_reduce", 0) + 2
+    assert rec["bwd"] == want, rec
 
 
 TINY = ["data.builtin=stdlib", "model.pattern=M*M-", "model.d_model=64", "model.mamba.d_state=16",

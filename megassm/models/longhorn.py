@@ -27,7 +27,6 @@ import torch
 from megassm import kernels
 from megassm.config import ModelConfig
 
-from .init import InitRule
 from .mamba1 import SelectiveScanMixer, _linear, check_scan_section, scan_activation_bytes, scan_flops, scan_tp_layout
 from .registry import BlockKind, register
 from .state import ScanState

@@ -32,9 +32,15 @@ class GatedMLP(nn.Module):
         self.w2 = make_linear(hidden, cfg.d_model, cfg.mlp.bias, std / math.sqrt(2 * n_layer))
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
-        if self.w3 is None:
-            return self.w2(torch.square(F.relu(self.w1(u))))
-        return self.w2(F.silu(self.w1(u)) * self.w3(u))
+        gate, up = self.project_in(u)
+        if up is None:
+            return self.w2(torch.square(F.relu(gate)))
+        return self.w2(F.silu(gate) * up)
+
+    def project_in(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(w1 u, w3 u or None): one method, the only reader of u, so that a tensor-parallel plan can compute both
+        projections in one node (parallel.tp_overlap, parallel/tp.py)."""
+        return self.w1(u), (None if self.w3 is None else self.w3(u))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -71,6 +77,7 @@ def mlp_tp_layout(mlp, tp: int, sp: bool) -> TPLayout:
     lay.params["w2.bias"] = Cut(0, (Replicate(mlp.w2.weight.shape[0], 1, partial=sp),))
     lay.sizes = {"hidden": mlp.hidden // tp}
     lay.row_parallel = {"w2": sp}
+    lay.fan_out = ("mlp_fan_out", {})  # forward() reads u only through project_in
     return lay
 
 

@@ -75,6 +75,8 @@ class TPLayout:
     entry           the column-parallel Linear that is the only reader of the mixer's input, if there is one:
                     with parallel.tp_overlap it enters the TP region itself (no region hook on the mixer) and
                     overlaps the region's backward collective with its weight gradient
+    fan_out         or: the variant (name, arguments) that, with parallel.tp_overlap, computes the mixer's
+                    column projections (several Linears, the only readers of its input) in one such node
     """
 
     params: dict = field(default_factory=dict)
@@ -83,10 +85,11 @@ class TPLayout:
     replicated_row: tuple = ()
     variants: dict = field(default_factory=dict)
     entry: str | None = None
+    fan_out: tuple | None = None
 
     def merge(self, other: "TPLayout", prefix: str) -> "TPLayout":
-        """Add a submodule's layout (names under `prefix`, e.g. "ssm."); not its `entry`, which reads the
-        submodule's input, not the mixer's."""
+        """Add a submodule's layout (names under `prefix`, e.g. "ssm."); not its `entry` / `fan_out`, which
+        read the submodule's input, not the mixer's."""
         self.params.update({prefix + k: v for k, v in other.params.items()})
         self.sizes.update({prefix + k: v for k, v in other.sizes.items()})
         self.row_parallel.update({prefix + k: v for k, v in other.row_parallel.items()})

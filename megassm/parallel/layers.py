@@ -11,7 +11,8 @@ Modules (substituted by megassm.parallel.tp for the single-device module, holdin
 names and init rules stay those of the canonical model; parallel/substitute.py):
     ColumnParallelLinear    nn.Linear holding rows [out/tp, in], the only reader of its mixer's input
                             (parallel.tp_overlap): it enters the TP region itself and overlaps the region's
-                            backward collective with its weight-gradient matmul
+                            backward collective with its weight-gradient matmul; column_parallel(x, linears)
+                            does the same for several projections reading one input (the MLP's w1 and w3)
     RowParallelLinear       nn.Linear holding columns [out, in/tp]; reduces (or reduce-scatters, SP) its
                             output before adding the (replicated) bias
     VocabParallelEmbedding  nn.Embedding holding rows [V/tp, d]; tokens outside the shard give 0; summed
@@ -29,8 +30,8 @@ from torch import nn
 from . import comm
 from .sp import SEQ_DIM, gather_from_sp, reduce_scatter_to_sp
 
-__all__ = ["copy_to_tp", "reduce_from_tp", "region_in", "region_out", "matmul_weight", "ColumnParallelLinear",
-           "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
+__all__ = ["copy_to_tp", "reduce_from_tp", "region_in", "region_out", "matmul_weight", "column_parallel",
+           "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
 
 IGNORE_INDEX = -100
 
@@ -87,39 +88,54 @@ def matmul_weight(linear: nn.Linear) -> torch.Tensor:
     return linear.weight if w is None else w
 
 
-class _ColumnParallelLinear(torch.autograd.Function):
-    """region_in(x) then F.linear under the caller's autocast, with the backward reordered: the input gradient
-    first, its all-reduce (SP: reduce-scatter along the sequence) begun, the weight gradient computed while the
-    collective runs, then the wait (Megatron's asynchronous tensor-parallel all-reduce). The products are the
-    ones autograd forms for autocast's F.linear (MmBackward on the folded 2-D input, then the casts back), so
-    every gradient equals the separate region + Linear's bit for bit."""
+class _ColumnParallel(torch.autograd.Function):
+    """region_in(x), then F.linear(x, w_i, b_i) for each column-parallel projection reading x, under the caller's
+    autocast, with the backward reordered: the input gradient (the projections' sum) first, its all-reduce (SP:
+    reduce-scatter along the sequence) begun, the weight gradients computed while the collective runs, then
+    the wait (Megatron's asynchronous tensor-parallel all-reduce). The products are the ones autograd forms for
+    autocast's F.linear (MmBackward on the folded 2-D input, the casts back, the sum of two consumers'
+    gradients), so every gradient equals the region hook + separate Linears' bit for bit."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sp):
+    def forward(ctx, x, group, sp, *params):  # params: w_1, b_1, w_2, b_2, ... (a bias may be None)
         dev = x.device.type
-        ctx.group, ctx.sp, ctx.x_dtype, ctx.w_dtype = group, sp, x.dtype, weight.dtype
-        ctx.b_dtype = None if bias is None else bias.dtype
+        ctx.group, ctx.sp, ctx.x_dtype = group, sp, x.dtype
+        ctx.dtypes = [None if p is None else p.dtype for p in params]
         if sp:
             x = comm.all_gather_dim(x, SEQ_DIM, group)
         if torch.is_autocast_enabled(dev):  # autocast's casts, made here so the backward sees the same tensors
             dt = torch.get_autocast_dtype(dev)
-            x, weight = x.to(dt), weight.to(dt)
-            bias = None if bias is None else bias.to(dt)
+            x, params = x.to(dt), [None if p is None else p.to(dt) for p in params]
         with torch.autocast(dev, enabled=False):
-            y = F.linear(x, weight, bias)
-        ctx.save_for_backward(x, weight)
-        return y
+            ys = [F.linear(x, w, b) for w, b in zip(params[::2], params[1::2])]
+        ctx.save_for_backward(x, *params[::2])
+        return tuple(ys)
 
     @staticmethod
-    def backward(ctx, g):
-        x, weight = ctx.saved_tensors
-        g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
-        dx = g2.mm(weight).view(x.shape).to(ctx.x_dtype)
+    def backward(ctx, *gs):
+        x, *weights = ctx.saved_tensors
+        x2 = x.reshape(-1, x.shape[-1])
+        g2s = [g.reshape(-1, g.shape[-1]) for g in gs]
+        dx = None
+        for g2, w in zip(g2s, weights):
+            part = g2.mm(w).view(x.shape).to(ctx.x_dtype)
+            dx = part if dx is None else dx + part
         dx, work = (comm.reduce_scatter_dim_start(dx, SEQ_DIM, ctx.group) if ctx.sp
                     else comm.all_reduce_start(dx, ctx.group))
-        dw = x2.t().mm(g2).t().to(ctx.w_dtype)  # beside the collective
-        db = None if ctx.b_dtype is None else g2.sum(0).to(ctx.b_dtype)
-        return comm.wait(dx, work), dw, db, None, None
+        grads = []  # beside the collective
+        for g2, w_dtype, b_dtype in zip(g2s, ctx.dtypes[::2], ctx.dtypes[1::2]):
+            grads.append(x2.t().mm(g2).t().to(w_dtype))
+            grads.append(None if b_dtype is None else g2.sum(0).to(b_dtype))
+        return comm.wait(dx, work), None, None, *grads
+
+
+def column_parallel(x: torch.Tensor, linears, group, sp: bool) -> list[torch.Tensor]:
+    """[linear(region_in(x)) for linear in linears] with the region's backward collective run beside their
+    weight gradients (parallel.tp_overlap); the Linears must be the only readers of x."""
+    if comm.world(group) == 1:
+        return [F.linear(x, matmul_weight(m), m.bias) for m in linears]
+    params = [t for m in linears for t in (matmul_weight(m), m.bias)]
+    return list(_ColumnParallel.apply(x, group, sp and x.dim() == 3, *params))
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -131,9 +147,7 @@ class ColumnParallelLinear(nn.Linear):
     sp = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if comm.world(self.tp_group) == 1:
-            return F.linear(x, matmul_weight(self), self.bias)
-        return _ColumnParallelLinear.apply(x, matmul_weight(self), self.bias, self.tp_group, self.sp and x.dim() == 3)
+        return column_parallel(x, [self], self.tp_group, self.sp)[0]
 
     def extra_repr(self) -> str:
         return (f"in={self.weight.shape[1]}, out_local={self.weight.shape[0]}, bias={self.bias is not None}, "

@@ -38,7 +38,8 @@ Each mixer's input passes `region_in` (a forward pre-hook: identity fwd / all-re
 all-gather), each mixer's output is reduced once by its row-parallel projection. With parallel.tp_overlap a
 mixer whose input only its entry Linear reads (Mamba-2: in_proj) has no hook: the entry is a
 ColumnParallelLinear that enters the region itself and begins the backward all-reduce (SP: reduce-scatter)
-before its weight gradient, waiting after it, so the collective runs beside that matmul.
+before its weight gradient, waiting after it, so the collective runs beside that matmul; the MLP's w1 and w3
+do the same in one node (its fan-out variant). Attention keeps the hook.
 """
 from __future__ import annotations
 
@@ -54,11 +55,12 @@ from megassm import kernels
 from megassm.models.bmojo import BMojoMixer
 from megassm.models.lm import IGNORE_INDEX, LanguageModel
 from megassm.models.mamba2 import Mamba2Mixer
+from megassm.models.mlp import GatedMLP
 from megassm.models.registry import Replicate, Split, TPLayout, block_kind
 
 from . import comm
-from .layers import (ColumnParallelLinear, RowParallelLinear, matmul_weight, VocabParallelEmbedding, copy_to_tp,
-                     reduce_from_tp, region_in, vocab_parallel_cross_entropy)
+from .layers import (ColumnParallelLinear, RowParallelLinear, matmul_weight, VocabParallelEmbedding, column_parallel,
+                     copy_to_tp, reduce_from_tp, region_in, vocab_parallel_cross_entropy)
 from .sp import split_to_sp
 from .substitute import substitute
 
@@ -241,6 +243,18 @@ class _TPBMojoMixer(BMojoMixer):
         return split_to_sp(y, self.tp_group) if self.sp and y.dim() == 3 else y
 
 
+class _FanOutMLP(GatedMLP):
+    """parallel.tp_overlap: w1 and w3 in one node entering the TP region (parallel/layers.py column_parallel), so
+    the region's backward collective runs beside their weight gradients."""
+
+    tp_group = None
+    sp = False
+
+    def project_in(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ys = column_parallel(u, [self.w1] if self.w3 is None else [self.w1, self.w3], self.tp_group, self.sp)
+        return ys[0], (ys[1] if len(ys) > 1 else None)
+
+
 class ReplicatedRowLinear(nn.Linear):
     """Row-parallel Linear whose output every rank needs in full for its own channels' work (Mamba-1 /
     Longhorn x_proj): all-reduce forward (whatever SP says: the input is the full sequence), and the gradient
@@ -279,9 +293,14 @@ def _variant_bmojo(mixer, plan: TPPlan, sp: bool):
     return _TPBMojoMixer, dict(tp_group=plan.group, sp=sp)
 
 
-# the parallel module variants a TPLayout may name (models/registry.py TPLayout.variants): name ->
+def _variant_mlp_fan_out(mixer, plan: TPPlan):
+    return _FanOutMLP, dict(tp_group=plan.group, sp=plan.sp)
+
+
+# the parallel module variants a TPLayout may name (models/registry.py TPLayout.variants and fan_out): name ->
 # (module, plan, **args) -> (class, attributes)
-TP_VARIANTS = {"mamba2_norm_spans_ranks": _variant_mamba2_norm_spans_ranks, "bmojo": _variant_bmojo}
+TP_VARIANTS = {"mamba2_norm_spans_ranks": _variant_mamba2_norm_spans_ranks, "bmojo": _variant_bmojo,
+               "mlp_fan_out": _variant_mlp_fan_out}
 
 
 def _set_path(module: nn.Module, path: str, value) -> None:
@@ -305,11 +324,16 @@ def apply_layout(block: nn.Module, layout: TPLayout, pre: str, plan: TPPlan, ove
         substitute(mixer, path, RowParallelLinear, tp_group=plan.group, sp=sp)
     for path in layout.replicated_row:
         substitute(mixer, path, ReplicatedRowLinear, tp_group=plan.group)
-    entered = overlap and layout.entry is not None
-    if entered:
+    entered = overlap and (layout.entry is not None or layout.fan_out is not None)
+    variants = dict(layout.variants)
+    if overlap and layout.entry is not None:
         substitute(mixer, layout.entry, ColumnParallelLinear, tp_group=plan.group, sp=plan.sp)
+    elif overlap and layout.fan_out is not None:
+        if "" in variants:
+            raise ValueError(f"tensor parallelism: {type(mixer).__name__} has both a variant and a fan-out variant")
+        variants[""] = layout.fan_out
     # submodules first, the mixer itself last (its variant then holds the substituted children)
-    for path, (name, args) in sorted(layout.variants.items(), key=lambda kv: -len(kv[0])):
+    for path, (name, args) in sorted(variants.items(), key=lambda kv: -len(kv[0])):
         if name not in TP_VARIANTS:
             raise ValueError(f"tensor parallelism: no parallel variant named {name!r}")
         cls, attrs = TP_VARIANTS[name](mixer.get_submodule(path), plan, **args)
