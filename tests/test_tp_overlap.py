@@ -91,6 +91,15 @@ def test_trainer_losses_equal_without_overlap(tmp_path):
     assert sorted(plain) == [1, 2, 3] and plain == overlap, (plain, overlap)
 
 
+@pytest.mark.parametrize("extra", [["parallel.cp=2", "parallel.sp=true"], ["parallel.pp=2"]], ids=["cp2-sp", "pp2"])
+def test_composes_with_context_and_pipeline_parallelism(tmp_path, extra):
+    """TP 2 x CP 2 with SP, and TP 2 x PP 2 (4 ranks): the same losses with and without the overlap."""
+    base = [a for a in TINY if not a.startswith("train.global_batch")] + ["train.global_batch=8", "train.seq_len=64"]
+    plain = losses(train_records(tmp_path / "a", 4, extra, base=base))
+    overlap = losses(train_records(tmp_path / "b", 4, extra + ["parallel.tp_overlap=true"], base=base))
+    assert sorted(plain) == [1, 2, 3] and plain == overlap, (plain, overlap)
+
+
 def test_refused_without_tp(monkeypatch):
     from megassm.training.checks import check_supported
 
