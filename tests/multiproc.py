@@ -4,6 +4,7 @@ run_train, train_records / train_losses). Importable by name from tests/ (pytest
 and the spawned ranks inherit it), so torch.multiprocessing can pickle the workers."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -161,13 +162,11 @@ def stop(proc: subprocess.Popen, group: bool = False) -> tuple[str, str]:
     """Kill `proc` (with group=True its whole process group: it was started with start_new_session=True, as a
     torchrun or a batch script whose ranks must not outlive the test) and return what it wrote. Never waits
     more than 30 s on the pipes, which a surviving grandchild may hold open."""
-    try:
+    with contextlib.suppress(ProcessLookupError):  # already gone
         if group:
             os.killpg(proc.pid, signal.SIGKILL)
         elif proc.poll() is None:
             proc.kill()
-    except ProcessLookupError:
-        pass
     try:
         out, err = proc.communicate(timeout=30)
     except subprocess.TimeoutExpired:

@@ -14,7 +14,7 @@ import pytest
 from megassm.launch import slurm
 from megassm.launch.cli import main
 
-from multiproc import free_port, run_bounded, wait_until
+from multiproc import free_port, run_bounded, stop, wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -135,10 +135,7 @@ def test_generated_script_trains_preempts_requeues_and_resumes(tmp_path):
         p.send_signal(signal.SIGUSR1)
         out, err = p.communicate(timeout=180)
     finally:
-        try:  # whatever of the job is still running (its ranks outlive a killed batch shell)
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        stop(p, group=True)  # whatever of the job is still running (its ranks outlive a killed batch shell)
     assert p.returncode == 0, err[-3000:]
     status = json.load(open(os.path.join(run, "last_exit.json")))
     k = status["step"]

@@ -251,8 +251,8 @@ class _FanOutMLP(GatedMLP):
     sp = False
 
     def project_in(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        ys = column_parallel(u, [self.w1] if self.w3 is None else [self.w1, self.w3], self.tp_group, self.sp)
-        return ys[0], (ys[1] if len(ys) > 1 else None)
+        gate, *up = column_parallel(u, [self.w1] if self.w3 is None else [self.w1, self.w3], self.tp_group, self.sp)
+        return gate, (up[0] if up else None)
 
 
 class ReplicatedRowLinear(nn.Linear):
@@ -312,7 +312,7 @@ def apply_layout(block: nn.Module, layout: TPLayout, pre: str, plan: TPPlan, ove
     """Apply one mixer's TPLayout: its parameters' ShardSpecs into plan.specs (names prefixed by `pre`), its
     local sizes, its row-parallel projections and variants substituted in place of the single-device
     modules; with `overlap`, its entry Linear (if it has one) becomes the ColumnParallelLinear that enters
-    the region itself. `block` is the mixer's parent (the mixer is its `mixer`). Returns whether the mixer
+    the region itself, or its fan-out variant replaces the mixer. `block` is the mixer's parent (the mixer is its `mixer`). Returns whether the mixer
     still needs the region hook on its input."""
     tp = plan.tp
     for name, cut in layout.params.items():
@@ -326,9 +326,9 @@ def apply_layout(block: nn.Module, layout: TPLayout, pre: str, plan: TPPlan, ove
         substitute(mixer, path, ReplicatedRowLinear, tp_group=plan.group)
     entered = overlap and (layout.entry is not None or layout.fan_out is not None)
     variants = dict(layout.variants)
-    if overlap and layout.entry is not None:
+    if entered and layout.entry is not None:
         substitute(mixer, layout.entry, ColumnParallelLinear, tp_group=plan.group, sp=plan.sp)
-    elif overlap and layout.fan_out is not None:
+    elif entered:
         if "" in variants:
             raise ValueError(f"tensor parallelism: {type(mixer).__name__} has both a variant and a fan-out variant")
         variants[""] = layout.fan_out
@@ -344,8 +344,8 @@ def apply_layout(block: nn.Module, layout: TPLayout, pre: str, plan: TPPlan, ove
 @torch.no_grad()
 def apply_tensor_parallel(model: LanguageModel, tp_group, sp: bool = False, overlap: bool = False) -> LanguageModel:
     """Shard `model` (holding canonical weights) in place for the TP group `tp_group` (None or size 1: no-op).
-    `overlap` (parallel.tp_overlap): the mixers whose layout names an entry Linear run their region's backward
-    collective beside its weight gradient (ColumnParallelLinear). Returns the model; its `tp_plan` describes
+    `overlap` (parallel.tp_overlap): the mixers whose layout names an entry Linear (ColumnParallelLinear) or a
+    fan-out variant run their region's backward collective beside the weight gradients. Returns the model; its `tp_plan` describes
     every parameter's layout."""
     tp, rank = comm.world(tp_group), comm.rank(tp_group)
     if tp == 1:
