@@ -29,6 +29,7 @@ __all__ = [
     "rmsnorm",
     "gated_rmsnorm",
     "add_rmsnorm",
+    "swiglu",
     "gated_rmsnorm_sumsq",
     "gated_rmsnorm_apply",
     "gated_rmsnorm_bwd_dot",
@@ -144,6 +145,16 @@ def add_rmsnorm(x, residual, weight, eps=1e-5):
     if _eager_reference(x):
         return reference.add_rmsnorm(x, residual, weight, eps)
     return ops.add_rmsnorm_call(x, residual, weight, float(eps))
+
+
+def swiglu(a, b):
+    """silu(a) * b (the gated MLP's activation; a = w1 u, b = w3 u). See reference.swiglu. The Triton path
+    keeps a and b for the backward, not silu(a), and rounds once."""
+    if a.shape != b.shape:
+        raise ValueError(f"swiglu: a {tuple(a.shape)} and b {tuple(b.shape)} must have the same shape")
+    if _eager_reference(a):
+        return reference.swiglu(a, b)
+    return ops.swiglu_call(a, b)
 
 
 # gated_rmsnorm in stages, for norm groups whose channels are spread over devices (tensor parallelism with fewer

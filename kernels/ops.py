@@ -630,6 +630,37 @@ add_rmsnorm_op.register_autograd(_add_bwd, setup_context=_add_setup)
 
 
 # --------------------------------------------------------------------------------------------------------
+# swiglu: silu(a) * b (the gated MLP's activation)
+
+
+@torch.library.custom_op("megassm::swiglu", mutates_args=())
+def swiglu_op(a: Tensor, b: Tensor) -> Tensor:
+    if _pick(a):
+        return triton_kernels().swiglu_fwd(a, b)
+    return _fresh(reference.swiglu(a, b))
+
+
+@swiglu_op.register_fake
+def _(a, b):
+    return a.new_empty(a.shape, dtype=torch.promote_types(a.dtype, b.dtype))
+
+
+def _swiglu_setup(ctx, inputs, output):
+    _save(ctx, inputs, output)
+
+
+def _swiglu_bwd(ctx, gout):
+    args, _ = _restore(ctx)
+    a, b = args
+    if use_triton(a):
+        return triton_kernels().swiglu_bwd(gout, a, b)
+    return _reference_backward(reference.swiglu, ctx, args, (gout,))
+
+
+swiglu_op.register_autograd(_swiglu_bwd, setup_context=_swiglu_setup)
+
+
+# --------------------------------------------------------------------------------------------------------
 # eager fast path
 
 
@@ -667,5 +698,6 @@ causal_conv1d_call = _eager_caller(causal_conv1d_op, _conv_setup, _conv_bwd)
 gated_rmsnorm_call = _eager_caller(gated_rmsnorm_op, _norm_setup, _gated_bwd)
 rmsnorm_call = _eager_caller(rmsnorm_op, _norm_setup, _rmsnorm_bwd)
 add_rmsnorm_call = _eager_caller(add_rmsnorm_op, _add_setup, _add_bwd)
+swiglu_call = _eager_caller(swiglu_op, _swiglu_setup, _swiglu_bwd)
 selective_scan_call = _eager_caller(selective_scan_op, _scan_setup, _scan_bwd)
 coffee_scan_call = _eager_caller(coffee_scan_op, _coffee_setup, _coffee_bwd)

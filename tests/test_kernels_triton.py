@@ -84,6 +84,7 @@ def test_opcheck_custom_ops(torch_mode):
                           test_utils=tests)
     torch.library.opcheck(ops.rmsnorm_op, (x, torch.randn(3), 1e-5), test_utils=tests)
     torch.library.opcheck(ops.add_rmsnorm_op, (x, torch.randn(2, 5, 3), torch.randn(3), 1e-5), test_utils=tests)
+    torch.library.opcheck(ops.swiglu_op, (x, torch.randn(2, 5, 3)), test_utils=tests)
     torch.library.opcheck(ops.ssd_step_op, (torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3), torch.randn(2, 2),
                                             -torch.rand(2), torch.randn(2, 1, 4), torch.randn(2, 1, 4), None,
                                             None, None, True, None), test_utils=tests)
@@ -278,6 +279,39 @@ def test_rmsnorm_and_add_rmsnorm_triton(triton_mode):
 
 
 @needs_triton
+def _swiglu_grads(fn, a, b, dh):
+    lv = [a.clone().requires_grad_(True), b.clone().requires_grad_(True)]
+    h = fn(*lv)
+    return (h,) + torch.autograd.grad(h, lv, dh)
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 37), (2, 3, 700)], ids=["one-block", "three-blocks"])
+def test_swiglu_triton(triton_mode, shape):
+    """silu(a) * b and both gradients: fp32 equal to the reference; bf16 (one rounding instead of torch's two)
+    at least as close to an fp64 oracle as the reference on the GPU (Triton's CPU interpreter truncates its bf16
+    stores instead of rounding: 2x there); strided inputs (a slice) taken."""
+    g = torch.Generator().manual_seed(0)
+    a, b, dh = (torch.randn(*shape, generator=g).mul(3).to(DEV) for _ in range(3))
+    ours, ref = _swiglu_grads(K.swiglu, a, b, dh), _swiglu_grads(R.swiglu, a, b, dh)
+    for u, v in zip(ours, ref):
+        assert u.dtype == torch.float32 and rel(u, v) < 1e-6
+    oracle = _swiglu_grads(R.swiglu, a.double(), b.double(), dh.double())
+    lo = [t.bfloat16() for t in (a, b, dh)]
+    ours, ref = _swiglu_grads(K.swiglu, *lo), _swiglu_grads(R.swiglu, *lo)
+    factor = 2.0 if INTERP else 1.05
+    for u, v, o in zip(ours, ref, oracle):
+        assert u.dtype == torch.bfloat16 and rel(u, o) <= rel(v, o) * factor + 1e-6, (rel(u, o), rel(v, o))
+    wide = torch.randn(shape[0], shape[1], 2 * shape[2], generator=g).to(DEV)
+    sa, sb = wide[..., : shape[2]], wide[..., shape[2]:]  # strided halves
+    ours, ref = _swiglu_grads(K.swiglu, sa, sb, dh), _swiglu_grads(R.swiglu, sa, sb, dh)
+    assert all(rel(u, v) < 1e-6 for u, v in zip(ours, ref))
+
+
+def test_swiglu_refuses_mismatched_shapes(torch_mode):
+    with pytest.raises(ValueError, match=r"swiglu: a \(2, 3\) and b \(2, 4\)"):
+        K.swiglu(torch.randn(2, 3), torch.randn(2, 4))
+
+
 @pytest.mark.parametrize("d_mode", ["head", "chan"])
 def test_step_kernels_triton(triton_mode, d_mode):
     g = torch.Generator().manual_seed(3)
@@ -368,3 +402,16 @@ def test_gpu_conv_and_norms_real_shapes(triton_mode, dtype):
         res.append((o, nr) + torch.autograd.grad(o.float().pow(2).sum() + nr.sum(), lv))
     for u, v in zip(*res):
         assert rel(u, v) < tol
+
+
+@gpu
+@needs_cuda
+def test_gpu_swiglu_real_shapes(triton_mode):
+    """hybrid-1.3b's MLP at micro-batch 4 x 2048 (hidden 5632), bf16: each gradient at least as close to fp64 as
+    torch's own bf16 path."""
+    a, b, dh = (torch.randn(4, 2048, 5632, device="cuda") * 2 for _ in range(3))
+    oracle = _swiglu_grads(R.swiglu, a.double(), b.double(), dh.double())
+    lo = [t.bfloat16() for t in (a, b, dh)]
+    ours, ref = _swiglu_grads(K.swiglu, *lo), _swiglu_grads(R.swiglu, *lo)
+    for u, v, o in zip(ours, ref, oracle):
+        assert rel(u, o) <= rel(v, o) * 1.05 + 1e-6, (rel(u, o), rel(v, o))

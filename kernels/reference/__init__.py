@@ -1,4 +1,5 @@
 """Pure-PyTorch reference ops: the CPU implementation and the test oracle for the Triton kernels."""
+from .act import swiglu
 from .coffee import coffee_scan
 from .conv import causal_conv1d, causal_conv1d_step
 from .norm import (add_rmsnorm, gated_rmsnorm, gated_rmsnorm_apply, gated_rmsnorm_bwd_apply, gated_rmsnorm_bwd_dot,
@@ -16,6 +17,7 @@ __all__ = [
     "rmsnorm",
     "gated_rmsnorm",
     "add_rmsnorm",
+    "swiglu",
     "gated_rmsnorm_sumsq",
     "gated_rmsnorm_apply",
     "gated_rmsnorm_bwd_dot",

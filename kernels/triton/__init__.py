@@ -2,6 +2,7 @@
 kernels are decorated, i.e. at import). The ops' dispatch, autograd and fake registrations live in ops.py."""
 import triton  # noqa: F401  (ImportError here means: no Triton backend)
 
+from .act import swiglu_bwd, swiglu_fwd  # noqa: E402
 from .coffee import coffee_scan_bwd, coffee_scan_fwd  # noqa: E402
 from .conv import causal_conv1d_bwd, causal_conv1d_fwd  # noqa: E402
 from .scan import selective_scan_bwd, selective_scan_fwd, selective_scan_step_fwd  # noqa: E402

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megassm import kernels
 from megassm.config import MLP_ACTIVATIONS, ModelConfig, ffn_hidden
 
 from .init import make_linear
@@ -35,7 +36,7 @@ class GatedMLP(nn.Module):
         gate, up = self.project_in(u)
         if up is None:
             return self.w2(torch.square(F.relu(gate)))
-        return self.w2(F.silu(gate) * up)
+        return self.w2(kernels.swiglu(gate, up))  # one Triton pass each way on the GPU
 
     def project_in(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(w1 u, w3 u or None): one method, the only reader of u, so that a tensor-parallel plan can compute both
@@ -60,8 +61,9 @@ def mlp_flops(m: ModelConfig, L: int) -> dict:
 
 
 def mlp_activation_bytes(m, a: int, ctx=None) -> tuple[int, int]:
-    # swiglu: w1 out, silu(w1 out), w3 out, their product (w2's input); relu2: w1 out, relu(w1 out)^2
-    return a * (4 if m.w3 is not None else 2) * m.hidden, 0
+    # swiglu: w1 out, w3 out (kept by kernels.swiglu's Triton path, which recomputes silu in its backward), their
+    # product (w2's input); relu2: w1 out, relu(w1 out)^2. (The CPU reference path keeps silu(w1 out) as well.)
+    return a * (3 if m.w3 is not None else 2) * m.hidden, 0
 
 
 def mlp_tp_layout(mlp, tp: int, sp: bool) -> TPLayout:
