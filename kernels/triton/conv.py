@@ -6,9 +6,10 @@
 Positions -(W-1)..-1 read initial_state[:, :, pos + W-1] and belong to the row's first document.
 Forward: one program per (row, block of positions, block of channels). Backward: one program per (row, block
 of input positions s in [-(W-1), L), block of channels); it recomputes pre at the W output positions each
-input feeds, writes dx (s >= 0) or d initial_state (s < 0), and per-program partial sums of dweight/dbias that
-torch reduces afterwards (no atomics: deterministic). The final state (last W-1 inputs, earlier documents
-zeroed) is a small gather done in torch.
+input feeds (from the 2W-1 shifted x tiles s-(W-1) .. s+W-1, each loaded once per block), writes dx (s >= 0) or
+d initial_state (s < 0), and per-program partial sums of dweight/dbias that torch reduces afterwards (no
+atomics: deterministic). The final state (last W-1 inputs, earlier documents zeroed) is a small gather done
+in torch.
 """
 from __future__ import annotations
 
@@ -83,48 +84,73 @@ def _conv_bwd_kernel(X, INIT, SEQ, WT, BIAS, DY, DFIN, DX, DINIT, DW_PART, DB_PA
                      W: tl.constexpr, WP: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr,
                      HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_DFIN: tl.constexpr, WANT_DINIT: tl.constexpr,
                      BL: tl.constexpr, BC: tl.constexpr):
+    """Per block of input positions s, every distinct shifted tile is loaded once: x (and seq_idx) at s + j for
+    j = -(W-1) .. W-1 (x only for j <= 0 without SiLU: then pre is not needed), dy at s + m for m = 0 .. W-1.
+    pre(s + m) reads x at s + j, j = m - (W-1) + k, i.e. tile index m + k of `xs`; it is summed in _pre's order
+    (k = 0 .. W-1, then the bias): the same operations in the same order as the kernel's earlier form, which
+    called _pre for each m (its outputs are bit for bit those, test_conv_bwd_bitwise_equals_old_kernel). The
+    weight columns and the bias are loaded once per program. The tiles are tuples of tensors indexed by
+    constexprs (the loops are unrolled)."""
     b = tl.program_id(0).to(tl.int64)
     pl = tl.program_id(1)
     c = tl.program_id(2) * BC + tl.arange(0, BC)
     mask_c = c < C
     kk = tl.arange(0, WP)
+    wts = ()
+    for k in tl.static_range(W):
+        wts = wts + (tl.load(WT + c * swc + k * sww, mask=mask_c, other=0.0).to(tl.float32),)
+    if HAS_BIAS:
+        bias = tl.load(BIAS + c, mask=mask_c, other=0.0).to(tl.float32)
     dw_acc = tl.full([WP, BC], 0.0, tl.float32)
     db_acc = tl.full([BC], 0.0, tl.float32)
     for i in range(sb_per_prog):
         sblk = pl * sb_per_prog + i
         s = sblk * BL - (W - 1) + tl.arange(0, BL)  # input positions handled here (none past the end)
-        if HAS_SEQ:
-            seq_s = _load_seq(SEQ, b, s, L, ssb, ssl)
+        # xs[j + W-1] = x(s + j) (initial_state below 0), sq[j + W-1] = seq_idx(s + j); j < 0 here, j = m below
+        xs = ()
+        sq = ()
+        for q in tl.static_range(W - 1):
+            pos = s + (q - (W - 1))
+            xs = xs + (_load_in(X, INIT, b, pos, c, mask_c, L, sxb, sxl, sxc, sib, sic, sil, W, HAS_INIT),)
+            if HAS_SEQ:
+                sq = sq + (_load_seq(SEQ, b, pos, L, ssb, ssl),)
         dx = tl.full([BL, BC], 0.0, tl.float32)
         for m in tl.static_range(W):
             t = s + m  # output position fed by input s through tap k = W-1-m
+            if SILU or m == 0:
+                xs = xs + (_load_in(X, INIT, b, t, c, mask_c, L, sxb, sxl, sxc, sib, sic, sil, W, HAS_INIT),)
+            if HAS_SEQ:
+                sq = sq + (_load_seq(SEQ, b, t, L, ssb, ssl),)
             valid_t = (t >= 0) & (t < L)
             t_c = tl.where(valid_t, t, 0)
             dy = tl.load(DY + b * sdyb + t_c[:, None] * sdyl + c[None, :] * sdyc,
                          mask=valid_t[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
             if SILU:
-                pre = _pre(X, INIT, SEQ, WT, BIAS, b, t, c, mask_c, L, sxb, sxl, sxc, sib, sic, sil, ssb, ssl, swc,
-                           sww, W, HAS_INIT, HAS_SEQ, HAS_BIAS, BL, BC)
+                # pre(t) = bias + sum_k w_k x(t-(W-1)+k), taps of another document than t's read as 0 (as _pre)
+                pre = tl.full([BL, BC], 0.0, tl.float32)
+                for k in tl.static_range(W):
+                    v = xs[m + k]
+                    if HAS_SEQ:
+                        v = tl.where((sq[m + k] == sq[m + W - 1])[:, None], v, 0.0)
+                    pre += v * wts[k][None, :]
+                if HAS_BIAS:
+                    pre += bias[None, :]
                 sg = tsigmoid(pre)
                 dpre = dy * sg * (1.0 + pre * (1.0 - sg))
             else:
                 dpre = dy
-            wk = tl.load(WT + c * swc + (W - 1 - m) * sww, mask=mask_c, other=0.0).to(tl.float32)
-            contrib = dpre * wk[None, :]
+            contrib = dpre * wts[W - 1 - m][None, :]
             if HAS_SEQ:
-                same = _load_seq(SEQ, b, t, L, ssb, ssl) == seq_s
-                contrib = tl.where(same[:, None], contrib, 0.0)
+                contrib = tl.where((sq[m + W - 1] == sq[W - 1])[:, None], contrib, 0.0)
             dx += contrib
             if m == 0:
-                # weight / bias gradients over the output positions t = s of this block
+                # weight / bias gradients over the output positions t = s of this block: the taps are the
+                # tiles x(s-(W-1)+k) = xs[k] that pre(s) read
                 db_acc += tsum(dpre, 0)
-                if HAS_SEQ:
-                    st = _load_seq(SEQ, b, t, L, ssb, ssl)
                 for k in tl.static_range(W):
-                    pos = t - (W - 1) + k
-                    v = _load_in(X, INIT, b, pos, c, mask_c, L, sxb, sxl, sxc, sib, sic, sil, W, HAS_INIT)
+                    v = xs[k]
                     if HAS_SEQ:
-                        v = tl.where((_load_seq(SEQ, b, pos, L, ssb, ssl) == st)[:, None], v, 0.0)
+                        v = tl.where((sq[k] == sq[W - 1])[:, None], v, 0.0)
                     dwk = tsum(dpre * v, 0)
                     dw_acc += tl.where(kk[:, None] == k, dwk[None, :], 0.0)
         if HAS_DFIN:
@@ -135,7 +161,7 @@ def _conv_bwd_kernel(X, INIT, SEQ, WT, BIAS, DY, DFIN, DX, DINIT, DW_PART, DB_PA
             df = tl.load(DFIN + b * sfb + c[None, :] * sfc + jc[:, None] * sfl,
                          mask=in_f[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
             if HAS_SEQ:
-                same_last = _load_seq(SEQ, b, s, L, ssb, ssl) == _load_seq(SEQ, b, s * 0 + (L - 1), L, ssb, ssl)
+                same_last = sq[W - 1] == _load_seq(SEQ, b, s * 0 + (L - 1), L, ssb, ssl)
                 df = tl.where(same_last[:, None], df, 0.0)
             dx += df
         in_x = (s >= 0) & (s < L)
@@ -157,7 +183,10 @@ def _conv_bwd_kernel(X, INIT, SEQ, WT, BIAS, DY, DFIN, DX, DINIT, DW_PART, DB_PA
 def _blocks(L, C, bwd=False):
     """Tiles from the H100 sweep of benchmarks/conv_tiles.py (bf16, 16 x 2048 x 4352, docs/benchmarks.md):
     forward 16 x 256, 8 warps (0.25 ms; 16 x 128 took 1.19), backward 64 x 32, 4 warps (2.16 ms; 16 x 64 took
-    4.43, 64 x 64 2.68)."""
+    4.43, 64 x 64 2.68). The backward timings are of the kernel before it loaded each shifted x / seq_idx tile
+    once per block (2W-1 x tiles instead of W*W + W): its best tile may have moved, and the backward sweep must
+    be re-run on the device before this default is trusted (ptxas, sm_90: 64 x 32 / 4 warps still takes 255
+    registers a thread, 16 x 64 / 8 warps ~120)."""
     BC = min(32 if bwd else 256, triton.next_power_of_2(max(C, 1)))
     BL = min(64 if bwd else 16, triton.next_power_of_2(max(L, 1)))
     return BL, BC
