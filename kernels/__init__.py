@@ -38,6 +38,7 @@ __all__ = [
     "selective_scan_sequential",
     "selective_scan_step",
     "coffee_scan",
+    "split_last",
 ]
 
 # name of the backend announced last ("reference" / "triton"), False before the first call
@@ -98,6 +99,13 @@ def ssd(
     y, fin, _ = ops.ssd_call(x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), _tuple_or_none(dt_limit),
                                 initial_states, seq_idx, int(chunk_size), bool(return_final_states))
     return (y, fin) if return_final_states else y
+
+
+def split_last(x, sizes):
+    """torch.split(x, sizes, dim=-1), whose backward takes the blocks' gradients without a copy when the op
+    after it wrote them as blocks of one buffer (the Triton SSD backward does for x, B, C split from the
+    Mamba-2 conv output); otherwise it concatenates them, as torch.split's backward does."""
+    return ops.SplitLast.apply(x, list(sizes))
 
 
 def ssd_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_limit=None):

@@ -243,6 +243,62 @@ def _ssd_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(buf)
 
 
+class SplitLast(torch.autograd.Function):
+    """torch.split along the last dim whose backward returns the gradients' common buffer itself when they
+    arrive as its consecutive column blocks (the SSD backward writes dx, dB, dC so: _xbc_grad_buffer), instead
+    of concatenating them into a new tensor (autograd's split backward always copies: a cat per Mamba-2 layer)."""
+
+    @staticmethod
+    def forward(ctx, x, sizes):
+        ctx.shape, ctx.sizes = x.shape, tuple(sizes)
+        return tuple(x.split(ctx.sizes, dim=-1))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _blocks_of_one(grads, ctx.shape, ctx.sizes), None
+
+
+def _blocks_of_one(grads, shape, sizes) -> Tensor:
+    """The tensor of `shape` whose last-dim blocks of `sizes` the grads are: their common base when they are
+    exactly its consecutive blocks (no copy), else a cat (zeros for a missing gradient)."""
+    base = grads[0]._base if grads[0] is not None else None
+    if base is not None and base.shape == shape and base.is_contiguous():
+        off = 0
+        for g, n in zip(grads, sizes):
+            want = base.narrow(-1, off, n)
+            if g is None or g._base is not base or g.data_ptr() != want.data_ptr() or g.shape != want.shape \
+                    or g.stride() != want.stride():
+                break
+            off += n
+        else:
+            return base
+    like = next(g for g in grads if g is not None)
+    return torch.cat([g if g is not None else like.new_zeros((*shape[:-1], n)) for g, n in zip(grads, sizes)], -1)
+
+
+def _packed_rows(x: Tensor, B: Tensor, C: Tensor) -> bool:
+    """Whether x [b, l, h, p], B and C [b, l, g, n] are the consecutive column blocks of one contiguous
+    [b, l, h*p + 2*g*n] tensor (Mamba-2 splits its conv output so): their gradients can then be written as the
+    same blocks of one buffer, which split_last's backward returns without a copy."""
+    _, l, h, p = x.shape
+    gn = B.shape[-2] * B.shape[-1]
+    w = h * p + 2 * gn
+    row = (l * w, w)
+    return (B.shape == C.shape and x.dtype == B.dtype == C.dtype and
+            x.untyped_storage().data_ptr() == B.untyped_storage().data_ptr() == C.untyped_storage().data_ptr()
+            and x.stride() == (*row, p, 1) and B.stride() == C.stride() == (*row, B.shape[-1], 1)
+            and B.storage_offset() == x.storage_offset() + h * p and C.storage_offset() == B.storage_offset() + gn)
+
+
+def _xbc_grad_buffer(x: Tensor, B: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """dx, dB, dC as the column blocks of one fresh [b, l, h*p + 2*g*n] buffer (see _packed_rows)."""
+    b, l, h, p = x.shape
+    g, n = B.shape[-2:]
+    buf = x.new_empty(b, l, h * p + 2 * g * n)
+    dx, db, dc = buf.split([h * p, g * n, g * n], dim=-1)
+    return dx.view(b, l, h, p), db.view(b, l, g, n), dc.view(b, l, g, n)
+
+
 def _ssd_bwd(ctx, gy, gfinal, _gkept=None):
     args, kept = _restore(ctx)
     x = args[0]
@@ -250,7 +306,8 @@ def _ssd_bwd(ctx, gy, gfinal, _gkept=None):
         (x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, init, seq_idx, chunk, ret) = args
         grads = triton_kernels().ssd_bwd(
             gy, gfinal if ret else None, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, init, seq_idx,
-            chunk, kept=(kept[0], kept[1] if ret else None) if kept else None)
+            chunk, kept=(kept[0], kept[1] if ret else None) if kept else None,
+            out_xbc=_xbc_grad_buffer(x, B) if _packed_rows(x, B, C) else None)
         dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit = grads
         return dx, ddt, dA, dB, dC, dD, dz, ddt_bias, None, None, dinit, None, None, None
     return _reference_backward(_ssd_ref_full, ctx, args, (gy, gfinal))

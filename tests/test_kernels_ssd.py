@@ -605,3 +605,62 @@ def test_gpu_ssd_extremes_16k_finite_and_deterministic(triton_mode):
     for k in a:
         assert torch.isfinite(a[k]).all(), k
         assert torch.equal(a[k], b[k]), k  # no atomics: bitwise identical run to run
+
+
+# --------------------------------------------------------------------------------------------------------
+# x, B, C split from one tensor (Mamba-2's conv output): the SSD backward writes their gradients as the blocks
+# of one buffer and split_last's backward returns it without a copy
+
+def _xbc_case(seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    bsz, seqlen, nh, hd, ng, ds = 2, 37, 4, 16, 2, 16
+    xbc = torch.randn(bsz, seqlen, nh * hd + 2 * ng * ds, generator=g).to(DEV, dtype)
+    dt = (torch.rand(bsz, seqlen, nh, generator=g) * 0.5).to(DEV, dtype)
+    A = -torch.rand(nh, generator=g).to(DEV) - 0.5
+    dout = torch.randn(bsz, seqlen, nh, hd, generator=g).to(DEV, dtype)
+    seq = torch.zeros(bsz, seqlen, dtype=torch.int32, device=DEV)
+    seq[0, 20:] = 1
+    return (bsz, seqlen, nh, hd, ng, ds), xbc, dt, A, dout, seq
+
+
+def _xbc_grads(split, xbc, dt, A, dout, seq, dims):
+    bsz, seqlen, nh, hd, ng, ds = dims
+    leaf = xbc.clone().requires_grad_(True)
+    x, B, C = split(leaf, [nh * hd, ng * ds, ng * ds])
+    y = K.ssd(x.reshape(bsz, seqlen, nh, hd), dt, A, B.reshape(bsz, seqlen, ng, ds), C.reshape(bsz, seqlen, ng, ds),
+              seq_idx=seq, chunk_size=16)
+    y.backward(dout)
+    return leaf.grad
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ssd_xbc_split_backward_writes_one_buffer(triton_mode, dtype):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Cats(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Cats.n += func.overloadpacket.__name__ == "cat"
+            return func(*args, **(kwargs or {}))
+
+    dims, xbc, dt, A, dout, seq = _xbc_case(dtype=dtype)
+    want = _xbc_grads(lambda t, s: torch.split(t, s, dim=-1), xbc, dt, A, dout, seq, dims)
+    with Cats():
+        got = _xbc_grads(K.split_last, xbc, dt, A, dout, seq, dims)
+    assert torch.equal(got, want)
+    assert Cats.n == 0  # the blocks' gradients were one buffer: no concatenation
+    # the reference backend writes separate gradients: split_last concatenates them like torch.split
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MEGASSM_KERNELS", "torch")
+        ref_split = _xbc_grads(K.split_last, xbc, dt, A, dout, seq, dims)
+        ref_torch = _xbc_grads(lambda t, s: torch.split(t, s, dim=-1), xbc, dt, A, dout, seq, dims)
+    assert torch.equal(ref_split, ref_torch)
+
+
+def test_split_last_backward_fills_a_missing_gradient():
+    x = torch.randn(3, 10, requires_grad=True)
+    a, b, c = K.split_last(x, [2, 5, 3])
+    (a.sum() * 2 + c.sum()).backward()  # b unused: its gradient block is zero
+    assert torch.equal(x.grad, torch.cat([torch.full((3, 2), 2.0), torch.zeros(3, 5), torch.ones(3, 3)], -1))

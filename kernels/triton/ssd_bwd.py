@@ -76,7 +76,7 @@ def _mma_w_dy(acc, w, DYP, mask, DY_F32: tl.constexpr, PREC: tl.constexpr, FULL:
            key=["T", "P", "N", "BS", "BK"])
 @triton.jit
 def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSH, DSL, Dp, DX, DDT, DDTS, DDP, L, H, G, NC,
-               sxb, sxl, sxh, sxp, sdyb, sdyl, sdyh, sdyp, sbb, sbl, sbg, sbn, ssb, ssl,
+               sxb, sxl, sxh, sxp, sdyb, sdyl, sdyh, sdyp, sbb, sbl, sbg, sbn, ssb, ssl, sdxb, sdxl,
                P: tl.constexpr, N: tl.constexpr, T: tl.constexpr, BPF: tl.constexpr, BS: tl.constexpr,
                BK: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
                DY_F32: tl.constexpr, PREC: tl.constexpr, IPREC: tl.constexpr):
@@ -168,7 +168,8 @@ def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSH, DSL, Dp, DX, DDT, DDTS, DDP, L,
         dx += dys * dv
         # [H, P, programs] layout: the host's sum over programs is then over the contiguous last dimension
         tl.store(DDP + (h * P + p) * (tl.num_programs(1) * nsb) + bc * nsb + sb, tsum(dys * xf, axis=0), mask=mp)
-    tl.store(DX + ((b * L + ps[:, None]) * H + h) * P + p[None, :], dx.to(DX.dtype.element_ty), mask=m)
+    # rows of DX may be wider than H * P (a slice of the [x | B | C] gradient: ops.py packs it)
+    tl.store(DX + b * sdxb + ps[:, None] * sdxl + h * P + p[None, :], dx.to(DX.dtype.element_ty), mask=m)
     tl.store(DDT + dbase + s, ddt)
 
 
@@ -253,6 +254,7 @@ def _dcb_kernel(X, DY, CB, DTP, CS, SEQ, DCB, DCSI, L, H, G, NC,
 @triton.jit
 def _dbc_kernel(X, DY, OTHER, CR, DCB, DTP, CS, SEQ, SVH, SVL, OUT, DCSR, L, H, G, NC,
                 sxb, sxl, sxh, sxp, sdyb, sdyl, sdyh, sdyp, sob, sol, sog, son, scrb, scrl, scrg, scrn, ssb, ssl,
+                soutb, soutl,
                 P: tl.constexpr, N: tl.constexpr, T: tl.constexpr, BPF: tl.constexpr, BS: tl.constexpr,
                 BN: tl.constexpr, IS_DC: tl.constexpr, HAS_SEQ: tl.constexpr, DY_F32: tl.constexpr,
                 PREC: tl.constexpr):
@@ -331,7 +333,7 @@ def _dbc_kernel(X, DY, OTHER, CR, DCB, DTP, CS, SEQ, SVH, SVL, OUT, DCSR, L, H, 
         ov = tl.load(OTHER + b * sob + po[:, None] * sol + g * sog + n[None, :] * son,
                      mask=(po < L)[:, None] & mn[None, :], other=0.0)
         acc += _mm_af(w, ov, PREC)
-    tl.store(OUT + ((b * L + pr[:, None]) * G + g) * N + n[None, :], acc.to(OUT.dtype.element_ty),
+    tl.store(OUT + b * soutb + pr[:, None] * soutl + g * N + n[None, :], acc.to(OUT.dtype.element_ty),
              mask=mr[:, None] & mn[None, :])
 
 
@@ -403,13 +405,14 @@ def _intra_prec(prec):
 
 
 def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states, seq_idx,
-            chunk_size, kept=None):
+            chunk_size, kept=None, out_xbc=None):
     """Gradients (dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states) of ssd_fwd. `kept`: (ssd_fwd's third
     output, final states or None). A states buffer is used instead of recomputing the entering states when its
     layout matches this call's precision mode (a switch of MEGASSM_SSD_PRECISION between forward and backward
     recomputes); the true segment ends of a segmented walk let the recompute start every segment true (no
     fix-up pass), when the segments are this call's. The final states themselves are not needed: the reverse
-    walk starts from `dfinal` (or zero)."""
+    walk starts from `dfinal` (or zero). `out_xbc`: (dx, dB, dC) to write into, shaped like x, B, C with
+    unit strides inside a row (slices of one [x | B | C] gradient buffer, ops.py), else they are allocated."""
     x, B, C, z = _contig_last(x), _contig_last(B), _contig_last(C), _contig_last(z)
     D_in = D
     D = D.contiguous() if D is not None else None
@@ -463,7 +466,10 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     dsn, dcs_last, dinit = _dstates(x, C, dy, cs, seq_idx, states, dfinal, initial_states, T, nc)
     # dx, the direct dt gradient, dD
     BS = _tile("dx_bs", T)
-    dx = torch.empty(bsz, seqlen, nheads, hdim, dtype=x.dtype, device=dev)
+    dx, dB, dC = out_xbc if out_xbc is not None else (
+        torch.empty(bsz, seqlen, nheads, hdim, dtype=x.dtype, device=dev),
+        torch.empty(bsz, seqlen, ngroups, dstate, dtype=B.dtype, device=dev),
+        torch.empty(bsz, seqlen, ngroups, dstate, dtype=C.dtype, device=dev))
     ddt_direct = torch.empty(bsz, nheads, nc, T, dtype=torch.float32, device=dev)
     ddt_state = torch.empty_like(ddt_direct)
     ddp = torch.empty(nheads, hdim, bsz * nc * (T // BS), dtype=torch.float32, device=dev) if D is not None else None
@@ -471,7 +477,7 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     _dx_kernel[(nheads * (T // BS), bsz * nc)](
         x, dy, B, cb, dtp, cs, seq, *dsn, D if D is not None else x, dx, ddt_direct, ddt_state,
         ddp if ddp is not None else dx,
-        seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(), *B.stride(), ssb, ssl,
+        seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(), *B.stride(), ssb, ssl, dx.stride(0), dx.stride(1),
         P=hdim, N=dstate, T=T, BPF=BPF, BS=BS, BK=_tile("dx_bk", dstate), HAS_SEQ=seq_idx is not None,
         HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2, DY_F32=dy_f32, PREC=prec, IPREC=iprec,
     )
@@ -480,8 +486,6 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
         # sums over the contiguous last dimension (torch's sum over a leading one ran ~0.03 ms at 16 x 2K)
         dD = (ddp.view(nheads, -1).sum(-1) if D.dim() == 1 else ddp.sum(-1)).to(D_in.dtype)
     # dB, dC and the cs_t gradient (dy_t . y_t: intra-chunk part from _dcb, state read-out part from the dC pass)
-    dB = torch.empty(bsz, seqlen, ngroups, dstate, dtype=B.dtype, device=dev)
-    dC = torch.empty(bsz, seqlen, ngroups, dstate, dtype=C.dtype, device=dev)
     side.wait(dcb_ready)
     BNc = _tile("dbc_bn", dstate)
     nnb = triton.cdiv(dstate, BNc)
@@ -489,12 +493,12 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     grid = (ngroups * (T // BSR) * nnb, bsz * nc)
     _dbc_kernel[grid](
         x, dy, C, C, dcb, dtp, cs, seq, *dsn, dB, dcsr, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(),
-        *C.stride(), *C.stride(), ssb, ssl, P=hdim, N=dstate, T=T, BPF=BPF, BS=BSR, BN=BNc, IS_DC=False,
+        *C.stride(), *C.stride(), ssb, ssl, dB.stride(0), dB.stride(1), P=hdim, N=dstate, T=T, BPF=BPF, BS=BSR, BN=BNc, IS_DC=False,
         HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=_out_prec(x),
     )
     _dbc_kernel[grid](
         x, dy, B, C, dcb, dtp, cs, seq, *states, dC, dcsr, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(),
-        *B.stride(), *C.stride(), ssb, ssl, P=hdim, N=dstate, T=T, BPF=BPF, BS=BSR, BN=BNc, IS_DC=True,
+        *B.stride(), *C.stride(), ssb, ssl, dC.stride(0), dC.stride(1), P=hdim, N=dstate, T=T, BPF=BPF, BS=BSR, BN=BNc, IS_DC=True,
         HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=prec,
     )
     # the cs gradients -> the a = dt * A gradients -> ddt, dA, ddt_bias, fused (_dt_grad_kernel)

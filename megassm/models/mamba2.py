@@ -133,7 +133,7 @@ class Mamba2Mixer(nn.Module):
         bsz, seqlen, _ = zxbcdt.shape
         z, xBC, dt = torch.split(zxbcdt, [self.d_inner, self.conv_dim, self.nheads], dim=-1)
         xBC, conv_state = self.conv(xBC, seq_idx, None if state is None else state.conv, return_state, cp=cp)
-        x, B, C = torch.split(xBC, self.conv_sizes, dim=-1)
+        x, B, C = kernels.split_last(xBC, self.conv_sizes)  # no cat in the backward (the SSD writes dxBC whole)
         y, ssm_state = self.scan(
             x.reshape(bsz, seqlen, self.nheads, self.headdim),
             dt,
