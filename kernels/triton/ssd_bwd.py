@@ -168,8 +168,9 @@ def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSH, DSL, Dp, DX, DDT, DDTS, DDP, L,
         dx += dys * dv
         # [H, P, programs] layout: the host's sum over programs is then over the contiguous last dimension
         tl.store(DDP + (h * P + p) * (tl.num_programs(1) * nsb) + bc * nsb + sb, tsum(dys * xf, axis=0), mask=mp)
-    # rows of DX may be wider than H * P (a slice of the [x | B | C] gradient: ops.py packs it)
-    tl.store(DX + b * sdxb + ps[:, None] * sdxl + h * P + p[None, :], dx.to(DX.dtype.element_ty), mask=m)
+    # rows of DX may be wider than H * P (a slice of the [x | B | C] gradient: ops.py packs it); int64 offsets
+    tl.store(DX + b * sdxb + ps[:, None].to(tl.int64) * sdxl + h * P + p[None, :], dx.to(DX.dtype.element_ty),
+             mask=m)
     tl.store(DDT + dbase + s, ddt)
 
 
@@ -333,8 +334,8 @@ def _dbc_kernel(X, DY, OTHER, CR, DCB, DTP, CS, SEQ, SVH, SVL, OUT, DCSR, L, H, 
         ov = tl.load(OTHER + b * sob + po[:, None] * sol + g * sog + n[None, :] * son,
                      mask=(po < L)[:, None] & mn[None, :], other=0.0)
         acc += _mm_af(w, ov, PREC)
-    tl.store(OUT + b * soutb + pr[:, None] * soutl + g * N + n[None, :], acc.to(OUT.dtype.element_ty),
-             mask=mr[:, None] & mn[None, :])
+    tl.store(OUT + b * soutb + pr[:, None].to(tl.int64) * soutl + g * N + n[None, :],
+             acc.to(OUT.dtype.element_ty), mask=mr[:, None] & mn[None, :])
 
 
 @triton.jit
@@ -493,12 +494,14 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     grid = (ngroups * (T // BSR) * nnb, bsz * nc)
     _dbc_kernel[grid](
         x, dy, C, C, dcb, dtp, cs, seq, *dsn, dB, dcsr, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(),
-        *C.stride(), *C.stride(), ssb, ssl, dB.stride(0), dB.stride(1), P=hdim, N=dstate, T=T, BPF=BPF, BS=BSR, BN=BNc, IS_DC=False,
+        *C.stride(), *C.stride(), ssb, ssl, dB.stride(0), dB.stride(1), P=hdim, N=dstate, T=T, BPF=BPF, BS=BSR,
+        BN=BNc, IS_DC=False,
         HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=_out_prec(x),
     )
     _dbc_kernel[grid](
         x, dy, B, C, dcb, dtp, cs, seq, *states, dC, dcsr, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(),
-        *B.stride(), *C.stride(), ssb, ssl, dC.stride(0), dC.stride(1), P=hdim, N=dstate, T=T, BPF=BPF, BS=BSR, BN=BNc, IS_DC=True,
+        *B.stride(), *C.stride(), ssb, ssl, dC.stride(0), dC.stride(1), P=hdim, N=dstate, T=T, BPF=BPF, BS=BSR,
+        BN=BNc, IS_DC=True,
         HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=prec,
     )
     # the cs gradients -> the a = dt * A gradients -> ddt, dA, ddt_bias, fused (_dt_grad_kernel)
