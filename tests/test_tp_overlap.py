@@ -51,7 +51,11 @@ def overlap_worker(rank, world, sp, precision, out_path, relu2=False):
         return out.loss.detach(), grads, fwd, dict(comm.COUNTS)
 
     lh, gh, fh, bh = run(hook)
+    strided = []  # gradients that reach AccumulateGrad with strides other than their parameter's (a strided add)
+    for n, p in entered.named_parameters():
+        p.register_hook(lambda g, n=n, p=p: strided.append(n) if g.stride() != p.stride() else None)
     le, ge, fe, be = run(entered)
+    assert not strided, strided
     differ = [n for n in gh if not torch.equal(gh[n], ge[n])]
     assert torch.equal(lh, le), (lh, le)
     assert not differ, differ

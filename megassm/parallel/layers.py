@@ -124,7 +124,10 @@ class _ColumnParallel(torch.autograd.Function):
                     else comm.all_reduce_start(dx, ctx.group))
         grads = []  # beside the collective
         for g2, w_dtype, b_dtype in zip(g2s, ctx.dtypes[::2], ctx.dtypes[1::2]):
-            grads.append(x2.t().mm(g2).t().to(w_dtype))
+            # g^T x, as autograd's mm backward forms it for a column-major weight view: a contiguous [out, in]
+            # gradient (x^T g transposed is a strided one, which AccumulateGrad adds elementwise without
+            # vectorising: 26 ms per mamba2-2.7b TP 2 step on an H100)
+            grads.append(g2.t().mm(x2).to(w_dtype))
             grads.append(None if b_dtype is None else g2.sum(0).to(b_dtype))
         return comm.wait(dx, work), None, None, *grads
 
