@@ -130,9 +130,8 @@ def test_dry_run_names_bad_layouts():
 def test_recipes_are_accepted_layouts_that_fit(recipe, world, monkeypatch):
     """The docs/launch.md recipes: valid at their world size, accepted by the trainer, and leaving at least 6 GiB
     of an 80 GB card (79.1 GiB as torch counts it) beside the estimate and ~1 GiB of context (the 7B layouts'
-    reserved peaks run 6-9% above their allocated ones: docs/benchmarks.md). The DeepSpeed recipe is not held to
-    that: its measured peak (6.2 GiB free) predates the ZeRO-1 fix of deepspeed_engine.py, and the estimate of
-    ZeRO-1 as it runs now (73.8 GiB) leaves under 6 GiB; it waits for a measurement."""
+    reserved peaks run 6-9% above their allocated ones: docs/benchmarks.md; DeepSpeed's 16%: ZeRO-1 at DP 4, 71.9
+    GiB allocated, 83.7 reserved, which is why the DeepSpeed recipe is ZeRO-2: 72.8 GiB predicted, unmeasured)."""
     from megassm.training.trainer import check_supported
 
     cfg = load_config(os.path.join(ROOT, recipe), validate_config=False)
@@ -144,10 +143,8 @@ def test_recipes_are_accepted_layouts_that_fit(recipe, world, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", str(world))
     cfg.train.device, cfg.train.precision = "auto", "auto"
     check_supported(cfg)
-    if cfg.parallel.engine == "deepspeed":
-        assert cfg.train.global_batch * cfg.train.seq_len >= 500_000 and cfg.parallel.zero_stage == 1
-        return
-    assert memory.estimate(cfg)["peak_per_gpu_gib"] * 1.09 + 1 < 79.1 - 6
+    slack = 83.66 / 71.89 if cfg.parallel.engine == "deepspeed" else 1.09  # reserved / allocated, measured
+    assert memory.estimate(cfg)["peak_per_gpu_gib"] * slack + 1 < 79.1 - 6
 
 
 def test_ddp_zero1_shards_only_the_optimizer_states():
@@ -199,6 +196,10 @@ MEASURED_7B = [
     (["parallel.tp=4"], 41.61),
     (["parallel.tp=2", "parallel.zero_stage=1"], 62.69),
     (["parallel.engine=deepspeed", "parallel.zero_stage=3"], 55.85),
+    # 2026-11-28 (4 x H200, 0.5M-token steps), with kernels.swiglu (the rows above kept torch's silu(w1 u) too):
+    (["parallel.engine=fsdp2", "parallel.fsdp_reduce_dtype=bf16"], 63.92),
+    # DeepSpeed ZeRO-1 after the engine fix: every gradient whole until the last micro-batch, then reduced
+    (["parallel.engine=deepspeed", "parallel.zero_stage=1"], 71.89),
 ]
 
 
@@ -215,6 +216,11 @@ def test_estimate_is_near_the_measured_mamba2_7b_steady_state():
                "parallel.engine=fsdp2", "parallel.fsdp_reshard=block")
     est = memory.estimate(cfg, bf16=True)["peak_per_gpu"] / GiB
     assert abs(est - 59.72) / 59.72 < 0.10, est
+    # reshard=step with bf16 gradient sums, 0.5M-token steps (4 x H200, 2026-11-28): 72.16 GiB
+    cfg = _cfg("configs/mamba2-7b.yaml", "train.micro_batch=1", "train.global_batch=16", "parallel.world_size=4",
+               "parallel.engine=fsdp2", "parallel.fsdp_reduce_dtype=bf16")
+    est = memory.estimate(cfg, bf16=True)["peak_per_gpu"] / GiB
+    assert abs(est - 72.16) / 72.16 < 0.10, est
 
 
 # DeepSpeed ZeRO-1 (bf16 model) measured 64.63 GiB (DP 4, 4 x H100, docs/benchmarks.md) and 87 GiB (DP 2, 2 x H200,

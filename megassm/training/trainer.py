@@ -137,12 +137,6 @@ class Trainer:
             from megassm.training.weight_cache import WeightCache
 
             self.weight_cache = WeightCache(self.model)
-            if prt.is_rank0(self.groups):
-                log.warning("train.cast_weights_once: equal to autocast on CPU (tests); not run on GPUs yet "
-                            "(docs/config.md)")
-        if cfg.parallel.tp_overlap and prt.is_rank0(self.groups):
-            log.warning("parallel.tp_overlap: equal to the plain TP path over gloo (tests); not run on GPUs yet "
-                        "(docs/parallelism.md)")
         # the data-parallel engine last (DDP / FSDP2 / DeepSpeed ZeRO); it owns the optimizer step
         self.engine = build_engine(cfg, self.model, self.groups, self.device, bf16=self.amp_dtype is torch.bfloat16)
         self.optimizer = self.engine.make_optimizer(lambda: build_optimizer(
