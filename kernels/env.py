@@ -57,6 +57,15 @@ def ssd_streams() -> bool:
     return _choice("MEGASSM_SSD_STREAMS", "1", ("0", "1")) == "1"
 
 
+CONV_BWD_MODES = ("two_pass", "fused")  # MEGASSM_CONV_BWD's values, the default first
+
+
+def conv_bwd() -> str:
+    """MEGASSM_CONV_BWD=two_pass|fused (default two_pass): the Triton conv backward as two kernels (dpre to an
+    fp32 scratch, then dx from it) or the single kernel that recomputes pre W times (docs/kernels.md, "Conv")."""
+    return _choice("MEGASSM_CONV_BWD", CONV_BWD_MODES[0], CONV_BWD_MODES)
+
+
 def triton_tune_log() -> bool:
     """MEGASSM_TRITON_TUNE_LOG=0|1 (default 0): print every autotuning decision of the Triton SSD kernels (each
     config's time and the pick, one JSON line on stderr)."""
@@ -71,4 +80,5 @@ def check() -> None:
     ssd_state_segments()
     ssd_save_states()
     ssd_streams()
+    conv_bwd()
     triton_tune_log()

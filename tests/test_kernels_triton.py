@@ -199,9 +199,9 @@ def _conv_bwd_case(width, dtype, *, seq, init, dfin, bias, silu, seqlen=None, ch
     return x, w, b, st, sid, silu, gy, gf
 
 
-def _conv_bwd_triton(tc, case, tiles):
+def _conv_bwd_triton(tc, case, tiles, mode=None):
     x, w, b, st, sid, silu, gy, gf = case
-    return tc.causal_conv1d_bwd(x, w, b, st, sid, silu, gy, gf, tiles=tiles)
+    return tc.causal_conv1d_bwd(x, w, b, st, sid, silu, gy, gf, tiles=tiles, mode=mode)
 
 
 def _conv_bwd_reference(case, dt=None):
@@ -240,15 +240,16 @@ def _case_id(v):
 
 
 @needs_triton
+@pytest.mark.parametrize("mode", ["two_pass", "fused"])
 @pytest.mark.parametrize("width,features,dtype", _CONV_BWD_GRID, ids=_case_id)
-def test_conv_bwd_triton_features(triton_mode, width, features, dtype):
-    """dx, dweight, dbias, d initial_state vs the reference; tiles (4, 16): L and C = 13 are not multiples, and
-    the 10 or 11 input blocks of a row take two programs (two dweight partials per row, the second one running
-    past the end)."""
+def test_conv_bwd_triton_features(triton_mode, width, features, dtype, mode):
+    """dx, dweight, dbias, d initial_state vs the reference, both backward modes; tiles (4, 16): L and C = 13
+    are not multiples, and the 10 or 11 input blocks of a row take two programs (two dweight partials per row,
+    the second one running past the end)."""
     from megassm.kernels.triton import conv as tc
 
     case = _conv_bwd_case(width, dtype, **_CONV_BWD_FEATURES[features])
-    got = _conv_bwd_triton(tc, case, (4, 16, 4))
+    got = _conv_bwd_triton(tc, case, (4, 16, 4), mode)
     oracle = _conv_bwd_reference(case, F64)
     if dtype == torch.float32:
         for name, u, v in zip(("dx", "dweight", "dbias", "dinit"), got, oracle):
@@ -398,29 +399,99 @@ if triton is not None:
                  mask=(kk < W)[:, None] & mask_c[None, :])
 
 
-@needs_triton
-@pytest.mark.parametrize("dtype", [_F32, _BF16], ids=_case_id)
-@pytest.mark.parametrize("width,features,seqlen,ch,tiles", [
+_CONV_BWD_BITWISE_GRID = [
     (4, "all", 37, 13, (4, 16, 4)),
     (4, "seq_nobias", 70, 24, (16, 16, 4)),
     (3, "init_dfin", 21, 9, (8, 16, 4)),
     (2, "seq_nosilu", 37, 13, (4, 16, 4)),
     (4, "all", 23, 40, None),
     (1, "all", 11, 6, (4, 8, 4)),
-])
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [_F32, _BF16], ids=_case_id)
+@pytest.mark.parametrize("width,features,seqlen,ch,tiles", _CONV_BWD_BITWISE_GRID)
 def test_conv_bwd_bitwise_equals_old_kernel(triton_mode, monkeypatch, width, features, seqlen, ch, tiles, dtype):
-    """The restructured backward (each shifted tile loaded once, pre summed in _pre's order) gives exactly the
-    old kernel's dx, dweight, dbias and d initial_state: same operations on the same values, in the same order."""
+    """The restructured fused backward (each shifted tile loaded once, pre summed in _pre's order) gives exactly
+    the old kernel's dx, dweight, dbias and d initial_state: same operations on the same values, in the same
+    order."""
     from megassm.kernels.triton import conv as tc
 
     case = _conv_bwd_case(width, dtype, seqlen=seqlen, ch=ch, **_CONV_BWD_FEATURES[features])
-    new = _conv_bwd_triton(tc, case, tiles)
+    new = _conv_bwd_triton(tc, case, tiles, "fused")
     monkeypatch.setattr(tc, "_conv_bwd_kernel", _old_conv_bwd_kernel)
-    old = _conv_bwd_triton(tc, case, tiles)
+    old = _conv_bwd_triton(tc, case, tiles, "fused")
     for name, u, v in zip(("dx", "dweight", "dbias", "dinit"), new, old):
         assert (u is None) == (v is None), name
         if u is not None:
             assert u.dtype == v.dtype and torch.equal(u, v), name
+
+
+@needs_triton
+@pytest.mark.skipif(not INTERP, reason="bitwise only in the interpreter: on a GPU the compiler may contract the "
+                    "two kernels' multiply-adds into FMAs differently (last-bit differences)")
+@pytest.mark.parametrize("dtype", [_F32, _BF16], ids=_case_id)
+@pytest.mark.parametrize("width,features,seqlen,ch,tiles", [*_CONV_BWD_BITWISE_GRID,
+                                                            (4, "all", 37, 13, ((4, 16, 4), (8, 8, 4))),
+                                                            (3, "seq_nosilu", 30, 20, ((8, 16, 4), (4, 32, 4)))])
+def test_conv_bwd_two_pass_bitwise_equals_fused(triton_mode, width, features, seqlen, ch, tiles, dtype):
+    """The two-pass backward gives the fused kernel's dx, dweight, dbias and d initial_state bit for bit: pass 1
+    walks the fused kernel's blocks with its m == 0 operations, pass 2 sums dx in its order. With tiles=None
+    (the passes at their default tiles) or a pair (pass 1's, pass 2's), the fused kernel runs at pass 1's tiles:
+    dweight's summation order depends on the position blocks, dx and d initial_state on no tile."""
+    from megassm.kernels.triton import conv as tc
+
+    case = _conv_bwd_case(width, dtype, seqlen=seqlen, ch=ch, **_CONV_BWD_FEATURES[features])
+    two = _conv_bwd_triton(tc, case, tiles, "two_pass")
+    if tiles is None:
+        tiles = tc._two_pass_tiles(seqlen + width - 1, ch)
+    fused = _conv_bwd_triton(tc, case, tiles[0] if isinstance(tiles[0], tuple) else tiles, "fused")
+    for name, u, v in zip(("dx", "dweight", "dbias", "dinit"), two, fused):
+        assert (u is None) == (v is None), name
+        if u is not None:
+            assert u.dtype == v.dtype and torch.equal(u, v), name
+
+
+@needs_triton
+def test_conv_bwd_mode_switch(triton_mode, monkeypatch):
+    """MEGASSM_CONV_BWD picks the backward (two_pass when unset or empty, fused) when mode is None; mode= wins
+    over it; two_pass takes a pair of tiles (pass 1's, pass 2's); a bad value fails naming the variable
+    (env.check too) or the argument."""
+    from megassm.kernels import env
+    from megassm.kernels.triton import conv as tc
+
+    class Unlaunchable:
+        def __getitem__(self, grid):
+            raise AssertionError("this kernel must not run in this mode")
+
+    off = {"two_pass": ("_conv_bwd_kernel",), "fused": ("_conv_dpre_kernel", "_conv_dx_kernel")}
+    case = _conv_bwd_case(2, _F32, seqlen=9, ch=5, **_CONV_BWD_FEATURES["all"])
+    refs = {mode: _conv_bwd_triton(tc, case, (4, 8, 4), mode) for mode in off}
+    for value, mode in ((None, "two_pass"), ("", "two_pass"), (" Two_Pass", "two_pass"), ("fused", "fused")):
+        if value is None:
+            monkeypatch.delenv("MEGASSM_CONV_BWD", raising=False)
+        else:
+            monkeypatch.setenv("MEGASSM_CONV_BWD", value)
+        env.check()
+        with monkeypatch.context() as m:
+            for name in off[mode]:
+                m.setattr(tc, name, Unlaunchable())
+            got = _conv_bwd_triton(tc, case, (4, 8, 4))
+        assert all(torch.equal(u, v) for u, v in zip(got, refs[mode])), value
+    with monkeypatch.context() as m:  # the argument over the switch (fused set above)
+        m.setattr(tc, "_conv_bwd_kernel", Unlaunchable())
+        got = _conv_bwd_triton(tc, case, ((4, 8, 4), (8, 4, 4)), "two_pass")  # pass 2's tiles change no bits
+        assert all(torch.equal(u, v) for u, v in zip(got, refs["two_pass"]))
+    with pytest.raises(ValueError, match="for mode two_pass only"):
+        _conv_bwd_triton(tc, case, ((4, 8, 4), (8, 4, 4)), "fused")
+    with pytest.raises(ValueError, match="mode='both'"):
+        _conv_bwd_triton(tc, case, (4, 8, 4), "both")
+    monkeypatch.setenv("MEGASSM_CONV_BWD", "both")
+    with pytest.raises(ValueError, match="MEGASSM_CONV_BWD='both'"):
+        _conv_bwd_triton(tc, case, (4, 8, 4))
+    with pytest.raises(ValueError, match="MEGASSM_CONV_BWD='both'"):
+        env.check()
 
 
 @needs_triton

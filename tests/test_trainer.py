@@ -98,7 +98,7 @@ def test_cli_config_error_exits_before_compute(tmp_path):
 
 @pytest.mark.parametrize("var,value", [("MEGASSM_KERNELS", "cuda"), ("MEGASSM_SSD_PRECISION", "fp8"),
                                        ("MEGASSM_SSD_STATE_SEGMENTS", "0"), ("MEGASSM_SSD_SAVE_STATES", "on"),
-                                       ("MEGASSM_SSD_STREAMS", "yes")])
+                                       ("MEGASSM_SSD_STREAMS", "yes"), ("MEGASSM_CONV_BWD", "fast")])
 def test_cli_bad_kernel_environment_exits_before_compute(tmp_path, monkeypatch, capsys, var, value):
     """A bad kernel switch fails at startup (dry run or training), naming the variable and the value, with
     nothing written; the synthetic runner likewise."""

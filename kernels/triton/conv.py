@@ -4,12 +4,19 @@
     y_t   = silu(pre_t)
 
 Positions -(W-1)..-1 read initial_state[:, :, pos + W-1] and belong to the row's first document.
-Forward: one program per (row, block of positions, block of channels). Backward: one program per (row, block
-of input positions s in [-(W-1), L), block of channels); it recomputes pre at the W output positions each
-input feeds (from the 2W-1 shifted x tiles s-(W-1) .. s+W-1, each loaded once per block), writes dx (s >= 0) or
-d initial_state (s < 0), and per-program partial sums of dweight/dbias that torch reduces afterwards (no
-atomics: deterministic). The final state (last W-1 inputs, earlier documents zeroed) is a small gather done
-in torch.
+Forward: one program per (row, block of positions, block of channels). Backward, two modes
+(MEGASSM_CONV_BWD, or causal_conv1d_bwd's mode):
+- two_pass (default): pass 1 (_conv_dpre_kernel) computes pre and dpre = dy * silu'(pre) once per output
+  position, writes dpre to an fp32 scratch [B, L, C] (without SiLU dpre is dy: no scratch) and per-program
+  partial sums of dweight/dbias; pass 2 (_conv_dx_kernel), a forward-like conv over dpre, writes dx (s >= 0)
+  or d initial_state (s < 0). At the same tiles its outputs are the fused kernel's bit for bit (in the
+  interpreter).
+- fused (_conv_bwd_kernel, the earlier default and the A/B baseline): one program per (row, block of input
+  positions s in [-(W-1), L), block of channels); it recomputes pre at the W output positions each input feeds
+  (from the 2W-1 shifted x tiles s-(W-1) .. s+W-1, each loaded once per block): W times the pre work and a
+  register-bound tile.
+The dweight/dbias partials are reduced by torch afterwards (no atomics: deterministic). The final state (last
+W-1 inputs, earlier documents zeroed) is a small gather done in torch.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import env
 from ._lang import tcumsum, tsigmoid, tsum  # noqa: F401
 
 
@@ -180,6 +188,116 @@ def _conv_bwd_kernel(X, INIT, SEQ, WT, BIAS, DY, DFIN, DX, DINIT, DW_PART, DB_PA
     tl.store(DW_PART + (part * W + kk[:, None]) * C + c[None, :], dw_acc, mask=(kk < W)[:, None] & mask_c[None, :])
 
 
+@triton.jit
+def _conv_dpre_kernel(X, INIT, SEQ, WT, BIAS, DY, DPRE, DW_PART, DB_PART, L, C, sb_per_prog, n_prog_l,
+                      sxb, sxl, sxc, sib, sic, sil, ssb, ssl, swc, sww, sdyb, sdyl, sdyc,
+                      W: tl.constexpr, WP: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BL: tl.constexpr, BC: tl.constexpr):
+    """Two-pass backward, pass 1: per block of output positions t, dpre(t) = dy(t) * silu'(pre(t)) into DPRE
+    (fp32 [B, L, C], only with SiLU: without it dpre is dy, which pass 2 reads in place) and the dweight /
+    dbias partials. The blocks, programs and every operation are those of _conv_bwd_kernel's m == 0 step (t is
+    its s), so DW_PART / DB_PART and dpre are bit for bit the fused kernel's at the same tiles."""
+    b = tl.program_id(0).to(tl.int64)
+    pl = tl.program_id(1)
+    c = tl.program_id(2) * BC + tl.arange(0, BC)
+    mask_c = c < C
+    kk = tl.arange(0, WP)
+    wts = ()
+    for k in tl.static_range(W):
+        wts = wts + (tl.load(WT + c * swc + k * sww, mask=mask_c, other=0.0).to(tl.float32),)
+    if HAS_BIAS:
+        bias = tl.load(BIAS + c, mask=mask_c, other=0.0).to(tl.float32)
+    dw_acc = tl.full([WP, BC], 0.0, tl.float32)
+    db_acc = tl.full([BC], 0.0, tl.float32)
+    for i in range(sb_per_prog):
+        sblk = pl * sb_per_prog + i
+        t = sblk * BL - (W - 1) + tl.arange(0, BL)
+        if HAS_SEQ:
+            st = _load_seq(SEQ, b, t, L, ssb, ssl)
+        # xm[k] = x(t-(W-1)+k), zeroed where of another document than t: pre's taps and dweight's factors
+        xm = ()
+        for k in tl.static_range(W):
+            pos = t - (W - 1) + k
+            v = _load_in(X, INIT, b, pos, c, mask_c, L, sxb, sxl, sxc, sib, sic, sil, W, HAS_INIT)
+            if HAS_SEQ:
+                v = tl.where((_load_seq(SEQ, b, pos, L, ssb, ssl) == st)[:, None], v, 0.0)
+            xm = xm + (v,)
+        valid_t = (t >= 0) & (t < L)
+        t_c = tl.where(valid_t, t, 0)
+        dy = tl.load(DY + b * sdyb + t_c[:, None] * sdyl + c[None, :] * sdyc,
+                     mask=valid_t[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+        if SILU:
+            pre = tl.full([BL, BC], 0.0, tl.float32)
+            for k in tl.static_range(W):
+                pre += xm[k] * wts[k][None, :]
+            if HAS_BIAS:
+                pre += bias[None, :]
+            sg = tsigmoid(pre)
+            dpre = dy * sg * (1.0 + pre * (1.0 - sg))
+            tl.store(DPRE + b * L * C + t_c.to(tl.int64)[:, None] * C + c[None, :], dpre,
+                     mask=valid_t[:, None] & mask_c[None, :])
+        else:
+            dpre = dy
+        if HAS_BIAS:
+            db_acc += tsum(dpre, 0)
+        for k in tl.static_range(W):
+            dwk = tsum(dpre * xm[k], 0)
+            dw_acc += tl.where(kk[:, None] == k, dwk[None, :], 0.0)
+    part = b * n_prog_l + pl
+    if HAS_BIAS:
+        tl.store(DB_PART + part * C + c, db_acc, mask=mask_c)
+    tl.store(DW_PART + (part * W + kk[:, None]) * C + c[None, :], dw_acc, mask=(kk < W)[:, None] & mask_c[None, :])
+
+
+@triton.jit
+def _conv_dx_kernel(SEQ, WT, DP, DFIN, DX, DINIT, L, C, ssb, ssl, swc, sww, sdpb, sdpl, sdpc, sfb, sfc, sfl,
+                    W: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_DFIN: tl.constexpr, WANT_DINIT: tl.constexpr,
+                    BL: tl.constexpr, BC: tl.constexpr):
+    """Two-pass backward, pass 2: one program per (row, block of input positions s in [-(W-1), L), block of
+    channels), dx(s) = sum_m dpre(s+m) w[W-1-m] over m = 0 .. W-1 (terms of another document than s's read as 0;
+    dpre outside [0, L) as 0), plus d final_state: _conv_bwd_kernel's sums in its order, so dx and
+    d initial_state are its bits (in the interpreter; a GPU may contract the products into FMAs differently)."""
+    b = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1) * BL - (W - 1) + tl.arange(0, BL)
+    c = tl.program_id(2) * BC + tl.arange(0, BC)
+    mask_c = c < C
+    if HAS_SEQ:
+        seq_s = _load_seq(SEQ, b, s, L, ssb, ssl)
+    dx = tl.full([BL, BC], 0.0, tl.float32)
+    for m in tl.static_range(W):
+        t = s + m  # output position fed by input s through tap k = W-1-m
+        valid_t = (t >= 0) & (t < L)
+        t_c = tl.where(valid_t, t, 0)
+        dp = tl.load(DP + b * sdpb + t_c.to(tl.int64)[:, None] * sdpl + c[None, :] * sdpc,
+                     mask=valid_t[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+        wk = tl.load(WT + c * swc + (W - 1 - m) * sww, mask=mask_c, other=0.0).to(tl.float32)
+        contrib = dp * wk[None, :]
+        if HAS_SEQ and m > 0:  # m == 0 is s's own position
+            contrib = tl.where((_load_seq(SEQ, b, t, L, ssb, ssl) == seq_s)[:, None], contrib, 0.0)
+        dx += contrib
+    if HAS_DFIN:
+        # final_state[:, :, j] is input position L-(W-1)+j (zeroed if of an earlier document than the last)
+        j = s - (L - (W - 1))
+        in_f = (j >= 0) & (j < W - 1)
+        jc = tl.where(in_f, j, 0)
+        df = tl.load(DFIN + b * sfb + c[None, :] * sfc + jc[:, None] * sfl,
+                     mask=in_f[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+        if HAS_SEQ:
+            same_last = seq_s == _load_seq(SEQ, b, s * 0 + (L - 1), L, ssb, ssl)
+            df = tl.where(same_last[:, None], df, 0.0)
+        dx += df
+    in_x = (s >= 0) & (s < L)
+    s_x = tl.where(in_x, s, 0)
+    tl.store(DX + b * L * C + s_x.to(tl.int64)[:, None] * C + c[None, :], dx.to(DX.dtype.element_ty),
+             mask=in_x[:, None] & mask_c[None, :])
+    if WANT_DINIT:
+        jj = s + (W - 1)
+        in_i = (s < 0) & (jj >= 0)
+        jj = tl.where(in_i, jj, 0)
+        tl.store(DINIT + b * C * (W - 1) + c[None, :] * (W - 1) + jj[:, None], dx,
+                 mask=in_i[:, None] & mask_c[None, :])
+
+
 def _blocks(L, C, bwd=False):
     """Tiles from the H100 sweep of benchmarks/conv_tiles.py (bf16, 16 x 2048 x 4352, docs/benchmarks.md):
     forward 16 x 256, 8 warps (0.25 ms; 16 x 128 took 1.19), backward 64 x 32, 4 warps (2.16 ms; 16 x 64 took
@@ -190,6 +308,20 @@ def _blocks(L, C, bwd=False):
     BC = min(32 if bwd else 256, triton.next_power_of_2(max(C, 1)))
     BL = min(64 if bwd else 16, triton.next_power_of_2(max(L, 1)))
     return BL, BC
+
+
+def _two_pass_tiles(npos, C):
+    """(BL, BC, warps) of pass 1 and of pass 2 for npos = L + W-1 input positions: untuned guesses until the
+    device sweep (benchmarks/conv_tiles.py) runs. Split because the registers differ: the fused kernel's one
+    tile holds 2W-1 x tiles, W dy tiles and the recomputed pre (ptxas sm_90, 64 x 32 / 4 warps: 255 a thread,
+    900-1020 bytes spilled with seq_idx). Pass 1 (W x tiles, dy, pre, dpre, the dweight reductions) costs ~20
+    registers per element a thread holds (ptxas via benchmarks/kernels_compile_check.py, W = 4, bf16): 16 x 64
+    / 8 warps (4 elements a thread) takes 78 (113 with initial_state and seq_idx), 16 x 128 / 8 warps 159
+    (232), 32 x 128 / 8 warps 227 (255 + spills). Pass 2 is a forward-like conv over dpre: the forward's
+    16 x 256 / 8 warps takes 78 (88 fp32)."""
+    BL1, BC1 = min(16, triton.next_power_of_2(max(npos, 1))), min(64, triton.next_power_of_2(max(C, 1)))
+    BL2, BC2 = min(16, triton.next_power_of_2(max(npos, 1))), min(256, triton.next_power_of_2(max(C, 1)))
+    return (BL1, BC1, 8 if BL1 * BC1 >= 1024 else 4), (BL2, BC2, 8 if BL2 * BC2 >= 2048 else 4)
 
 
 def _final_state(x, initial_state, seq_idx, width):
@@ -232,18 +364,33 @@ def causal_conv1d_fwd(x, weight, bias, initial_state, seq_idx, silu, return_fina
     return y, fin
 
 
-def causal_conv1d_bwd(x, weight, bias, initial_state, seq_idx, silu, dy, dfinal, tiles=None):
+def causal_conv1d_bwd(x, weight, bias, initial_state, seq_idx, silu, dy, dfinal, tiles=None, mode=None):
+    """mode: "two_pass" (_conv_dpre_kernel, then _conv_dx_kernel) or "fused" (_conv_bwd_kernel); None reads
+    MEGASSM_CONV_BWD (default two_pass). tiles=(BL, BC, num_warps) is used by every kernel launched; two_pass
+    also takes a pair ((pass 1's), (pass 2's)) (benchmarks/conv_tiles.py sweeps each pass's)."""
+    mode = env.conv_bwd() if mode is None else mode
+    if mode not in env.CONV_BWD_MODES:
+        raise ValueError(f"causal_conv1d_bwd mode={mode!r}: expected one of {', '.join(env.CONV_BWD_MODES)}")
+    pair = tiles is not None and isinstance(tiles[0], (tuple, list))
+    if pair and mode != "two_pass":
+        raise ValueError(f"causal_conv1d_bwd tiles={tiles!r}: a pair of tiles is for mode two_pass only")
     bsz, seqlen, channels = x.shape
     width = weight.shape[-1]
     dx = torch.empty(bsz, seqlen, channels, dtype=x.dtype, device=x.device)
     dinit = (torch.zeros(bsz, channels, width - 1, dtype=torch.float32, device=x.device)
              if initial_state is not None else None)
-    BL, BC = _blocks(seqlen + width - 1, channels, bwd=True)
-    warps = 4
-    if tiles is not None:
-        BL, BC, warps = tiles
-    n_sblocks = triton.cdiv(seqlen + width - 1, BL)
-    sb_per_prog = min(8, n_sblocks)  # 128 positions per program: small dweight partials, enough programs
+    npos = seqlen + width - 1  # input positions -(W-1) .. L-1
+    if pair:
+        tiles_main, tiles_dx = tiles
+    elif tiles is not None:
+        tiles_main = tiles_dx = tiles
+    elif mode == "fused":
+        tiles_main, tiles_dx = (*_blocks(npos, channels, bwd=True), 4), None
+    else:
+        tiles_main, tiles_dx = _two_pass_tiles(npos, channels)
+    BL, BC, warps = tiles_main  # the fused kernel's or pass 1's
+    n_sblocks = triton.cdiv(npos, BL)
+    sb_per_prog = min(8, n_sblocks)  # 8 blocks per program: small dweight partials, enough programs
     n_prog_l = triton.cdiv(n_sblocks, sb_per_prog)
     # positions past the end (the last program's extra blocks) load nothing and store nothing
     dw_part = torch.empty(bsz * n_prog_l, width, channels, dtype=torch.float32, device=x.device)
@@ -252,20 +399,39 @@ def causal_conv1d_bwd(x, weight, bias, initial_state, seq_idx, silu, dy, dfinal,
         init = initial_state if initial_state is not None else x
         seq = seq_idx if seq_idx is not None else x
         grid = (bsz, n_prog_l, triton.cdiv(channels, BC))
-        _conv_bwd_kernel[grid](
-            x, init, seq, weight, bias if bias is not None else weight, dy,
-            dfinal if dfinal is not None else dy, dx, dinit if dinit is not None else dx, dw_part, db_part,
-            seqlen, channels, n_sblocks, sb_per_prog, n_prog_l,
-            x.stride(0), x.stride(1), x.stride(2),
-            *(initial_state.stride() if initial_state is not None else (0, 0, 0)),
-            *(seq_idx.stride() if seq_idx is not None else (0, 0)),
-            weight.stride(0), weight.stride(1), dy.stride(0), dy.stride(1), dy.stride(2),
-            *(dfinal.stride() if dfinal is not None else (0, 0, 0)),
-            W=width, WP=triton.next_power_of_2(width), HAS_INIT=initial_state is not None,
-            HAS_SEQ=seq_idx is not None, HAS_BIAS=bias is not None,
-            SILU=bool(silu), HAS_DFIN=dfinal is not None, WANT_DINIT=initial_state is not None,
-            BL=BL, BC=BC, num_warps=warps,
-        )
+        in_strides = (x.stride(0), x.stride(1), x.stride(2),
+                      *(initial_state.stride() if initial_state is not None else (0, 0, 0)),
+                      *(seq_idx.stride() if seq_idx is not None else (0, 0)),
+                      weight.stride(0), weight.stride(1), dy.stride(0), dy.stride(1), dy.stride(2))
+        flags = dict(W=width, HAS_SEQ=seq_idx is not None)
+        if mode == "fused":
+            _conv_bwd_kernel[grid](
+                x, init, seq, weight, bias if bias is not None else weight, dy,
+                dfinal if dfinal is not None else dy, dx, dinit if dinit is not None else dx, dw_part, db_part,
+                seqlen, channels, n_sblocks, sb_per_prog, n_prog_l, *in_strides,
+                *(dfinal.stride() if dfinal is not None else (0, 0, 0)),
+                WP=triton.next_power_of_2(width), HAS_INIT=initial_state is not None, HAS_BIAS=bias is not None,
+                SILU=bool(silu), HAS_DFIN=dfinal is not None, WANT_DINIT=initial_state is not None,
+                BL=BL, BC=BC, num_warps=warps, **flags,
+            )
+        else:
+            # dpre round-trips through fp32 scratch (4 bytes an element each way) only with SiLU
+            dpre = torch.empty(bsz, seqlen, channels, dtype=torch.float32, device=x.device) if silu else dy
+            _conv_dpre_kernel[grid](
+                x, init, seq, weight, bias if bias is not None else weight, dy, dpre, dw_part, db_part,
+                seqlen, channels, sb_per_prog, n_prog_l, *in_strides,
+                WP=triton.next_power_of_2(width), HAS_INIT=initial_state is not None, HAS_BIAS=bias is not None,
+                SILU=bool(silu), BL=BL, BC=BC, num_warps=warps, **flags,
+            )
+            BL2, BC2, warps2 = tiles_dx
+            _conv_dx_kernel[(bsz, triton.cdiv(npos, BL2), triton.cdiv(channels, BC2))](
+                seq, weight, dpre, dfinal if dfinal is not None else dy, dx, dinit if dinit is not None else dx,
+                seqlen, channels, *(seq_idx.stride() if seq_idx is not None else (0, 0)),
+                weight.stride(0), weight.stride(1), dpre.stride(0), dpre.stride(1), dpre.stride(2),
+                *(dfinal.stride() if dfinal is not None else (0, 0, 0)),
+                HAS_DFIN=dfinal is not None, WANT_DINIT=initial_state is not None,
+                BL=BL2, BC=BC2, num_warps=warps2, **flags,
+            )
     dw = dw_part.sum(0).t().to(weight.dtype)
     db = db_part.sum(0).to(bias.dtype) if bias is not None else None
     if dinit is not None:
