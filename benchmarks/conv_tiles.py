@@ -1,6 +1,8 @@
 """Tile sweep for the Triton causal conv (+SiLU) forward and backward, bf16, the mamba2-1.3b shape
 (16 x 2048 tokens, conv_dim 4352 read as a strided slice of in_proj's output, as the model does).
-Prints one JSON line per variant (median ms of triton.testing.do_bench) and the bytes-moved floor.
+Prints one JSON line per variant (median ms of triton.testing.do_bench) and the bytes-moved floor. The
+backward rows cover both modes: fused (one kernel) and two_pass (dpre to fp32 scratch, then dx; the
+default), whose tile defaults (conv._two_pass_tiles) are guesses until this runs on the device.
 
     python benchmarks/conv_tiles.py [--seq-idx]
 """
@@ -34,7 +36,9 @@ def main() -> None:
     elem = B * L * C
     floor_fwd = 2 * elem * 2 / 3.0e12 * 1e3  # read x, write y (bf16) at ~3 TB/s
     floor_bwd = 3 * elem * 2 / 3.0e12 * 1e3  # read x, dy, write dx
-    print(json.dumps({"floor_fwd_ms": round(floor_fwd, 3), "floor_bwd_ms": round(floor_bwd, 3)}), flush=True)
+    floor_2p = (3 * 2 + 2 * 4) * elem / 3.0e12 * 1e3  # two_pass: and write + read dpre (fp32)
+    print(json.dumps({"floor_fwd_ms": round(floor_fwd, 3), "floor_bwd_ms": round(floor_bwd, 3),
+                      "floor_bwd_two_pass_ms": round(floor_2p, 3)}), flush=True)
 
     ms = lambda f: triton.testing.do_bench(f, warmup=25, rep=100, return_mode="median")  # noqa: E731
     y0 = tc.causal_conv1d_fwd(x, w, b, None, seq, True, False)[0]
@@ -46,18 +50,29 @@ def main() -> None:
             print(json.dumps({"pass": "fwd", "tiles": tiles, "ms": round(t, 4), "max_diff": err}), flush=True)
         except Exception as e:  # noqa: BLE001 - a tile that does not compile is reported, not fatal
             print(json.dumps({"pass": "fwd", "tiles": tiles, "error": str(e)[:200]}), flush=True)
-    ref = tc.causal_conv1d_bwd(x, w, b, None, seq, True, dy, None, tiles=(16, 64, 8))
-    bwd_tiles = [None, (16, 64, 8), (32, 128, 8), (64, 64, 8), (128, 64, 8), (64, 32, 4), (128, 32, 8),
-                 (64, 128, 8), (32, 64, 4)]
-    for tiles in bwd_tiles:
-        try:
-            out = tc.causal_conv1d_bwd(x, w, b, None, seq, True, dy, None, tiles=tiles)
-            err = max((o.float() - r.float()).abs().max().item() / (r.float().abs().max().item() + 1e-9)
-                      for o, r in zip(out[:3], ref[:3]))
-            t = ms(lambda: tc.causal_conv1d_bwd(x, w, b, None, seq, True, dy, None, tiles=tiles))
-            print(json.dumps({"pass": "bwd", "tiles": tiles, "ms": round(t, 4), "rel_diff": err}), flush=True)
-        except Exception as e:  # noqa: BLE001
-            print(json.dumps({"pass": "bwd", "tiles": tiles, "error": str(e)[:200]}), flush=True)
+    # backward, both modes (MEGASSM_CONV_BWD): rel_diff is the max over dx, dweight, dbias against the fused
+    # kernel at 16 x 64 / 8 warps. two_pass rows: tiles for both passes, or (pass 1's, pass 2's) with the
+    # other pass at its default, so each pass's column can be read off separately
+    ref = tc.causal_conv1d_bwd(x, w, b, None, seq, True, dy, None, tiles=(16, 64, 8), mode="fused")
+    d1, d2 = tc._two_pass_tiles(L + W - 1, C)
+    bwd_tiles = {
+        "fused": [None, (16, 64, 8), (32, 128, 8), (64, 64, 8), (128, 64, 8), (64, 32, 4), (128, 32, 8),
+                  (64, 128, 8), (32, 64, 4)],
+        "two_pass": [None, *[(t1, d2) for t1 in [(16, 32, 4), (8, 128, 8), (32, 32, 8), (16, 64, 4), (16, 128, 8),
+                                                 (32, 64, 8), (32, 128, 8)]],
+                     *[(d1, t2) for t2 in [(16, 128, 4), (8, 256, 4), (8, 512, 8), (16, 512, 8), (32, 256, 8)]]],
+    }
+    for mode, candidates in bwd_tiles.items():
+        for tiles in candidates:
+            try:
+                out = tc.causal_conv1d_bwd(x, w, b, None, seq, True, dy, None, tiles=tiles, mode=mode)
+                err = max((o.float() - r.float()).abs().max().item() / (r.float().abs().max().item() + 1e-9)
+                          for o, r in zip(out[:3], ref[:3]))
+                t = ms(lambda: tc.causal_conv1d_bwd(x, w, b, None, seq, True, dy, None, tiles=tiles, mode=mode))
+                print(json.dumps({"pass": "bwd", "mode": mode, "tiles": tiles, "ms": round(t, 4), "rel_diff": err}),
+                      flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(json.dumps({"pass": "bwd", "mode": mode, "tiles": tiles, "error": str(e)[:200]}), flush=True)
 
 
 if __name__ == "__main__":
