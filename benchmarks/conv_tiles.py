@@ -1,8 +1,8 @@
 """Tile sweep for the Triton causal conv (+SiLU) forward and backward, bf16, the mamba2-1.3b shape
 (16 x 2048 tokens, conv_dim 4352 read as a strided slice of in_proj's output, as the model does).
 Prints one JSON line per variant (median ms of triton.testing.do_bench) and the bytes-moved floor. The
-backward rows cover both modes: fused (one kernel) and two_pass (dpre to fp32 scratch, then dx; the
-default), whose tile defaults (conv._two_pass_tiles) are guesses until this runs on the device.
+backward rows cover both modes: fused (one kernel) and two_pass (dpre to fp32 scratch, then dx; opt-in
+until this sweep), whose tile defaults (conv._two_pass_tiles) are guesses until this runs on the device.
 
     python benchmarks/conv_tiles.py [--seq-idx]
 """
