@@ -87,6 +87,52 @@ def _conv_fwd_kernel(X, INIT, SEQ, WT, BIAS, Y, L, C, sxb, sxl, sxc, sib, sic, s
 
 
 @triton.jit
+def _load_taps(WT, c, mask_c, swc, sww, W: tl.constexpr):
+    """The W weight columns of channels c, fp32, as a tuple (loaded once per program)."""
+    wts = ()
+    for k in tl.static_range(W):
+        wts = wts + (tl.load(WT + c * swc + k * sww, mask=mask_c, other=0.0).to(tl.float32),)
+    return wts
+
+
+@triton.jit
+def _finish_dx(dx, s, seq_s, b, c, mask_c, L, C, SEQ, ssb, ssl, DFIN, sfb, sfc, sfl, DX, DINIT,
+               W: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_DFIN: tl.constexpr, WANT_DINIT: tl.constexpr):
+    """The backward's last step for input positions s (seq_s: their document ids, with HAS_SEQ): add d final_state,
+    then store dx (s >= 0) or d initial_state (s < 0)."""
+    if HAS_DFIN:
+        # final_state[:, :, j] is input position L-(W-1)+j (zeroed if of an earlier document than the last)
+        j = s - (L - (W - 1))
+        in_f = (j >= 0) & (j < W - 1)
+        jc = tl.where(in_f, j, 0)
+        df = tl.load(DFIN + b * sfb + c[None, :] * sfc + jc[:, None] * sfl,
+                     mask=in_f[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+        if HAS_SEQ:
+            same_last = seq_s == _load_seq(SEQ, b, s * 0 + (L - 1), L, ssb, ssl)
+            df = tl.where(same_last[:, None], df, 0.0)
+        dx += df
+    in_x = (s >= 0) & (s < L)
+    s_x = tl.where(in_x, s, 0)
+    tl.store(DX + b * L * C + s_x.to(tl.int64)[:, None] * C + c[None, :], dx.to(DX.dtype.element_ty),
+             mask=in_x[:, None] & mask_c[None, :])
+    if WANT_DINIT:
+        jj = s + (W - 1)
+        in_i = (s < 0) & (jj >= 0)
+        jj = tl.where(in_i, jj, 0)
+        tl.store(DINIT + b * C * (W - 1) + c[None, :] * (W - 1) + jj[:, None], dx,
+                 mask=in_i[:, None] & mask_c[None, :])
+
+
+@triton.jit
+def _store_partials(DW_PART, DB_PART, part, c, mask_c, kk, C, dw_acc, db_acc, W: tl.constexpr,
+                    HAS_BIAS: tl.constexpr):
+    """One program's dweight / dbias partial sums (torch reduces them over the programs)."""
+    if HAS_BIAS:
+        tl.store(DB_PART + part * C + c, db_acc, mask=mask_c)
+    tl.store(DW_PART + (part * W + kk[:, None]) * C + c[None, :], dw_acc, mask=(kk < W)[:, None] & mask_c[None, :])
+
+
+@triton.jit
 def _conv_bwd_kernel(X, INIT, SEQ, WT, BIAS, DY, DFIN, DX, DINIT, DW_PART, DB_PART, L, C, n_sblocks, sb_per_prog,
                      n_prog_l, sxb, sxl, sxc, sib, sic, sil, ssb, ssl, swc, sww, sdyb, sdyl, sdyc, sfb, sfc, sfl,
                      W: tl.constexpr, WP: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr,
@@ -104,9 +150,7 @@ def _conv_bwd_kernel(X, INIT, SEQ, WT, BIAS, DY, DFIN, DX, DINIT, DW_PART, DB_PA
     c = tl.program_id(2) * BC + tl.arange(0, BC)
     mask_c = c < C
     kk = tl.arange(0, WP)
-    wts = ()
-    for k in tl.static_range(W):
-        wts = wts + (tl.load(WT + c * swc + k * sww, mask=mask_c, other=0.0).to(tl.float32),)
+    wts = _load_taps(WT, c, mask_c, swc, sww, W)
     if HAS_BIAS:
         bias = tl.load(BIAS + c, mask=mask_c, other=0.0).to(tl.float32)
     dw_acc = tl.full([WP, BC], 0.0, tl.float32)
@@ -161,31 +205,12 @@ def _conv_bwd_kernel(X, INIT, SEQ, WT, BIAS, DY, DFIN, DX, DINIT, DW_PART, DB_PA
                         v = tl.where((sq[k] == sq[W - 1])[:, None], v, 0.0)
                     dwk = tsum(dpre * v, 0)
                     dw_acc += tl.where(kk[:, None] == k, dwk[None, :], 0.0)
-        if HAS_DFIN:
-            # final_state[:, :, j] is input position L-(W-1)+j (zeroed if of an earlier document than the last)
-            j = s - (L - (W - 1))
-            in_f = (j >= 0) & (j < W - 1)
-            jc = tl.where(in_f, j, 0)
-            df = tl.load(DFIN + b * sfb + c[None, :] * sfc + jc[:, None] * sfl,
-                         mask=in_f[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
-            if HAS_SEQ:
-                same_last = sq[W - 1] == _load_seq(SEQ, b, s * 0 + (L - 1), L, ssb, ssl)
-                df = tl.where(same_last[:, None], df, 0.0)
-            dx += df
-        in_x = (s >= 0) & (s < L)
-        s_x = tl.where(in_x, s, 0)
-        tl.store(DX + b * L * C + s_x[:, None] * C + c[None, :], dx.to(DX.dtype.element_ty),
-                 mask=in_x[:, None] & mask_c[None, :])
-        if WANT_DINIT:
-            jj = s + (W - 1)
-            in_i = (s < 0) & (jj >= 0)
-            jj = tl.where(in_i, jj, 0)
-            tl.store(DINIT + b * C * (W - 1) + c[None, :] * (W - 1) + jj[:, None], dx,
-                     mask=in_i[:, None] & mask_c[None, :])
-    part = b * n_prog_l + pl
-    if HAS_BIAS:
-        tl.store(DB_PART + part * C + c, db_acc, mask=mask_c)
-    tl.store(DW_PART + (part * W + kk[:, None]) * C + c[None, :], dw_acc, mask=(kk < W)[:, None] & mask_c[None, :])
+        seq_s = s  # unused without seq_idx
+        if HAS_SEQ:
+            seq_s = sq[W - 1]
+        _finish_dx(dx, s, seq_s, b, c, mask_c, L, C, SEQ, ssb, ssl, DFIN, sfb, sfc, sfl, DX,
+                   DINIT, W, HAS_SEQ, HAS_DFIN, WANT_DINIT)
+    _store_partials(DW_PART, DB_PART, b * n_prog_l + pl, c, mask_c, kk, C, dw_acc, db_acc, W, HAS_BIAS)
 
 
 @triton.jit
@@ -202,9 +227,7 @@ def _conv_dpre_kernel(X, INIT, SEQ, WT, BIAS, DY, DPRE, DW_PART, DB_PART, L, C, 
     c = tl.program_id(2) * BC + tl.arange(0, BC)
     mask_c = c < C
     kk = tl.arange(0, WP)
-    wts = ()
-    for k in tl.static_range(W):
-        wts = wts + (tl.load(WT + c * swc + k * sww, mask=mask_c, other=0.0).to(tl.float32),)
+    wts = _load_taps(WT, c, mask_c, swc, sww, W)
     if HAS_BIAS:
         bias = tl.load(BIAS + c, mask=mask_c, other=0.0).to(tl.float32)
     dw_acc = tl.full([WP, BC], 0.0, tl.float32)
@@ -243,10 +266,7 @@ def _conv_dpre_kernel(X, INIT, SEQ, WT, BIAS, DY, DPRE, DW_PART, DB_PART, L, C, 
         for k in tl.static_range(W):
             dwk = tsum(dpre * xm[k], 0)
             dw_acc += tl.where(kk[:, None] == k, dwk[None, :], 0.0)
-    part = b * n_prog_l + pl
-    if HAS_BIAS:
-        tl.store(DB_PART + part * C + c, db_acc, mask=mask_c)
-    tl.store(DW_PART + (part * W + kk[:, None]) * C + c[None, :], dw_acc, mask=(kk < W)[:, None] & mask_c[None, :])
+    _store_partials(DW_PART, DB_PART, b * n_prog_l + pl, c, mask_c, kk, C, dw_acc, db_acc, W, HAS_BIAS)
 
 
 @triton.jit
@@ -261,6 +281,7 @@ def _conv_dx_kernel(SEQ, WT, DP, DFIN, DX, DINIT, L, C, ssb, ssl, swc, sww, sdpb
     s = tl.program_id(1) * BL - (W - 1) + tl.arange(0, BL)
     c = tl.program_id(2) * BC + tl.arange(0, BC)
     mask_c = c < C
+    seq_s = s  # unused without seq_idx
     if HAS_SEQ:
         seq_s = _load_seq(SEQ, b, s, L, ssb, ssl)
     dx = tl.full([BL, BC], 0.0, tl.float32)
@@ -275,27 +296,8 @@ def _conv_dx_kernel(SEQ, WT, DP, DFIN, DX, DINIT, L, C, ssb, ssl, swc, sww, sdpb
         if HAS_SEQ and m > 0:  # m == 0 is s's own position
             contrib = tl.where((_load_seq(SEQ, b, t, L, ssb, ssl) == seq_s)[:, None], contrib, 0.0)
         dx += contrib
-    if HAS_DFIN:
-        # final_state[:, :, j] is input position L-(W-1)+j (zeroed if of an earlier document than the last)
-        j = s - (L - (W - 1))
-        in_f = (j >= 0) & (j < W - 1)
-        jc = tl.where(in_f, j, 0)
-        df = tl.load(DFIN + b * sfb + c[None, :] * sfc + jc[:, None] * sfl,
-                     mask=in_f[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
-        if HAS_SEQ:
-            same_last = seq_s == _load_seq(SEQ, b, s * 0 + (L - 1), L, ssb, ssl)
-            df = tl.where(same_last[:, None], df, 0.0)
-        dx += df
-    in_x = (s >= 0) & (s < L)
-    s_x = tl.where(in_x, s, 0)
-    tl.store(DX + b * L * C + s_x.to(tl.int64)[:, None] * C + c[None, :], dx.to(DX.dtype.element_ty),
-             mask=in_x[:, None] & mask_c[None, :])
-    if WANT_DINIT:
-        jj = s + (W - 1)
-        in_i = (s < 0) & (jj >= 0)
-        jj = tl.where(in_i, jj, 0)
-        tl.store(DINIT + b * C * (W - 1) + c[None, :] * (W - 1) + jj[:, None], dx,
-                 mask=in_i[:, None] & mask_c[None, :])
+    _finish_dx(dx, s, seq_s, b, c, mask_c, L, C, SEQ, ssb, ssl, DFIN, sfb, sfc, sfl, DX, DINIT, W, HAS_SEQ, HAS_DFIN,
+               WANT_DINIT)
 
 
 def _blocks(L, C, bwd=False):
