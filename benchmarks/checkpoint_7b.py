@@ -24,10 +24,11 @@ import os
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+
+from procs import run_or_kill  # benchmarks/procs.py
 
 CASES = {
     "canonical": ["run.checkpoint_format=canonical", "run.async_save=false"],
@@ -104,12 +105,19 @@ def run_case(case: str, a) -> dict:
            "--steps", str(a.steps), "--save-every", str(a.save_every), "--accum", str(a.accum), "--engine", a.engine,
            *a.extra]
     t0 = time.time()
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    code, log = run_or_kill(cmd, a.timeout, run_dir)
     res = {"case": case, "nproc": a.nproc, "engine": a.engine, "config": a.config, "wall_s": round(time.time() - t0, 1)}
+    if a.logs:  # the ranks' whole output, kept for diagnosis (the run directory is removed below)
+        with open(os.path.join(a.logs, f"{case}.log"), "w") as f:
+            f.write(log)
     try:
-        if r.returncode != 0:
-            tail = r.stderr[-1500:]
-            res["error"] = "out of memory" if "out of memory" in tail.lower() else tail
+        if code != 0:
+            tail = log[-1500:]
+            if code is None:
+                res["error"] = f"timed out after {a.timeout}s (every rank killed)"
+                res["tail"] = tail
+            else:
+                res["error"] = "out of memory" if "out of memory" in tail.lower() else tail
             return res
         ranks = [json.load(open(os.path.join(out_dir, f"rank{i}.json"))) for i in range(a.nproc)]
     finally:
@@ -142,6 +150,9 @@ def main() -> None:
     ap.add_argument("--save-every", type=int, default=3)
     ap.add_argument("--accum", type=int, default=4, help="micro-batches per GPU per step")
     ap.add_argument("--dir", default=None, help="where the checkpoints go (default: the system temp directory)")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per case; past it the case is killed with all its "
+                    "ranks and reported as timed out")
+    ap.add_argument("--logs", default=None, help="keep each case's output (all ranks) as LOGS/<case>.log")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -153,8 +164,9 @@ def main() -> None:
     if a.worker:
         worker(a)
         return
-    if a.dir:
-        os.makedirs(a.dir, exist_ok=True)
+    for d in (a.dir, a.logs):
+        if d:
+            os.makedirs(d, exist_ok=True)
     for case in a.cases:
         print(json.dumps(run_case(case, a)), flush=True)
 

@@ -22,9 +22,10 @@ import json
 import os
 import subprocess
 import sys
-import signal
 import tempfile
 import time
+
+from procs import kill_tree  # benchmarks/procs.py
 
 H100_BF16_PEAK = 989.4e12  # dense bf16 FLOP/s per H100 / H200 SXM (training/flops.py peak_flops_for)
 
@@ -47,24 +48,6 @@ def layout_args(layout: str) -> list[str]:
             key = kv.split("=", 1)[0]
             out.append(kv if "." in key else f"parallel.{kv}")
     return out
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL a process and all its descendants (torchrun starts its workers in sessions of their own)."""
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        found.append(p)
-        try:
-            kids = subprocess.run(["ps", "-o", "pid=", "--ppid", str(p)], capture_output=True, text=True).stdout
-        except OSError:
-            kids = ""
-        todo += [int(k) for k in kids.split()]
-    for p in found:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _steps_done(run_dir: str) -> int:
@@ -103,7 +86,7 @@ def run_layout(layout: str, nproc: int, steps: int, timed: int, accum: int, conf
     try:
         _, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_tree(proc.pid)
+        kill_tree(proc.pid)
         time.sleep(1)  # a rank spawned while the tree was walked: every process naming this run's directory
         subprocess.run(["pkill", "-9", "-f", f"run.dir={run_dir}"], check=False)
         _, stderr = proc.communicate()
