@@ -57,8 +57,8 @@ def ssd_streams() -> bool:
     return _choice("MEGASSM_SSD_STREAMS", "1", ("0", "1")) == "1"
 
 
-CONV_BWD_MODES = ("fused", "two_pass")  # MEGASSM_CONV_BWD's values, the default first (fused until two_pass is
-# timed on a GPU: docs/kernels.md "Conv and norms")
+CONV_BWD_MODES = ("fused", "two_pass")  # MEGASSM_CONV_BWD's values, the default first (fused: two_pass lost in the
+# trainer at its first tiles; its tuned tiles are not A/B'd yet, docs/kernels.md "Conv and norms")
 
 
 def conv_bwd() -> str:

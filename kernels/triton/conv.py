@@ -6,8 +6,9 @@
 Positions -(W-1)..-1 read initial_state[:, :, pos + W-1] and belong to the row's first document.
 Forward: one program per (row, block of positions, block of channels). Backward, two modes
 (MEGASSM_CONV_BWD, or causal_conv1d_bwd's mode):
-- two_pass (opt-in until timed on a GPU): pass 1 (_conv_dpre_kernel) computes pre and dpre = dy * silu'(pre) once per output
-  position, writes dpre to an fp32 scratch [B, L, C] (without SiLU dpre is dy: no scratch) and per-program
+- two_pass (opt-in: at its first tiles it lost to fused in the trainer, 2026-11-28; its tiles are now the
+  sweep's best, not yet A/B'd in the trainer): pass 1 (_conv_dpre_kernel) computes pre and dpre =
+  dy * silu'(pre) once per output position, writes dpre to an fp32 scratch [B, L, C] (without SiLU dpre is dy: no scratch) and per-program
   partial sums of dweight/dbias; pass 2 (_conv_dx_kernel), a forward-like conv over dpre, writes dx (s >= 0)
   or d initial_state (s < 0). At the same tiles its outputs are the fused kernel's bit for bit (in the
   interpreter).
@@ -313,17 +314,16 @@ def _blocks(L, C, bwd=False):
 
 
 def _two_pass_tiles(npos, C):
-    """(BL, BC, warps) of pass 1 and of pass 2 for npos = L + W-1 input positions: untuned guesses until the
-    device sweep (benchmarks/conv_tiles.py) runs. Split because the registers differ: the fused kernel's one
-    tile holds 2W-1 x tiles, W dy tiles and the recomputed pre (ptxas sm_90, 64 x 32 / 4 warps: 255 a thread,
-    900-1020 bytes spilled with seq_idx). Pass 1 (W x tiles, dy, pre, dpre, the dweight reductions) costs ~20
-    registers per element a thread holds (ptxas via benchmarks/kernels_compile_check.py, W = 4, bf16): 16 x 64
-    / 8 warps (4 elements a thread) takes 78 (113 with initial_state and seq_idx), 16 x 128 / 8 warps 159
-    (232), 32 x 128 / 8 warps 227 (255 + spills). Pass 2 is a forward-like conv over dpre: the forward's
-    16 x 256 / 8 warps takes 78 (88 fp32)."""
-    BL1, BC1 = min(16, triton.next_power_of_2(max(npos, 1))), min(64, triton.next_power_of_2(max(C, 1)))
+    """(BL, BC, warps) of pass 1 and of pass 2 for npos = L + W-1 input positions. From the H200 sweep of
+    benchmarks/conv_tiles.py (bf16, 4 x 2048 x 4352, 2026-11-28, docs/benchmarks.md): pass 1 16 x 32 / 4 warps
+    with pass 2 16 x 256 / 8 warps took 0.44 ms, against 0.63 for 16 x 64 / 4, 0.66 for 32 x 32 / 8 and 1.01
+    for the first guess 16 x 64 / 8 (the fused kernel at its default: 0.54). Pass 2's tile barely mattered
+    (1.00-1.02 ms over five tiles). Registers (ptxas sm_90 via benchmarks/kernels_compile_check.py, W = 4,
+    bf16): pass 1 costs ~20 per element a thread holds, so 16 x 32 / 4 warps (4 elements a thread) stays near
+    78; pass 2, a forward-like conv over dpre, at the forward's 16 x 256 / 8 warps takes 78 (88 fp32)."""
+    BL1, BC1 = min(16, triton.next_power_of_2(max(npos, 1))), min(32, triton.next_power_of_2(max(C, 1)))
     BL2, BC2 = min(16, triton.next_power_of_2(max(npos, 1))), min(256, triton.next_power_of_2(max(C, 1)))
-    return (BL1, BC1, 8 if BL1 * BC1 >= 1024 else 4), (BL2, BC2, 8 if BL2 * BC2 >= 2048 else 4)
+    return (BL1, BC1, 4), (BL2, BC2, 8 if BL2 * BC2 >= 2048 else 4)
 
 
 def _final_state(x, initial_state, seq_idx, width):
