@@ -15,9 +15,11 @@ log = logging.getLogger("megassm.train")
 __all__ = ["check_supported", "pick_device", "autocast_dtype"]
 
 
-def check_supported(cfg: Config) -> None:
-    """Refuse layouts this build cannot run yet, before any model is built or a GPU is touched."""
+def check_supported(cfg: Config, device: torch.device | None = None) -> None:
+    """Refuse layouts this build cannot run yet, before any model is built or a GPU is touched. `device`: the one
+    the job will run on (default: what train.device picks here; the dry run passes the GPU a launched job has)."""
     p = cfg.parallel
+    device = pick_device(cfg) if device is None else device
     if p.pp > 1 and p.cp > 1:
         raise ConfigError(f"parallel.pp={p.pp} with parallel.cp={p.cp}: pipeline parallelism combined with context "
                           "parallelism is not built; set one of them to 1 (PP x TP x DP is)")
@@ -48,20 +50,21 @@ def check_supported(cfg: Config) -> None:
     if cfg.train.cuda_graph:
         _check_cuda_graph(cfg)
     if cfg.train.cast_weights_once:
-        _check_cast_weights_once(cfg)
+        _check_cast_weights_once(cfg, device)
+    if cfg.train.fp8:
+        _check_fp8(cfg, device)
     _check_group_builder(cfg)
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda but no CUDA device is visible (use train.device=auto or cpu)")
-    if cfg.train.precision == "bf16" and pick_device(cfg).type == "cpu":
+    if cfg.train.precision == "bf16" and device.type == "cpu":
         log.warning("train.precision=bf16 on CPU: autocast to bf16 on CPU is slow; fp32 is the CPU default")
 
 
-def _check_cast_weights_once(cfg: Config) -> None:
+def _check_cast_weights_once(cfg: Config, device: torch.device) -> None:
     """train.cast_weights_once=true (training/weight_cache.py): bf16 autocast, the ddp engine, no PP or BPTT, and
     with several DP ranks only under train.cuda_graph (eager torch DDP's reducer hooks wait for gradients on the
     parameters themselves; after the graphs' replays the engine averages them instead)."""
     p, t = cfg.parallel, cfg.train
-    device = pick_device(cfg)
     why = None
     if autocast_dtype(cfg, device) is not torch.bfloat16:
         why = (f"train.precision={t.precision} on {device.type}: the weights are cast for bf16 autocast "
@@ -78,6 +81,29 @@ def _check_cast_weights_once(cfg: Config) -> None:
                "(the gradients are then averaged after the replays) or leave this off")
     if why is not None:
         raise ConfigError(f"train.cast_weights_once=true: {why}")
+
+
+def _check_fp8(cfg: Config, device: torch.device) -> None:
+    """train.fp8=true (training/fp8.py): bf16 autocast, no TP, no cast_weights_once, not DeepSpeed; on CUDA a GPU
+    with FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, Blackwell)."""
+    p, t = cfg.parallel, cfg.train
+    why = None
+    if autocast_dtype(cfg, device) is not torch.bfloat16:
+        why = (f"train.precision={t.precision} on {device.type}: FP8 projections run inside bf16 autocast "
+               "(train.precision=bf16, or auto on a GPU)")
+    elif p.tp > 1:
+        why = f"parallel.tp={p.tp}: the tensor-parallel Linears have autograd functions of their own; use tp=1"
+    elif t.cast_weights_once:
+        why = "train.cast_weights_once=true: both replace the Linears' weight path; pick one"
+    elif p.engine == "deepspeed":
+        why = "parallel.engine=deepspeed: not built (ddp, zero_stage=1 and fsdp2 are)"
+    elif device.type == "cuda" and torch.cuda.is_available():
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (8, 9):
+            why = (f"{torch.cuda.get_device_name(device)} (compute capability {cap[0]}.{cap[1]}) has no FP8 tensor "
+                   "cores (8.9 or newer: Ada, Hopper, Blackwell)")
+    if why is not None:
+        raise ConfigError(f"train.fp8=true: {why}")
 
 
 def _check_group_builder(cfg: Config) -> None:

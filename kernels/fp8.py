@@ -1,0 +1,128 @@
+"""FP8 matmuls for the projections (train.fp8): y = x W^T + b with x and W in float8, per-tensor dynamic scales.
+
+    fp8_linear(x, weight, bias=None)          # x [..., K], weight [N, K]: [..., N]
+
+Forward: x and W each scaled by a power of two s = 2^floor(log2(fmax / amax)) and cast to float8_e4m3fn
+(fmax 448), multiplied by torch._scaled_mm (FP8 tensor cores on sm_89+; also a CPU implementation) with the
+inverse scales, accumulated in fp32, written in the autocast dtype (else x's). Backward: the output gradient
+is scaled and cast to float8_e5m2 (fmax 57344: gradients need range more than precision), then dx = g W and
+dW = g^T x as two more FP8 matmuls from the saved FP8 x and W; dW is written in W's dtype (fp32 master weights:
+no bf16 round trip). This is the "tensorwise" recipe of torchao's float8 training and Transformer Engine's
+current scaling, written here on torch._scaled_mm so it runs under our CUDA graphs: every scale is computed
+on the device (no host sync).
+
+Why powers of two: multiplying by 2^k is exact in any float format, so the only rounding is the cast to FP8,
+and since s <= fmax / amax no element exceeds fmax (no clamp, no saturation). A zero tensor gets amax 1e-12's
+scale (every element stays 0).
+
+torch._scaled_mm wants its first operand row-major and its second column-major, with the reduced dimension
+and the output's columns multiples of 16. K and N are checked by `fp8_eligible` (the caller keeps a Linear that
+fails it in bf16); the token count M is the reduced dimension of dW: when M % 16 != 0, dW is computed in x's
+dtype from the dequantized FP8 x instead (the same values, one bf16 matmul).
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["E4M3", "E5M2", "fp8_eligible", "fp8_linear", "fp8_linear_reference", "to_fp8"]
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+_AMAX_FLOOR = 1e-12
+
+
+def fp8_eligible(in_features: int, out_features: int) -> bool:
+    """Can a Linear of these sizes run through torch._scaled_mm (both multiples of 16)?"""
+    return in_features % 16 == 0 and out_features % 16 == 0
+
+
+def _scale(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The power-of-two scale that maps amax(|t|) to at most the format's largest finite value (fp32, 0-dim)."""
+    amax = torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32).clamp(min=_AMAX_FLOOR)
+    return torch.exp2(torch.floor(torch.log2(torch.finfo(dtype).max / amax)))
+
+
+def to_fp8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t * s cast to `dtype`, 1 / s): the FP8 tensor and the scale that multiplies it back."""
+    s = _scale(t, dtype)
+    return (t * s.to(t.dtype)).to(dtype), s.reciprocal()
+
+
+def _mm(a8: torch.Tensor, b8: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype):
+    """a8 [M, K] row-major times b8 [K, N] column-major, dequantized by sa * sb."""
+    return torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+
+
+class _FP8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, out_dtype):
+        K = x.shape[-1]
+        x2 = x.reshape(-1, K)
+        x8, sx = to_fp8(x2, E4M3)
+        w8, sw = to_fp8(weight, E4M3)
+        y = _mm(x8, w8.t(), sx, sw, out_dtype)
+        if bias is not None:
+            y = y + bias.to(out_dtype)
+        ctx.save_for_backward(x8, sx, w8, sw)
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        ctx.has_bias = bias is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, gy):
+        x8, sx, w8, sw = ctx.saved_tensors
+        N = w8.shape[0]
+        g2 = gy.reshape(-1, N)
+        g8, sg = to_fp8(g2, E5M2)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:  # g [M, N] @ W [N, K]: W as a column-major [N, K], i.e. W^T row-major
+            dx = _mm(g8, w8.t().contiguous().t(), sg, sw, ctx.x_dtype).view(ctx.x_shape)
+        if ctx.needs_input_grad[1]:  # g^T [N, M] @ x [M, K]
+            M = g2.shape[0]
+            if M % 16 == 0:
+                dw = _mm(g8.t().contiguous(), x8.t().contiguous().t(), sg, sx, ctx.w_dtype)
+            else:  # the reduced dimension is not a multiple of 16: the same operands, one matmul in x's dtype
+                dt = ctx.x_dtype if ctx.x_dtype in (torch.bfloat16, torch.float16) else torch.float32
+                dw = ((g8.to(dt) * sg.to(dt)).t() @ (x8.to(dt) * sx.to(dt))).to(ctx.w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return dx, dw, db, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) through FP8 (module docstring). The output is in the autocast dtype when
+    autocast is on (as F.linear's would be), else in x's dtype."""
+    dev = x.device.type
+    out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"fp8_linear: output dtype {out_dtype} (bf16, fp16 or fp32)")
+    if not fp8_eligible(x.shape[-1], weight.shape[0]):
+        raise ValueError(f"fp8_linear: in_features {x.shape[-1]} and out_features {weight.shape[0]} must be "
+                         "multiples of 16 (torch._scaled_mm); keep this Linear in bf16")
+    with torch.autocast(dev, enabled=False):
+        return _FP8Linear.apply(x, weight, bias, out_dtype)
+
+
+def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The same quantization in plain fp32 autograd (the test oracle): x and W rounded to E4M3 at their scales in
+    the forward, the output gradient rounded to E5M2 in the backward; the products in fp32."""
+    def q(t, dtype):
+        t8, inv = to_fp8(t.detach(), dtype)
+        return t8.float() * inv
+
+    class _RoundGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, y):
+            return y
+
+        @staticmethod
+        def backward(ctx, g):
+            return q(g, E5M2)
+
+    xq = x.float() + (q(x, E4M3) - x.float()).detach()  # straight-through: the gradient flows to x unchanged
+    wq = weight.float() + (q(weight, E4M3) - weight.float()).detach()
+    y = _RoundGrad.apply(xq @ wq.t())
+    if bias is not None:
+        y = y + bias.float()
+    return y

@@ -1,0 +1,54 @@
+"""train.fp8: the model's projections computed in FP8 (kernels/fp8.py), opt-in.
+
+Every nn.Linear of the blocks whose sizes torch._scaled_mm takes (in and out features multiples of 16) becomes
+an `FP8Linear`: the same module (parameters, names, init, checkpoints unchanged; parallel/substitute.py) whose
+forward is `kernels.fp8_linear`. The master weights, the optimizer, the gradient paths and the checkpoints
+see nothing new: only the three matmuls of each projection change precision. Kept in bf16, and logged: the LM
+head (the logits' precision is the loss's), and any Linear whose sizes fail the multiple-of-16 rule (e.g. a
+Mamba-1 x_proj of dt_rank + 2 N columns).
+
+Refused where it is not built (training/checks.py): without bf16 autocast, with tensor parallelism (the TP
+Linears run their own autograd functions), with train.cast_weights_once (both replace the Linears' weight
+path), and with the DeepSpeed engine.
+"""
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from megassm.kernels.fp8 import fp8_eligible, fp8_linear
+from megassm.parallel.substitute import substitute
+
+__all__ = ["FP8Linear", "apply_fp8"]
+
+log = logging.getLogger("megassm.train")
+
+
+class FP8Linear(nn.Linear):
+    """nn.Linear whose matmuls run in FP8 with per-tensor dynamic scales (kernels/fp8.py)."""
+
+    def forward(self, x):
+        return fp8_linear(x, self.weight, self.bias)
+
+
+def apply_fp8(model: nn.Module) -> dict:
+    """Swap the eligible Linears of `model` for FP8Linear, in place. Returns {"fp8": names, "kept": {name: why}}."""
+    head = getattr(model, "lm_head", None)
+    done, kept = [], {}
+    for name, m in list(model.named_modules()):
+        if type(m) is not nn.Linear:
+            continue
+        if m is head:
+            kept[name] = "the LM head stays in bf16"
+        elif not fp8_eligible(m.in_features, m.out_features):
+            kept[name] = f"{m.in_features} -> {m.out_features}: not multiples of 16"
+        else:
+            substitute(model, name, FP8Linear)
+            done.append(name)
+    n = sum(model.get_submodule(x).weight.numel() for x in done)
+    log.info("train.fp8: %d Linears (%.1fM parameters) compute in FP8 (E4M3 forward, E5M2 gradients, per-tensor "
+             "dynamic scales); %d kept in bf16%s", len(done), n / 1e6, len(kept),
+             "" if not kept else ": " + "; ".join(f"{k} ({v})" for k, v in list(kept.items())[:6])
+             + (" ..." if len(kept) > 6 else ""))
+    return {"fp8": done, "kept": kept}

@@ -1,0 +1,191 @@
+"""train.fp8 (training/fp8.py) and kernels.fp8_linear (kernels/fp8.py): the projections' three matmuls in FP8 with
+per-tensor power-of-two scales. The op is checked against a plain fp32 autograd emulation of the same
+quantization (outputs and gradients, odd token counts, bias, bf16 and fp32 inputs), and against the exact
+linear within FP8's rounding; the module swap keeps every name and weight; the trainer trains with it (CPU bf16
+autocast: torch._scaled_mm has a CPU implementation); `-m gpu` runs the op at a 1.3B layer's shape on the GPU,
+inside a CUDA graph too."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megassm.config import ConfigError, ModelConfig, MambaConfig, MLPConfig, AttentionConfig, load_config
+from megassm.kernels.fp8 import E4M3, E5M2, fp8_linear, fp8_linear_reference, to_fp8
+from megassm.models import build_model
+from megassm.training.checks import check_supported
+from megassm.training.fp8 import FP8Linear, apply_fp8
+from megassm.training.trainer import Trainer
+
+from kernel_cases import gpu, rel
+
+HAS_FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def _run(fn, x, w, b, g):
+    x = x.detach().requires_grad_(True)
+    w = w.detach().requires_grad_(True)
+    b = None if b is None else b.detach().requires_grad_(True)
+    y = fn(x, w, b)
+    y.backward(g.to(y.dtype))
+    return y.detach(), x.grad, w.grad, None if b is None else b.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 32, 64), (3, 13, 64)])  # 64 tokens, and 39 (dW through the fallback)
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_linear_equals_the_emulated_quantization(dtype, shape, bias):
+    torch.manual_seed(0)
+    x = (torch.randn(shape) * 3).to(dtype)
+    w = torch.randn(80, shape[-1]) * 0.02  # fp32 master weight, a projection's scale
+    b = torch.randn(80) if bias else None
+    g = (torch.randn(*shape[:-1], 80) * 1e-3).to(dtype)  # what autograd hands a bf16 output: both see its values
+    y, dx, dw, db = _run(fp8_linear, x, w, b, g)
+    yr, dxr, dwr, dbr = _run(fp8_linear_reference, x, w, b, g)
+    assert y.dtype == dtype and dx.dtype == dtype and dw.dtype == torch.float32
+    tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: the output's and dx's own rounding
+    assert rel(y, yr) < tol
+    assert rel(dx, dxr) < tol
+    assert rel(dw, dwr) < (1e-5 if shape[1] == 32 or dtype == torch.float32 else 8e-3)
+    if bias:
+        assert rel(db, dbr) < 1e-5
+
+
+@pytest.mark.parametrize("mag", [1e-4, 1.0, 1e3])
+def test_fp8_linear_is_near_the_exact_linear_at_any_magnitude(mag):
+    """The scales follow the tensors: the relative error is FP8's (3 mantissa bits forward, 2 backward) whatever
+    the magnitude."""
+    torch.manual_seed(1)
+    x, w, g = torch.randn(64, 96) * mag, torch.randn(48, 96) * mag, torch.randn(64, 48) * mag
+    y, dx, dw, _ = _run(fp8_linear, x, w, None, g)
+    ye, dxe, dwe, _ = _run(lambda a, b_, c: F.linear(a, b_), x, w, None, g)
+    assert rel(y, ye) < 0.06
+    assert rel(dx, dxe) < 0.12 and rel(dw, dwe) < 0.12
+
+
+def test_to_fp8_scales_are_powers_of_two_and_never_saturate():
+    t = torch.tensor([0.0, 1e-3, -2.5, 447.9 / 1024, 3.0e4])
+    for dt in (E4M3, E5M2):
+        t8, inv = to_fp8(t, dt)
+        assert torch.log2(inv) == torch.round(torch.log2(inv))
+        assert t8.float().abs().max() <= torch.finfo(dt).max
+        assert torch.isfinite(t8.float()).all()
+    z8, _ = to_fp8(torch.zeros(4, 16), E4M3)
+    assert (z8.float() == 0).all()
+    y, dx, dw, _ = _run(fp8_linear, torch.zeros(16, 32), torch.zeros(16, 32), None, torch.zeros(16, 16))
+    assert (y == 0).all() and (dx == 0).all() and (dw == 0).all()
+
+
+def test_fp8_linear_refuses_sizes_scaled_mm_cannot_take():
+    with pytest.raises(ValueError, match="multiples of 16"):
+        fp8_linear(torch.randn(4, 24), torch.randn(16, 24))
+
+
+def _model():
+    cfg = ModelConfig(pattern="M*-M-", d_model=64, vocab_size=97, tie_embeddings=False,
+                      mamba=MambaConfig(d_state=8, headdim=16, chunk_size=8),
+                      attn=AttentionConfig(n_heads=4, n_kv_heads=2), mlp=MLPConfig(ffn_hidden=96))
+    torch.manual_seed(0)
+    m = build_model(cfg, vocab_size=97)
+    m.init_weights(seed=0)
+    return m
+
+
+def test_apply_fp8_swaps_the_eligible_linears_and_keeps_the_rest():
+    m = _model()
+    names = dict(m.named_parameters())
+    before = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    tok = torch.randint(0, 97, (2, 33), generator=torch.Generator().manual_seed(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = m(tok[:, :-1], labels=tok[:, 1:]).loss
+    ref.backward()
+    gref = {k: p.grad.clone() for k, p in m.named_parameters() if p.grad is not None}
+    m.zero_grad(set_to_none=True)
+
+    out = apply_fp8(m)
+    assert "lm_head" in out["kept"] and "head" in out["kept"]["lm_head"]
+    in_proj = [k for k in out["kept"] if k.endswith("mixer.in_proj")]  # 64 -> 2*128 + 2*8 + 8 = 280 columns
+    assert in_proj and all("multiples of 16" in out["kept"][k] for k in in_proj)
+    assert any(n.endswith("out_proj") for n in out["fp8"]) and any(n.endswith("mixer.w2") for n in out["fp8"])
+    for n in out["fp8"]:
+        assert type(m.get_submodule(n)) is FP8Linear
+    assert dict(m.named_parameters()).keys() == names.keys()  # the same names, the same tensors
+    assert all(m.get_parameter(k) is p for k, p in names.items())
+    assert all(torch.equal(v, m.state_dict()[k]) for k, v in before.items())
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = m(tok[:, :-1], labels=tok[:, 1:]).loss
+    loss.backward()
+    assert abs(loss.item() - ref.item()) < 0.02 * ref.item()
+    for k, g in gref.items():
+        assert rel(m.get_parameter(k).grad, g) < 0.2, k
+
+
+TINY = ["data.builtin=stdlib", "model.pattern=M*M-", "model.d_model=64", "model.mamba.d_state=16",
+        "model.mamba.headdim=16", "model.mamba.chunk_size=16", "model.mlp.ffn_hidden=96", "train.seq_len=48",
+        "train.micro_batch=2", "train.global_batch=4", "train.steps=4", "train.log_interval=1",
+        "train.eval_interval=0", "train.precision=bf16", "optim.warmup_steps=1", "optim.lr=3e-3",
+        "run.progress=false", "run.save_interval=0", "run.save_final=false", "run.tensorboard=false"]
+
+
+def _losses(tmp_path, name, *over):
+    tr = Trainer(load_config(None, [*TINY, f"run.dir={tmp_path / name}", *over]))
+    try:
+        return sum(isinstance(mod, FP8Linear) for mod in tr.model.modules()), tr.fit()
+    finally:
+        tr.close()
+
+
+def test_trainer_with_fp8_follows_bf16(tmp_path):
+    n, fp8 = _losses(tmp_path, "fp8", "train.fp8=true")
+    assert n > 0
+    _, bf16 = _losses(tmp_path, "bf16")
+    assert len(fp8) == len(bf16) == 4
+    assert max(abs(a - b) for a, b in zip(fp8, bf16)) < 0.05, (fp8, bf16)
+    assert fp8[-1] < fp8[0]
+
+
+@pytest.mark.parametrize("over,why", [
+    (["parallel.tp=2", "parallel.world_size=2"], "tensor-parallel Linears"),
+    (["train.cast_weights_once=true"], "pick one"),
+    (["train.precision=fp32"], "bf16 autocast"),
+    (["parallel.engine=deepspeed", "parallel.world_size=2", "train.global_batch=4"], "deepspeed"),
+])
+def test_fp8_refusals_name_the_reason(monkeypatch, over, why):
+    world = next((o.split("=")[1] for o in over if o.startswith("parallel.world_size")), "1")
+    monkeypatch.setenv("WORLD_SIZE", world)
+    cfg = load_config(None, [*TINY, "train.fp8=true", *over], validate_config=False)
+    with pytest.raises(ConfigError, match=f"train.fp8=true: .*{why}"):
+        check_supported(cfg, device=torch.device("cpu"))
+
+
+# --------------------------------------------------------------------------------------------------------
+# GPU (pytest -m gpu): FP8 tensor cores
+
+
+@gpu
+@pytest.mark.skipif(not HAS_FP8_GPU, reason="needs a GPU with FP8 tensor cores (compute capability >= 8.9)")
+def test_gpu_fp8_linear_real_shape_and_under_a_cuda_graph():
+    torch.manual_seed(0)
+    x = torch.randn(4, 2048, 2048, device="cuda", dtype=torch.bfloat16)  # a 1.3B in_proj: 2048 -> 8512
+    w = torch.randn(8512, 2048, device="cuda") * 0.02
+    g = torch.randn(4, 2048, 8512, device="cuda", dtype=torch.bfloat16) * 1e-3
+    y, dx, dw, _ = _run(fp8_linear, x, w, None, g)
+    yr, dxr, dwr, _ = _run(fp8_linear_reference, x, w, None, g)
+    assert rel(y, yr) < 8e-3 and rel(dx, dxr) < 8e-3 and rel(dw, dwr) < 1e-3
+    ye = F.linear(x.float(), w)
+    assert rel(y, ye) < 0.06
+
+    xs = x.detach().clone().requires_grad_(True)
+    ws = w.detach().clone().requires_grad_(True)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up outside the graph, as the trainer does
+        fp8_linear(xs, ws).backward(g)
+    torch.cuda.current_stream().wait_stream(s)
+    xs.grad = ws.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        yg = fp8_linear(xs, ws)
+        yg.backward(g)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(yg, y) and torch.equal(xs.grad, dx) and torch.equal(ws.grad, dw)
