@@ -121,7 +121,7 @@ def dry_run(cfg, notes: list[str] = ()) -> int:
     target.train.device, target.train.precision = "auto", "auto"
     try:
         with _env(WORLD_SIZE=world_size(cfg)):
-            check_supported(target)
+            check_supported(target, device=torch.device("cuda"))
         if cfg.model.init_from:  # its layout and model config, as the trainer checks them (no weights read)
             from megassm.interop import sources
 

@@ -122,6 +122,16 @@ def test_dry_run_names_bad_layouts():
     assert r.returncode == 0 and "does not fit" in r.stdout
 
 
+def test_dry_run_checks_the_gpu_job_on_a_cpu_machine():
+    """The dry run checks the layout as the launched job sees it, on a GPU: options that need bf16 autocast pass
+    on a machine without one (they were refused as if the job ran on this CPU), and their own refusals stay."""
+    for opt in ("train.cast_weights_once=true", "train.fp8=true"):
+        r = _dry("--config", "configs/mamba2-1.3b.yaml", opt)
+        assert r.returncode == 0 and "would refuse" not in r.stderr, (opt, r.stderr)
+    r = _dry("--config", "configs/mamba2-1.3b.yaml", "train.fp8=true", "parallel.world_size=2", "parallel.tp=2")
+    assert r.returncode == 2 and "train.fp8=true: parallel.tp=2" in r.stderr
+
+
 @pytest.mark.parametrize("recipe,world", [("configs/recipes/mamba2-1.3b-1node.yaml", 8),
                                           ("configs/recipes/hybrid-7b-1node-4gpu.yaml", 4),
                                           ("configs/recipes/hybrid-7b-1node-4gpu-deepspeed.yaml", 4),
