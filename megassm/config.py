@@ -175,6 +175,7 @@ class TrainConfig:
     bptt: bool = False
     bptt_windows: int = 1
     activation_checkpointing: bool = False  # recompute each block's activations in the backward
+    activation_checkpointing_blocks: int = 0  # > 0: recompute only the first N blocks (of each pipeline stage); 0: all
     cuda_graph: bool = False  # capture each micro-batch's forward + backward in a CUDA graph (training/cuda_graph.py)
     cast_weights_once: bool = False  # bf16: Linears compute with bf16 weight copies cast once per step (training/weight_cache.py)
     fp8: bool = False  # the blocks' Linears compute in FP8, per-tensor dynamic scales (training/fp8.py, kernels/fp8.py)
@@ -588,6 +589,15 @@ def validate(cfg: Config) -> None:
     need(t.grad_clip >= 0, "train.grad_clip must be >= 0 (0 disables clipping)")
     need(t.bptt_windows >= 1, "train.bptt_windows must be >= 1")
     need(t.loss_chunk_tokens >= 0, f"train.loss_chunk_tokens must be >= 0 (0: no chunking), got {t.loss_chunk_tokens}")
+    need(t.activation_checkpointing_blocks >= 0,
+         f"train.activation_checkpointing_blocks must be >= 0 (0: every block), got {t.activation_checkpointing_blocks}")
+    need(not t.activation_checkpointing_blocks or t.activation_checkpointing,
+         f"train.activation_checkpointing_blocks={t.activation_checkpointing_blocks} needs "
+         "train.activation_checkpointing=true (it says how many blocks recompute)")
+    n_blocks = len(blocks_of(m.pattern))
+    need(t.activation_checkpointing_blocks <= n_blocks,
+         f"train.activation_checkpointing_blocks={t.activation_checkpointing_blocks} is more than the model's "
+         f"{n_blocks} blocks (model.pattern)")
 
     # optimizer
     need(o.lr > 0, f"optim.lr must be positive, got {o.lr}")

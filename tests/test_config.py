@@ -103,3 +103,14 @@ def test_every_key_documented():
     doc = open(os.path.join(ROOT, "docs", "config.md")).read()
     missing = [k for k in _all_keys(Config) if f"`{k}`" not in doc]
     assert not missing, f"keys missing from docs/config.md: {missing}"
+
+
+@pytest.mark.parametrize("over,match", [
+    (["train.activation_checkpointing_blocks=4"], "needs train.activation_checkpointing=true"),
+    (["train.activation_checkpointing=true", "train.activation_checkpointing_blocks=-1"], "must be >= 0"),
+    (["train.activation_checkpointing=true", "train.activation_checkpointing_blocks=5"], "more than the model's 4 blocks"),
+])
+def test_activation_checkpointing_blocks_is_checked(over, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config("configs/tiny.yaml", over)
+    load_config("configs/tiny.yaml", ["train.activation_checkpointing=true", "train.activation_checkpointing_blocks=4"])

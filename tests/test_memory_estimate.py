@@ -66,6 +66,22 @@ def test_parts_follow_the_model_and_the_layout():
     assert ac["ranks"][0]["activations"] < 0.25 * r["activations"] and ac["peak_per_gpu"] < base["peak_per_gpu"]
 
 
+def test_checkpointing_some_blocks_falls_between_none_and_all():
+    """train.activation_checkpointing_blocks=N recomputes the first N blocks: the peak falls by the same amount
+    per block (one block's activations less one [B, L, d] input each, mamba2-7b's blocks being alike), from the
+    uncheckpointed peak towards the all-blocks one, which N = every block reproduces."""
+    over = ("train.micro_batch=1", "train.global_batch=32", "parallel.world_size=4", "parallel.engine=fsdp2",
+            "parallel.fsdp_reduce_dtype=bf16")
+    ac = ("train.activation_checkpointing=true",)
+    none = memory.estimate(_cfg("configs/mamba2-7b.yaml", *over), bf16=True)["peak_per_gpu"]
+    every = memory.estimate(_cfg("configs/mamba2-7b.yaml", *over, *ac), bf16=True)["peak_per_gpu"]
+    n_blocks = len(_cfg("configs/mamba2-7b.yaml").model.pattern)
+    some = [memory.estimate(_cfg("configs/mamba2-7b.yaml", *over, *ac, f"train.activation_checkpointing_blocks={n}"),
+                            bf16=True)["peak_per_gpu"] for n in (8, 16, n_blocks)]
+    assert none > some[0] > some[1] > some[2] == every
+    assert some[0] - some[1] == pytest.approx(none - some[0], rel=1e-6)
+
+
 def test_saved_ssd_states_are_priced(monkeypatch):
     """MEGASSM_SSD_SAVE_STATES=1 adds the kept chunk states, H x P x N x 4 bytes per chunk per Mamba-2 layer (the
     split precision's hi + lo planes; 2 bytes, one plane, under MEGASSM_SSD_PRECISION=bf16)."""

@@ -192,9 +192,11 @@ def test_local_slice_and_single_rank_noop():
     assert apply_context_parallel(model, None) is model and not hasattr(model, "cp_plan")
 
 
-def test_activation_checkpointing_same_gradients():
+@pytest.mark.parametrize("n_blocks", [0, 2])
+def test_activation_checkpointing_same_gradients(n_blocks):
     """train.activation_checkpointing: per-block torch.utils.checkpoint gives the same loss, gradients and
-    final states as the plain model (and keeps states flowing through the checkpointed blocks)."""
+    final states as the plain model (and keeps states flowing through the checkpointed blocks); with
+    train.activation_checkpointing_blocks=2 only the first two blocks recompute."""
     from megassm.models import build_model
     from megassm.parallel.checkpointing import apply_activation_checkpointing
     from cp_cases import cp_batch
@@ -207,13 +209,14 @@ def test_activation_checkpointing_same_gradients():
         m = build_model(cfg)
         m.init_weights(3)
         if ckpt:
-            apply_activation_checkpointing(m)
+            apply_activation_checkpointing(m, n_blocks)
         b = cp_batch(cfg.vocab_size)
         out = m(b["tokens"], seq_idx=b["seq_idx"], labels=b["labels"], return_states=True)
         (out.loss + out.states[0].ssm.square().sum()).backward()
         models.append((m, out))
     (m0, o0), (m1, o1) = models
-    assert type(m1.layers[0]).__name__.startswith("Checkpointed")
+    recomputed = [type(b).__name__.startswith("Checkpointed") for b in m1.layers.values()]
+    assert recomputed == ([True] * 4 if n_blocks == 0 else [True, True, False, False])
     assert torch.equal(o0.loss, o1.loss)
     assert torch.equal(o0.states[0].ssm, o1.states[0].ssm) and torch.equal(o0.states[1].k, o1.states[1].k)
     for (n, p0), p1 in zip(m0.named_parameters(), m1.parameters()):

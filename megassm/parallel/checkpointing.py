@@ -32,12 +32,15 @@ class _CheckpointedBlock:
 _CLASSES: dict = {}
 
 
-def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
-    """Checkpoint every residual block of `model` (a LanguageModel, possibly already parallel): each block is
+def apply_activation_checkpointing(model: nn.Module, n_blocks: int = 0) -> nn.Module:
+    """Checkpoint the residual blocks of `model` (a LanguageModel, possibly already parallel): every block, or
+    with n_blocks > 0 the first n_blocks of those this rank holds (under PP: of its stages, as Megatron's
+    recompute-num-layers), a memory knob between all and none at 1/len(blocks) of the recompute each. Each is
     replaced in `model.layers` (and in the pipeline stage modules that hold it) by a checkpointed variant
     holding the same submodules."""
     replaced = {}
-    for i, layer in model.layers.items():
+    items = list(model.layers.items())
+    for i, layer in items[:n_blocks] if n_blocks else items:
         if not isinstance(layer, Block):
             raise ValueError(f"activation checkpointing: {type(layer).__name__} is not a residual block")
         cls = type(layer)

@@ -74,7 +74,7 @@ def prepare_model(model, groups: ParallelGroups, cfg):
     if cfg.train.activation_checkpointing:
         from .checkpointing import apply_activation_checkpointing
 
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, cfg.train.activation_checkpointing_blocks)
     return model
 
 

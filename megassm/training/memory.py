@@ -361,9 +361,11 @@ def estimate(cfg: Config, vocab: int | None = None, bf16: bool | None = None, do
             buffers, boundary_grads, step_grads = ds["buckets"], ds["boundary_grads"], ds["step_grads"]
 
         # the timeline: forward end, then the backward block by block (last first), then the optimizer step
-        ac = t.activation_checkpointing
+        # which of this rank's blocks recompute (train.activation_checkpointing_blocks: the first N; 0: all)
+        n_ck = (t.activation_checkpointing_blocks or len(blocks)) if t.activation_checkpointing else 0
+        ac = [k < n_ck for k in range(len(blocks))]
         ck = checkpointed_bytes(a, m.d_model, sp_tp) * tokens
-        saved = [(ck if ac else b.act) * inflight for b in blocks]
+        saved = [(ck if ac[k] else b.act) * inflight for k, b in enumerate(blocks)]
         cast = [2.0 * b.matmul if autocast_copies else 0.0 for b in blocks]
         block_grads = [eb["grads"] * b.params for b in blocks]
         other_grads = grads - sum(block_grads)  # embedding, final norm, head
@@ -381,10 +383,10 @@ def estimate(cfg: Config, vocab: int | None = None, bf16: bool | None = None, do
         lp = grads / max(n_params, 1)
         for k in range(len(blocks) - 1, -1, -1):  # backward of block k
             live = sum(saved[:k + 1])
-            if ac:  # block k recomputed: its activations and its weights cast again
+            if ac[k]:  # block k recomputed: its activations and its weights cast again
                 live += blocks[k].act + cast[k]
-            else:  # the casts of blocks not yet done are still saved
-                live += sum(cast[:k + 1])
+            # the casts of the blocks not yet done that were not recomputed are still saved
+            live += sum(c for c, r in zip(cast[:k + 1], ac) if not r)
             if boundary_grads:
                 held = lp * (n_params - done) if grads_accumulate else 0.0
                 last = live + held + (boundary_grads if done >= zero["reduce_bucket_size"] else 0.0)
@@ -394,7 +396,7 @@ def estimate(cfg: Config, vocab: int | None = None, bf16: bool | None = None, do
                     continue
             live += grads if grads_accumulate else other_grads + sum(block_grads[k:])
             act_peak = max(act_peak, live)
-        act_report = sum(saved) + (max((b.act for b in blocks), default=0.0) if ac else 0.0)
+        act_report = sum(saved) + max((b.act for b, r in zip(blocks, ac) if r), default=0.0)
         step_peak = weights + step_grads + optim  # optimizer step: every gradient and state
         peak = max(weights + optim + act_peak + gather + buffers, step_peak)
         sizes = {"weights": weights, "grads": grads, "optimizer": optim, "weight_copies": copies,
@@ -406,7 +408,8 @@ def estimate(cfg: Config, vocab: int | None = None, bf16: bool | None = None, do
         "world_size": ws, "tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": dp, "sp": p.sp,
         "engine": p.engine, "zero_stage": p.zero_stage, "precision": "bf16" if bf16 else "fp32",
         "micro_batch": t.micro_batch, "seq_len": t.seq_len, "accumulation": accum,
-        "activation_checkpointing": t.activation_checkpointing, "doc_mask": doc_mask, "vocab": vocab,
+        "activation_checkpointing": t.activation_checkpointing,
+        "activation_checkpointing_blocks": t.activation_checkpointing_blocks, "doc_mask": doc_mask, "vocab": vocab,
         "tokens_per_microbatch_per_gpu": tokens,
         "ranks": ranks,
         "peak_per_gpu": worst["peak"], "peak_per_gpu_gib": round(worst["peak"] / GiB, 2),
@@ -455,6 +458,13 @@ def layout_warnings(cfg: Config, est: dict) -> list[str]:
     return out
 
 
+def _ac_words(est: dict) -> str:
+    if not est["activation_checkpointing"]:
+        return "off"
+    n = est.get("activation_checkpointing_blocks", 0)
+    return f"on for the first {n} blocks of each stage" if n else "on"
+
+
 def format_table(est: dict) -> str:
     """The estimate as a fixed-width table, GiB per GPU, one row per pipeline rank."""
     cols = [("weights", "weights"), ("grads", "grads"), ("optimizer", "optim"), ("weight_copies", "bf16 copies"),
@@ -466,7 +476,7 @@ def format_table(est: dict) -> str:
         f"dp {est['dp']}{' (+SP)' if est['sp'] else ''}; engine {est['engine']} zero_stage {est['zero_stage']}; "
         f"{est['precision']}; micro-batch {est['micro_batch']} x {est['seq_len']} tokens"
         f"{'' if est['cp'] == 1 else ' (%d per GPU)' % est['tokens_per_microbatch_per_gpu']}, accumulation "
-        f"{est['accumulation']}; activation checkpointing {'on' if est['activation_checkpointing'] else 'off'}",
+        f"{est['accumulation']}; activation checkpointing {_ac_words(est)}",
         head,
     ]
     for r in est["ranks"]:
