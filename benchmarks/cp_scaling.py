@@ -23,7 +23,10 @@ sequence of length/cp. weak_scaling_efficiency = tokens/s/GPU (CP=cp, L) / token
 (train.activation_checkpointing); `checkpointing` in the row says which ran. An out-of-memory error that
 hits the ranks of a CP group at different points can leave the others waiting in a collective (until the
 600 s process-group timeout): for lengths that are near the memory limit, pass --checkpointing on.
-Weights are random (the same on every rank), not the canonical init.
+Weights are random (the same on every rank), not the canonical init. CP rows also carry `grad_allreduce_s`:
+the CP gradient sum alone (every parameter's fp32 gradient, `allreduce_cp_grads`), timed apart, once per step
+whatever the length: the part of a CP step that a CP 1 baseline never pays (in a job with data parallelism it
+merges into the DP gradient reduction, amortised over the step's micro-batches).
 
 Bytes per Mamba-2 layer and rank, forward (the backward moves the same again), B = micro-batch,
 R = cp, L_r = L / R tokens per rank, activations in bf16 (2 bytes), states fp32:
@@ -157,6 +160,21 @@ def run(cfg_path, cp, seq_len, micro, steps, warmup, ckpt, comm_share, overrides
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    def allreduce_s(n=3):  # the gradient sum over the CP group alone, per call: a fixed cost per step (CP 1 has none)
+        toks = torch.randint(0, vocab, (micro, seq_len + 1), device=DEV, generator=gen)
+        x, y = local_slice(toks[:, :-1], groups.cp_group), local_slice(toks[:, 1:], groups.cp_group)
+        with torch.autocast(DEV, dtype=torch.bfloat16, enabled=DEV == "cuda"):
+            model(x, seq_idx=sid, labels=y).loss.backward()
+        params = list(model.parameters())
+        allreduce_cp_grads(params, groups.cp_group)  # warm-up
+        _sync()
+        t = time.perf_counter()
+        for _ in range(n):
+            allreduce_cp_grads(params, groups.cp_group)
+        _sync()
+        opt.zero_grad(set_to_none=True)
+        return (time.perf_counter() - t) / n
+
     def timed():
         for _ in range(warmup):
             step()
@@ -186,6 +204,8 @@ def run(cfg_path, cp, seq_len, micro, steps, warmup, ckpt, comm_share, overrides
                     print(json.dumps({"kernel": e.key[:80], "ms": round(e.device_time_total / 1e3, 1),
                                       "calls": e.count}), flush=True)
         row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if DEV == "cuda" else 0.0
+        if cp > 1:
+            row["grad_allreduce_s"] = allreduce_s()
         if comm_share and cp > 1:
             with _no_comm():
                 t_nocomm = timed()
