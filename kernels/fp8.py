@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["E4M3", "E5M2", "fp8_eligible", "fp8_linear", "fp8_linear_reference", "to_fp8"]
+__all__ = ["E4M3", "E5M2", "fp8_eligible", "fp8_linear", "fp8_linear_reference", "fp8_weight", "to_fp8"]
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -48,6 +48,21 @@ def to_fp8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Ten
     return (t * s.to(t.dtype)).to(dtype), s.reciprocal()
 
 
+@torch.no_grad()
+def fp8_weight(weight: torch.Tensor, out: tuple | None = None) -> tuple:
+    """A weight's FP8 operands, (w8 [N, K], w8t [K, N] contiguous, 1 / scale): what fp8_linear would make of it
+    at every call, made once (training/fp8.py casts them once per optimizer step, as Transformer Engine does
+    at a step's first micro-batch). With `out` (a tuple of that layout), written into it in place: CUDA graphs
+    read the same tensors."""
+    w8, inv = to_fp8(weight, E4M3)
+    w8t = w8.t().contiguous()
+    if out is None:
+        return w8, w8t, inv
+    for dst, src in zip(out, (w8, w8t, inv)):
+        dst.copy_(src)
+    return out
+
+
 def _mm(a8: torch.Tensor, b8: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype):
     """a8 [M, K] row-major times b8 [K, N] column-major, dequantized by sa * sb."""
     return torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
@@ -55,15 +70,19 @@ def _mm(a8: torch.Tensor, b8: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, 
 
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, out_dtype):
+    def forward(ctx, x, weight, bias, out_dtype, wq):
         K = x.shape[-1]
         x2 = x.reshape(-1, K)
         x8, sx = to_fp8(x2, E4M3)
-        w8, sw = to_fp8(weight, E4M3)
+        if wq is None:
+            w8, sw = to_fp8(weight, E4M3)
+            w8t = None
+        else:  # cast once per step (fp8_weight): the same values
+            w8, w8t, sw = wq
         y = _mm(x8, w8.t(), sx, sw, out_dtype)
         if bias is not None:
             y = y + bias.to(out_dtype)
-        ctx.save_for_backward(x8, sx, w8, sw)
+        ctx.save_for_backward(x8, sx, w8, sw, w8t)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.has_bias = bias is not None
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -71,13 +90,14 @@ class _FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
-        x8, sx, w8, sw = ctx.saved_tensors
+        x8, sx, w8, sw, w8t = ctx.saved_tensors
         N = w8.shape[0]
         g2 = gy.reshape(-1, N)
         g8, sg = to_fp8(g2, E5M2)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:  # g [M, N] @ W [N, K]: W as a column-major [N, K], i.e. W^T row-major
-            dx = _mm(g8, w8.t().contiguous().t(), sg, sw, ctx.x_dtype).view(ctx.x_shape)
+            w8t = w8.t().contiguous() if w8t is None else w8t
+            dx = _mm(g8, w8t.t(), sg, sw, ctx.x_dtype).view(ctx.x_shape)
         if ctx.needs_input_grad[1]:  # g^T [N, M] @ x [M, K]
             M = g2.shape[0]
             if M % 16 == 0:
@@ -87,12 +107,15 @@ class _FP8Linear(torch.autograd.Function):
                 dw = ((g8.to(dt) * sg.to(dt)).t() @ (x8.to(dt) * sx.to(dt))).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               wq: tuple | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) through FP8 (module docstring). The output is in the autocast dtype when
-    autocast is on (as F.linear's would be), else in x's dtype."""
+    autocast is on (as F.linear's would be), else in x's dtype. `wq`: the weight's operands from fp8_weight,
+    to use instead of casting the weight at this call (they must be of its current values; dW still goes to
+    `weight`)."""
     dev = x.device.type
     out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -101,7 +124,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         raise ValueError(f"fp8_linear: in_features {x.shape[-1]} and out_features {weight.shape[0]} must be "
                          "multiples of 16 (torch._scaled_mm); keep this Linear in bf16")
     with torch.autocast(dev, enabled=False):
-        return _FP8Linear.apply(x, weight, bias, out_dtype)
+        return _FP8Linear.apply(x, weight, bias, out_dtype, wq)
 
 
 def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

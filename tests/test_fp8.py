@@ -119,6 +119,37 @@ def test_apply_fp8_swaps_the_eligible_linears_and_keeps_the_rest():
         assert rel(m.get_parameter(k).grad, g) < 0.2, k
 
 
+def test_weights_cast_once_per_step_are_the_per_call_cast():
+    """FP8WeightCache: the same outputs and gradients, bit for bit, as casting the weights at every call, as long
+    as it is refreshed after the weights change (without the refresh the old weights' operands are used)."""
+    from megassm.training.fp8 import FP8WeightCache
+
+    tok = torch.randint(0, 97, (2, 33), generator=torch.Generator().manual_seed(4))
+
+    def loss_grads(m):
+        m.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(tok[:, :-1], labels=tok[:, 1:]).loss
+        loss.backward()
+        return loss.detach(), {k: p.grad.clone() for k, p in m.named_parameters() if p.grad is not None}
+
+    per_call, cached = _model(), _model()
+    apply_fp8(per_call)
+    apply_fp8(cached)
+    cache = FP8WeightCache(cached)
+    la, ga = loss_grads(per_call)
+    lb, gb = loss_grads(cached)
+    assert torch.equal(la, lb) and all(torch.equal(ga[k], gb[k]) for k in ga)
+    with torch.no_grad():  # an optimizer step's worth of change
+        for a, b in zip(per_call.parameters(), cached.parameters()):
+            a.mul_(1.05)
+            b.mul_(1.05)
+    stale, _ = loss_grads(cached)
+    assert not torch.equal(stale, loss_grads(per_call)[0])
+    cache.refresh()
+    assert torch.equal(loss_grads(cached)[0], loss_grads(per_call)[0])
+
+
 TINY = ["data.builtin=stdlib", "model.pattern=M*M-", "model.d_model=64", "model.mamba.d_state=16",
         "model.mamba.headdim=16", "model.mamba.chunk_size=16", "model.mlp.ffn_hidden=96", "train.seq_len=48",
         "train.micro_batch=2", "train.global_batch=4", "train.steps=4", "train.log_interval=1",
@@ -129,7 +160,9 @@ TINY = ["data.builtin=stdlib", "model.pattern=M*M-", "model.d_model=64", "model.
 def _losses(tmp_path, name, *over):
     tr = Trainer(load_config(None, [*TINY, f"run.dir={tmp_path / name}", *over]))
     try:
-        return sum(isinstance(mod, FP8Linear) for mod in tr.model.modules()), tr.fit()
+        n = sum(isinstance(mod, FP8Linear) for mod in tr.model.modules())
+        assert (n > 0) == (type(tr.weight_cache).__name__ == "FP8WeightCache")  # one process: cast once per step
+        return n, tr.fit()
     finally:
         tr.close()
 

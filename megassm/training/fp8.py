@@ -7,6 +7,12 @@ see nothing new: only the three matmuls of each projection change precision. Kep
 head (the logits' precision is the loss's), and any Linear whose sizes fail the multiple-of-16 rule (e.g. a
 Mamba-1 x_proj of dt_rank + 2 N columns).
 
+The weights' FP8 operands (E4M3 W, its transpose for dx, the scale) are cast once per optimizer step where the
+weights are whole fp32 tensors on every rank (one process, the ddp engine with or without ZeRO-1):
+`FP8WeightCache.refresh()` before the step's first micro-batch and before evaluation, in place (CUDA graphs
+replay the same tensors), 2 bytes per parameter held. Under FSDP2 the weights exist whole only inside each
+forward, so every call casts them.
+
 Refused where it is not built (training/checks.py): without bf16 autocast, with tensor parallelism (the TP
 Linears run their own autograd functions), with train.cast_weights_once (both replace the Linears' weight
 path), and with the DeepSpeed engine.
@@ -17,19 +23,44 @@ import logging
 
 from torch import nn
 
-from megassm.kernels.fp8 import fp8_eligible, fp8_linear
+import torch
+
+from megassm.kernels.fp8 import E4M3, fp8_eligible, fp8_linear, fp8_weight
 from megassm.parallel.substitute import substitute
 
-__all__ = ["FP8Linear", "apply_fp8"]
+__all__ = ["FP8Linear", "FP8WeightCache", "apply_fp8"]
 
 log = logging.getLogger("megassm.train")
 
 
 class FP8Linear(nn.Linear):
-    """nn.Linear whose matmuls run in FP8 with per-tensor dynamic scales (kernels/fp8.py)."""
+    """nn.Linear whose matmuls run in FP8 with per-tensor dynamic scales (kernels/fp8.py); with `fp8_weight` set
+    (FP8WeightCache), from the weight's operands cast once per step."""
+
+    fp8_weight: tuple | None = None
 
     def forward(self, x):
-        return fp8_linear(x, self.weight, self.bias)
+        return fp8_linear(x, self.weight, self.bias, self.fp8_weight)
+
+
+class FP8WeightCache:
+    """The FP8Linears' weight operands, cast once per optimizer step (module docstring). `refresh()` after every
+    change of the weights and before they are used (the trainer: at each step's start and before evaluation)."""
+
+    def __init__(self, model: nn.Module):
+        self.mods = [m for m in model.modules() if isinstance(m, FP8Linear)]
+        for m in self.mods:
+            n, k = m.weight.shape
+            dev = m.weight.device
+            m.fp8_weight = (torch.empty(n, k, dtype=E4M3, device=dev), torch.empty(k, n, dtype=E4M3, device=dev),
+                            torch.empty((), dtype=torch.float32, device=dev))
+        self.refresh()
+        log.info("train.fp8: the weights of %d Linears cast to FP8 once per optimizer step", len(self.mods))
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        for m in self.mods:
+            fp8_weight(m.weight.detach(), out=m.fp8_weight)
 
 
 def apply_fp8(model: nn.Module) -> dict:

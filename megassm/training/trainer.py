@@ -132,12 +132,14 @@ class Trainer:
         self.model = prt.prepare_model(model, self.groups, cfg)  # TP/SP, CP, PP plans, activation checkpointing
         if cfg.train.loss_chunk_tokens:  # head + loss in checkpointed chunks (models/lm.py head_loss)
             self.model.loss_chunk_tokens = cfg.train.loss_chunk_tokens
+        self.weight_cache = None  # train.cast_weights_once / train.fp8: weight copies cast once per step
         if cfg.train.fp8:  # the blocks' Linears in FP8 (training/fp8.py); before the engine wraps the model
-            from megassm.training.fp8 import apply_fp8
+            from megassm.training.fp8 import FP8WeightCache, apply_fp8
 
             apply_fp8(self.model)
-        self.weight_cache = None  # train.cast_weights_once: bf16 weight copies, cast once per step
-        if cfg.train.cast_weights_once:
+            if cfg.parallel.engine == "ddp" or self.dp == 1:  # whole fp32 weights on every rank
+                self.weight_cache = FP8WeightCache(self.model)
+        elif cfg.train.cast_weights_once:
             from megassm.training.weight_cache import WeightCache
 
             self.weight_cache = WeightCache(self.model)
