@@ -45,6 +45,8 @@ def _scale(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def to_fp8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(t * s cast to `dtype`, 1 / s): the FP8 tensor and the scale that multiplies it back."""
     s = _scale(t, dtype)
+    if t.dtype == torch.float16:  # a power of two above 2^15 is inf in fp16 (bf16 and fp32 hold any of them)
+        t = t.float()
     return (t * s.to(t.dtype)).to(dtype), s.reciprocal()
 
 

@@ -68,6 +68,9 @@ def test_to_fp8_scales_are_powers_of_two_and_never_saturate():
         assert torch.log2(inv) == torch.round(torch.log2(inv))
         assert t8.float().abs().max() <= torch.finfo(dt).max
         assert torch.isfinite(t8.float()).all()
+    tiny = torch.full((4, 16), 1e-4, dtype=torch.float16)  # its scale (2^21) overflows fp16 itself
+    t8, inv = to_fp8(tiny, E4M3)
+    assert torch.allclose(t8.float() * inv, tiny.float(), rtol=0.07)
     z8, _ = to_fp8(torch.zeros(4, 16), E4M3)
     assert (z8.float() == 0).all()
     y, dx, dw, _ = _run(fp8_linear, torch.zeros(16, 32), torch.zeros(16, 32), None, torch.zeros(16, 16))
