@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import logging
 
-from torch import nn
-
 import torch
+from torch import nn
 
 from megassm.kernels.fp8 import E4M3, fp8_eligible, fp8_linear, fp8_weight
 from megassm.parallel.substitute import substitute
