@@ -214,7 +214,7 @@ def run(cfg_path, cp, seq_len, micro, steps, warmup, ckpt, comm_share, overrides
         row["status"] = "oom"
         return row
     finally:
-        del model, opt
+        model = opt = None  # free the memory before the next length (the closures above are done)
         if DEV == "cuda":
             torch.cuda.empty_cache()
     row.update(status="ok", step_s=t_step, tokens_per_s_per_gpu=micro * seq_len / cp / t_step)
