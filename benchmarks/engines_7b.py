@@ -114,6 +114,7 @@ def run_layout(layout: str, nproc: int, steps: int, timed: int, accum: int, conf
     fl = flops_per_sequence(cfg.model, model.vocab_size_padded, cfg.train.seq_len)
     tps = last["tokens_per_s"]
     out.update(step=last["step"], loss=round(last["loss"], 4), tokens_per_s=round(tps),
+               losses=[round(d["loss"], 4) for d in recs if "loss" in d and "step" in d],  # every step's
                tokens_per_s_per_gpu=round(tps / nproc), step_s=round(out["global_batch_tokens"] / tps, 3),
                mfu=round(last.get("mfu", float("nan")), 4),
                mfu_6pt=round(6 * n_params * tps / (H100_BF16_PEAK * nproc), 4),
