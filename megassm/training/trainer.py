@@ -195,6 +195,9 @@ class Trainer:
             cfg.train.micro_batch, self.accum, self.dp, self.train_flops_per_token,
         )
         self.startup_s = _process_age()  # launch to a ready model (logged with the first step)
+        # the clock at the last step's host sync (train_step): a step is timed sync to sync, so the GPU tail of one
+        # step (clipping, AdamW) overlaps the host's start of the next; None after anything else ran in between
+        self._last_sync: float | None = None
 
     # ------------------------------------------------------------------------------------------------
     def _autocast(self):
@@ -222,16 +225,20 @@ class Trainer:
         # TP partial grads summed, tied embeddings (PP), CP sum, then what the engine leaves to reduce over DP
         prt.finish_grads(self.model, self.groups, self.engine)
         loss_sum = prt.mean_over_dp(loss_sum, self.groups)
-        loss = (loss_sum / self.accum).item()  # one host sync per step
+        loss = (loss_sum / self.accum).item()  # the step's first host sync: its micro-batches are done
+        t_sync = time.perf_counter()
 
         def check(grad_norm: float) -> None:
             if not math.isfinite(loss) or not math.isfinite(grad_norm):
                 raise NonFiniteLossError(self._non_finite_message(loss, grad_norm))
 
         grad_norm = self.engine.clip_and_step(self.cfg.train.grad_clip, check)  # clip, check, step, zero
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        return StepResult(loss, grad_norm, lr, self.tokens_per_step, time.perf_counter() - t0, data_time)
+        # no synchronize here: the optimizer's kernels run while the host starts the next step (its data, the
+        # weight casts, the first graph replay), where a sync left the GPU idle (2.8-8% of a graphed step,
+        # docs/benchmarks.md). The step's time is sync to sync: the previous step's tail is in it, this one's in
+        # the next: every second of wall time is counted once.
+        start, self._last_sync = (t0 if self._last_sync is None else self._last_sync), t_sync
+        return StepResult(loss, grad_norm, lr, self.tokens_per_step, t_sync - start, data_time)
 
     def _accumulate(self, loss_sum: torch.Tensor) -> float:
         """Forward/backward over this step's `accum` micro-batches, adding their losses into loss_sum.
@@ -303,6 +310,7 @@ class Trainer:
     def evaluate(self) -> dict:
         """Validation loss: the token-weighted mean cross-entropy over the held-out set (eval_samples()), the
         same tokens and the same mean for every layout (DP, TP, PP at any micro-batch count, CP)."""
+        self._last_sync = None  # the next step is timed from its own start, not from the last step
         self.model.eval()
         if self.weight_cache is not None:  # the copies still hold the weights before the last step
             self.weight_cache.refresh()
@@ -345,6 +353,7 @@ class Trainer:
         return extra
 
     def save(self) -> str:
+        self._last_sync = None  # the next step is timed from its own start, not from the last step
         faults.at_save(self.step)  # the fault tests' hook: inert unless MEGASSM_FAULT is set
         if self.checkpointer is not None:  # sharded: every rank writes its pieces (async: in the background)
             carried = self.carrier.state_dict() if self.carrier is not None else None  # collective
@@ -559,6 +568,7 @@ class Trainer:
         cfg = self.cfg
         losses: list[float] = []
         self.preempted = False  # set when a preemption signal stopped the loop (megassm.train exits 99)
+        self._last_sync = None  # the first step of this invocation is timed from its own start
         bar = ProgressBar(cfg.train.steps, self.step, enabled=cfg.run.progress and prt.is_rank0(self.groups))
         window_tokens, window_time, window_data = 0, 0.0, 0.0
         if self.device.type == "cuda":
