@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 
 import torch
 
@@ -124,17 +125,22 @@ class StepProfiler:
         torch.cuda.synchronize()
         self.prof = profile(activities=[ProfilerActivity.CUDA])
         self.prof.__enter__()
+        self.t_enter = time.perf_counter()
         return self
 
     def __exit__(self, *exc):
         if self.prof is not None:
             torch.cuda.synchronize()
+            self.span_s = time.perf_counter() - self.t_enter  # the whole step, its optimizer kernels included
             self.prof.__exit__(*exc)
         return False
 
-    def write(self, step_s: float) -> dict | None:
+    def write(self, step_s: float | None = None) -> dict | None:
+        """The summary file; `step_s` defaults to the profiled span (from the synchronize before the step to the
+        one after it: the trainer's own step time leaves the optimizer's kernels to the next step)."""
         if self.prof is None:
             return None
+        step_s = self.span_s if step_s is None else step_s
         from torch.autograd import DeviceType
 
         kernels = [(e.name, e.time_range.start, e.time_range.end) for e in self.prof.events()

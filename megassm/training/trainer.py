@@ -582,9 +582,11 @@ class Trainer:
                 if self.step + 1 == cfg.run.profile_step:  # where the step's GPU time goes (training/profiling.py)
                     from megassm.training.profiling import StepProfiler
 
+                    self._last_sync = None  # timed from its own start, inside the profiler (which syncs first)
                     with StepProfiler(self.run_dir, self.step + 1, self.groups.rank, cfg.run.profile_trace) as sp:
                         r = self.train_step()
-                    sp.write(r.step_time)
+                    sp.write()
+                    self._last_sync = None  # the profiler's teardown is not the next step's time
                 else:
                     r = self.train_step()
                 self.step += 1
