@@ -288,8 +288,8 @@ _CONV_BWD_BITWISE_GRID = [
 
 @needs_triton
 @pytest.mark.parametrize("width,features,seqlen,ch,tiles,dtype", [
-    (*_CONV_BWD_BITWISE_GRID[0], _F32), (*_CONV_BWD_BITWISE_GRID[0], _BF16), (*_CONV_BWD_BITWISE_GRID[3], _F32),
-    (*_CONV_BWD_BITWISE_GRID[5], _F32)], ids=_case_id)  # the change it proved is GPU-tested since; a few cases stay
+    (*_CONV_BWD_BITWISE_GRID[3], _F32), (*_CONV_BWD_BITWISE_GRID[5], _F32)],
+    ids=_case_id)  # the change it proved is GPU-tested since; two cheap cases stay (the widest took 15 s of CI)
 def test_conv_bwd_bitwise_equals_old_kernel(triton_mode, monkeypatch, width, features, seqlen, ch, tiles, dtype):
     """The restructured fused backward (each shifted tile loaded once, pre summed in _pre's order) gives exactly
     the old kernel's dx, dweight, dbias and d initial_state: same operations on the same values, in the same

@@ -170,7 +170,7 @@ def test_embedded_default_run_learns(tmp_path):
     console script; the loss must fall visibly."""
     run = tmp_path / "tiny"
     r = subprocess.run(
-        ["megassm-train", "--config", "configs/tiny.yaml", "train.steps=30", "train.eval_interval=15",
+        ["megassm-train", "--config", "configs/tiny.yaml", "train.steps=24", "train.eval_interval=12",
          "run.progress=false", f"run.dir={run}"],
         capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)),
     )
