@@ -105,7 +105,8 @@ def run_case(case: str, a) -> dict:
            "--steps", str(a.steps), "--save-every", str(a.save_every), "--accum", str(a.accum), "--engine", a.engine,
            *a.extra]
     t0 = time.time()
-    code, log = run_or_kill(cmd, a.timeout, run_dir)
+    code, out, err = run_or_kill(cmd, a.timeout, run_dir)
+    log = out + err
     res = {"case": case, "nproc": a.nproc, "engine": a.engine, "config": a.config, "wall_s": round(time.time() - t0, 1)}
     if a.logs:  # the ranks' whole output, kept for diagnosis (the run directory is removed below)
         with open(os.path.join(a.logs, f"{case}.log"), "w") as f:

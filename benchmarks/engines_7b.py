@@ -20,12 +20,11 @@ import argparse
 import glob
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
-from procs import kill_tree  # benchmarks/procs.py
+from procs import run_or_kill  # benchmarks/procs.py
 
 H100_BF16_PEAK = 989.4e12  # dense bf16 FLOP/s per H100 / H200 SXM (training/flops.py peak_flops_for)
 
@@ -81,26 +80,19 @@ def run_layout(layout: str, nproc: int, steps: int, timed: int, accum: int, conf
            "global_batch_tokens": accum * dp * micro * cfg.train.seq_len}
     # a layout that runs out of time is killed with all its ranks (a surviving rank would hold its GPU's memory
     # through the next layouts)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "8")})
-    try:
-        _, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        time.sleep(1)  # a rank spawned while the tree was walked: every process naming this run's directory
-        subprocess.run(["pkill", "-9", "-f", f"run.dir={run_dir}"], check=False)
-        _, stderr = proc.communicate()
+    code, _, stderr = run_or_kill(cmd, timeout, f"run.dir={run_dir}",
+                                  env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "8")})
+    if code is None:
         out.update(wall_s=round(time.time() - t0, 1), error=f"timed out after {timeout}s", tail=stderr[-800:],
                    steps_done=_steps_done(run_dir))
         return out
-    r = subprocess.CompletedProcess(cmd, proc.returncode, "", stderr)
     out["wall_s"] = round(time.time() - t0, 1)
     recs = []
     if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
         recs = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    if r.returncode != 0:
-        err = r.stderr
-        out["error"] = "out of memory" if "out of memory" in err.lower() else f"exit {r.returncode}"
+    if code != 0:
+        err = stderr
+        out["error"] = "out of memory" if "out of memory" in err.lower() else f"exit {code}"
         # the exception lines of the ranks' tracebacks (the tail is torchrun's summary)
         raised = [ln for ln in err.splitlines() if "Error" in ln and ":" in ln and "elastic" not in ln]
         out["raised"] = list(dict.fromkeys(raised))[:6]

@@ -27,17 +27,17 @@ def kill_tree(pid: int) -> None:
             pass
 
 
-def run_or_kill(cmd: list[str], timeout: float, tag: str, env: dict | None = None) -> tuple[int | None, str]:
-    """Run `cmd`, its stdout and stderr together; past `timeout` seconds kill it, its descendants and every
-    process whose command line names `tag` (a rank spawned while the tree was walked). Returns (exit code,
-    or None when it was killed; the output)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+def run_or_kill(cmd: list[str], timeout: float, tag: str, env: dict | None = None) -> tuple[int | None, str, str]:
+    """Run `cmd`; past `timeout` seconds kill it, its descendants and every process whose command line names
+    `tag` (a rank spawned while the tree was walked). Returns (exit code, or None when it was killed; its
+    stdout; its stderr)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        out, _ = proc.communicate(timeout=timeout)
-        return proc.returncode, out
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out, err
     except subprocess.TimeoutExpired:
         kill_tree(proc.pid)
         time.sleep(1)
         subprocess.run(["pkill", "-9", "-f", tag], check=False)
-        out, _ = proc.communicate()
-        return None, out
+        out, err = proc.communicate()
+        return None, out, err
