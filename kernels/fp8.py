@@ -19,12 +19,19 @@ torch._scaled_mm wants its first operand row-major and its second column-major, 
 and the output's columns multiples of 16. K and N are checked by `fp8_eligible` (the caller keeps a Linear that
 fails it in bf16); the token count M is the reduced dimension of dW: when M % 16 != 0, dW is computed in x's
 dtype from the dequantized FP8 x instead (the same values, one bf16 matmul).
+
+The casts (`cast_fp8`) write each FP8 operand in the layouts its matmuls take: x and W row-major for the forward,
+x^T (the weight gradient's column-major x) kept for the backward instead of x, W^T for dx, and the output
+gradient both ways. On CUDA that is kernels/triton/fp8.py, two passes over the input (amax; scale, cast and
+transpose), the same values as the eager casts used elsewhere.
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["E4M3", "E5M2", "fp8_eligible", "fp8_linear", "fp8_linear_reference", "fp8_weight", "to_fp8"]
+from .ops import triton_kernels, use_triton
+
+__all__ = ["E4M3", "E5M2", "cast_fp8", "fp8_eligible", "fp8_linear", "fp8_linear_reference", "fp8_weight", "to_fp8"]
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -37,9 +44,11 @@ def fp8_eligible(in_features: int, out_features: int) -> bool:
 
 
 def _scale(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The power-of-two scale that maps amax(|t|) to at most the format's largest finite value (fp32, 0-dim)."""
+    """The power-of-two scale that maps amax(|t|) to at most the format's largest finite value (fp32, 0-dim):
+    2^floor(log2(fmax / amax)), the exponent read exactly (frexp) rather than through a rounded log2."""
     amax = torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32).clamp(min=_AMAX_FLOOR)
-    return torch.exp2(torch.floor(torch.log2(torch.finfo(dtype).max / amax)))
+    _, e = torch.frexp(torch.finfo(dtype).max / amax)  # fmax / amax = m 2^e, m in [0.5, 1)
+    return torch.ldexp(torch.ones((), dtype=torch.float32, device=t.device), e - 1)
 
 
 def to_fp8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,19 +59,29 @@ def to_fp8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Ten
     return (t * s.to(t.dtype)).to(dtype), s.reciprocal()
 
 
+def cast_fp8(t: torch.Tensor, dtype: torch.dtype, transpose: bool = True, out: tuple | None = None) -> tuple:
+    """A 2-D t as (t8, t8^T contiguous or None, 1 / s), the FP8 operands torch._scaled_mm takes in both roles.
+    Triton (kernels/triton/fp8.py: two passes over t) on CUDA tensors, else the eager casts; the same values.
+    `out`: (t8, t8t, inv) to write in place."""
+    if use_triton(t):
+        return triton_kernels().fp8.cast_transpose(t, dtype, _AMAX_FLOOR, transpose, out)
+    t8, inv = to_fp8(t, dtype)
+    t8t = t8.t().contiguous() if transpose else None
+    if out is None:
+        return t8, t8t, inv
+    for dst, src in zip(out, (t8, t8t, inv)):
+        if dst is not None:
+            dst.copy_(src)
+    return out
+
+
 @torch.no_grad()
 def fp8_weight(weight: torch.Tensor, out: tuple | None = None) -> tuple:
     """A weight's FP8 operands, (w8 [N, K], w8t [K, N] contiguous, 1 / scale): what fp8_linear would make of it
     at every call, made once (training/fp8.py casts them once per optimizer step, as Transformer Engine does
     at a step's first micro-batch). With `out` (a tuple of that layout), written into it in place: CUDA graphs
     read the same tensors."""
-    w8, inv = to_fp8(weight, E4M3)
-    w8t = w8.t().contiguous()
-    if out is None:
-        return w8, w8t, inv
-    for dst, src in zip(out, (w8, w8t, inv)):
-        dst.copy_(src)
-    return out
+    return cast_fp8(weight, E4M3, transpose=True, out=out)
 
 
 def _mm(a8: torch.Tensor, b8: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype):
@@ -75,38 +94,35 @@ class _FP8Linear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, out_dtype, wq):
         K = x.shape[-1]
         x2 = x.reshape(-1, K)
-        x8, sx = to_fp8(x2, E4M3)
-        if wq is None:
-            w8, sw = to_fp8(weight, E4M3)
-            w8t = None
-        else:  # cast once per step (fp8_weight): the same values
-            w8, w8t, sw = wq
+        want_dx, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # x^T is the column-major x the weight gradient's matmul takes: the only FP8 copy of x kept
+        x8, x8t, sx = cast_fp8(x2, E4M3, transpose=want_dw)
+        w8, w8t, sw = cast_fp8(weight, E4M3, transpose=want_dx) if wq is None else wq
         y = _mm(x8, w8.t(), sx, sw, out_dtype)
         if bias is not None:
             y = y + bias.to(out_dtype)
-        ctx.save_for_backward(x8, sx, w8, sw, w8t)
-        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        ctx.save_for_backward(x8t, sx, w8t, sw)
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.n_out = x.shape, x.dtype, weight.dtype, weight.shape[0]
         ctx.has_bias = bias is not None
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, gy):
-        x8, sx, w8, sw, w8t = ctx.saved_tensors
-        N = w8.shape[0]
-        g2 = gy.reshape(-1, N)
-        g8, sg = to_fp8(g2, E5M2)
+        x8t, sx, w8t, sw = ctx.saved_tensors
+        g2 = gy.reshape(-1, ctx.n_out)
+        M = g2.shape[0]
+        want_dx, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        g8, g8t, sg = cast_fp8(g2, E5M2, transpose=want_dw and M % 16 == 0)
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:  # g [M, N] @ W [N, K]: W as a column-major [N, K], i.e. W^T row-major
-            w8t = w8.t().contiguous() if w8t is None else w8t
+        if want_dx:  # g [M, N] @ W [N, K]: W as a column-major [N, K], i.e. W^T row-major
             dx = _mm(g8, w8t.t(), sg, sw, ctx.x_dtype).view(ctx.x_shape)
-        if ctx.needs_input_grad[1]:  # g^T [N, M] @ x [M, K]
-            M = g2.shape[0]
+        if want_dw:  # g^T [N, M] @ x [M, K]
             if M % 16 == 0:
-                dw = _mm(g8.t().contiguous(), x8.t().contiguous().t(), sg, sx, ctx.w_dtype)
+                dw = _mm(g8t, x8t.t(), sg, sx, ctx.w_dtype)
             else:  # the reduced dimension is not a multiple of 16: the same operands, one matmul in x's dtype
                 dt = ctx.x_dtype if ctx.x_dtype in (torch.bfloat16, torch.float16) else torch.float32
-                dw = ((g8.to(dt) * sg.to(dt)).t() @ (x8.to(dt) * sx.to(dt))).to(ctx.w_dtype)
+                dw = ((g8.to(dt) * sg.to(dt)).t() @ (x8t.t().to(dt) * sx.to(dt))).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         return dx, dw, db, None, None

@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from megassm.config import ConfigError, ModelConfig, MambaConfig, MLPConfig, AttentionConfig, load_config
-from megassm.kernels.fp8 import E4M3, E5M2, fp8_linear, fp8_linear_reference, to_fp8
+from megassm.kernels.fp8 import E4M3, E5M2, cast_fp8, fp8_linear, fp8_linear_reference, fp8_weight, to_fp8
 from megassm.models import build_model
 from megassm.training.checks import check_supported
 from megassm.training.fp8 import FP8Linear, apply_fp8
 from megassm.training.trainer import Trainer
 
-from kernel_cases import gpu, rel
+from kernel_cases import DEV, gpu, rel, triton_mode  # noqa: F401  (fixture)
 
 HAS_FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
@@ -75,6 +75,44 @@ def test_to_fp8_scales_are_powers_of_two_and_never_saturate():
     assert (z8.float() == 0).all()
     y, dx, dw, _ = _run(fp8_linear, torch.zeros(16, 32), torch.zeros(16, 32), None, torch.zeros(16, 16))
     assert (y == 0).all() and (dx == 0).all() and (dw == 0).all()
+
+
+def _fp8_grid(shape, dtype, gen):
+    """Random finite FP8 values (every bit pattern but NaN/inf) as fp32: inputs whose scaled copy is exact in FP8,
+    so a cast must reproduce them bit for bit under any rounding (Triton's CPU interpreter rounds FP8 casts
+    wrongly at ties and carries: the rounding itself is checked on the GPU below)."""
+    v = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8).view(dtype).float()
+    v[~torch.isfinite(v)] = 0.0
+    return v
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("src", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.usefixtures("triton_mode")
+def test_triton_cast_transpose_matches_the_eager_cast(dtype, src):
+    """kernels/triton/fp8.py against to_fp8: the scale, both layouts, odd sizes (tile and amax-partial edges),
+    strided input, in-place output, a zero tensor."""
+    gen = torch.Generator().manual_seed(0)
+    for M, K in [(77, 50), (1030, 24), (9, 300)]:
+        t = (_fp8_grid((M, K), dtype, gen) * 2.0 ** -9).to(src).to(DEV)
+        for x in (t, t.t()):  # contiguous and strided
+            q, qt, inv = cast_fp8(x, dtype)
+            r, rinv = to_fp8(x, dtype)
+            assert torch.equal(inv, rinv)
+            assert torch.equal(q.view(torch.uint8), r.view(torch.uint8))
+            assert torch.equal(qt.view(torch.uint8), r.t().contiguous().view(torch.uint8))
+    q, qt, inv = cast_fp8(t, dtype, transpose=False)
+    assert qt is None and torch.equal(q.view(torch.uint8), to_fp8(t, dtype)[0].view(torch.uint8))
+    w = (_fp8_grid((48, 32), E4M3, gen) / 64).to(DEV)
+    out = (torch.empty(48, 32, dtype=E4M3, device=DEV), torch.empty(32, 48, dtype=E4M3, device=DEV),
+           torch.empty((), device=DEV))
+    got = fp8_weight(w, out=out)
+    assert all(a is b for a, b in zip(got, out))
+    ref = to_fp8(w, E4M3)
+    assert torch.equal(out[0].view(torch.uint8), ref[0].view(torch.uint8)) and torch.equal(out[2], ref[1])
+    assert torch.equal(out[1].view(torch.uint8), ref[0].t().contiguous().view(torch.uint8))
+    q, qt, inv = cast_fp8(torch.zeros(20, 32, dtype=src, device=DEV), dtype)
+    assert (q.float() == 0).all() and torch.equal(inv, to_fp8(torch.zeros(1), dtype)[1].to(DEV))
 
 
 def test_fp8_linear_refuses_sizes_scaled_mm_cannot_take():
@@ -225,6 +263,22 @@ def test_gpu_fp8_linear_real_shape_and_under_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(yg, y) and torch.equal(xs.grad, dx) and torch.equal(ws.grad, dw)
+
+
+@gpu
+@pytest.mark.skipif(not HAS_FP8_GPU, reason="needs a GPU with FP8 tensor cores (compute capability >= 8.9)")
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_gpu_triton_cast_is_the_eager_cast_bit_for_bit(dtype):
+    """On the GPU the Triton cast rounds as torch's does (round to nearest even): any values, real shapes."""
+    torch.manual_seed(0)
+    for shape, src in [((8192, 2048), torch.bfloat16), ((8192, 8512), torch.bfloat16), ((2049, 4096), torch.float32),
+                       ((333, 80), torch.float16)]:
+        t = torch.randn(*shape, device="cuda", dtype=src) * 3
+        q, qt, inv = cast_fp8(t, dtype)
+        r, rinv = to_fp8(t, dtype)
+        assert torch.equal(inv, rinv)
+        assert torch.equal(q.view(torch.uint8), r.view(torch.uint8))
+        assert torch.equal(qt.view(torch.uint8), r.t().contiguous().view(torch.uint8))
 
 
 def test_fp8_under_fsdp2_dp2_equals_one_process(tmp_path):

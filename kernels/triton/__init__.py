@@ -18,3 +18,4 @@ from .step import causal_conv1d_step_fwd, ssd_step_fwd  # noqa: E402
 HAS_SSD_BWD = True
 HAS_SSD_STEP = True
 HAS_CONV_STEP = True
+from . import fp8  # noqa: E402,F401  (FP8 casts: kernels/fp8.py calls fp8.cast_transpose)
