@@ -57,12 +57,12 @@ def ssd_streams() -> bool:
     return _choice("MEGASSM_SSD_STREAMS", "1", ("0", "1")) == "1"
 
 
-CONV_BWD_MODES = ("fused", "two_pass")  # MEGASSM_CONV_BWD's values, the default first (fused: two_pass lost in the
-# trainer at its first tiles; its tuned tiles are not A/B'd yet, docs/kernels.md "Conv and norms")
+CONV_BWD_MODES = ("two_pass", "fused")  # MEGASSM_CONV_BWD's values, the default first (two_pass at its swept tiles:
+# +1.9% hybrid-1.3b, +2.6% mamba2-1.3b trainer steps on an H200, 2026-11-28; docs/kernels.md "Conv and norms")
 
 
 def conv_bwd() -> str:
-    """MEGASSM_CONV_BWD=fused|two_pass (default fused): the Triton conv backward as two kernels (dpre to an
+    """MEGASSM_CONV_BWD=two_pass|fused (default two_pass): the Triton conv backward as two kernels (dpre to an
     fp32 scratch, then dx from it) or the single kernel that recomputes pre W times (docs/kernels.md, "Conv")."""
     return _choice("MEGASSM_CONV_BWD", CONV_BWD_MODES[0], CONV_BWD_MODES)
 

@@ -333,7 +333,7 @@ def test_conv_bwd_two_pass_bitwise_equals_fused(triton_mode, width, features, se
 
 @needs_triton
 def test_conv_bwd_mode_switch(triton_mode, monkeypatch):
-    """MEGASSM_CONV_BWD picks the backward (fused when unset or empty, two_pass) when mode is None; mode= wins
+    """MEGASSM_CONV_BWD picks the backward (two_pass when unset or empty, fused) when mode is None; mode= wins
     over it; two_pass takes a pair of tiles (pass 1's, pass 2's); a bad value fails naming the variable
     (env.check too) or the argument."""
     from megassm.kernels import env
@@ -346,7 +346,7 @@ def test_conv_bwd_mode_switch(triton_mode, monkeypatch):
     off = {"two_pass": ("_conv_bwd_kernel",), "fused": ("_conv_dpre_kernel", "_conv_dx_kernel")}
     case = _conv_bwd_case(2, _F32, seqlen=9, ch=5, **_CONV_BWD_FEATURES["all"])
     refs = {mode: _conv_bwd_triton(tc, case, (4, 8, 4), mode) for mode in off}
-    for value, mode in ((None, "fused"), ("", "fused"), (" Two_Pass", "two_pass"), ("fused", "fused")):
+    for value, mode in ((None, "two_pass"), ("", "two_pass"), (" Two_Pass", "two_pass"), ("fused", "fused")):
         if value is None:
             monkeypatch.delenv("MEGASSM_CONV_BWD", raising=False)
         else:

@@ -6,13 +6,13 @@
 Positions -(W-1)..-1 read initial_state[:, :, pos + W-1] and belong to the row's first document.
 Forward: one program per (row, block of positions, block of channels). Backward, two modes
 (MEGASSM_CONV_BWD, or causal_conv1d_bwd's mode):
-- two_pass (opt-in: at its first tiles it lost to fused in the trainer, 2026-11-28; its tiles are now the
-  sweep's best, not yet A/B'd in the trainer): pass 1 (_conv_dpre_kernel) computes pre and dpre =
+- two_pass (the default since its swept tiles beat fused in the trainer: +1.9% / +2.6% a hybrid-1.3b /
+  mamba2-1.3b step on an H200, 2026-11-28; at its first tiles it had lost): pass 1 (_conv_dpre_kernel) computes pre and dpre =
   dy * silu'(pre) once per output position, writes dpre to an fp32 scratch [B, L, C] (without SiLU dpre is dy: no scratch) and per-program
   partial sums of dweight/dbias; pass 2 (_conv_dx_kernel), a forward-like conv over dpre, writes dx (s >= 0)
   or d initial_state (s < 0). At the same tiles its outputs are the fused kernel's bit for bit (in the
   interpreter).
-- fused (_conv_bwd_kernel, the default and the A/B baseline): one program per (row, block of input
+- fused (_conv_bwd_kernel, the previous default, kept as the A/B baseline): one program per (row, block of input
   positions s in [-(W-1), L), block of channels); it recomputes pre at the W output positions each input feeds
   (from the 2W-1 shifted x tiles s-(W-1) .. s+W-1, each loaded once per block): W times the pre work and a
   register-bound tile.
@@ -368,7 +368,7 @@ def causal_conv1d_fwd(x, weight, bias, initial_state, seq_idx, silu, return_fina
 
 def causal_conv1d_bwd(x, weight, bias, initial_state, seq_idx, silu, dy, dfinal, tiles=None, mode=None):
     """mode: "two_pass" (_conv_dpre_kernel, then _conv_dx_kernel) or "fused" (_conv_bwd_kernel); None reads
-    MEGASSM_CONV_BWD (default fused). tiles=(BL, BC, num_warps) is used by every kernel launched; two_pass
+    MEGASSM_CONV_BWD (default two_pass). tiles=(BL, BC, num_warps) is used by every kernel launched; two_pass
     also takes a pair ((pass 1's), (pass 2's)) (benchmarks/conv_tiles.py sweeps each pass's)."""
     mode = env.conv_bwd() if mode is None else mode
     if mode not in env.CONV_BWD_MODES:
