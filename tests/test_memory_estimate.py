@@ -83,6 +83,23 @@ def test_checkpointing_some_blocks_falls_between_none_and_all():
     assert some[0] - some[1] == pytest.approx(none - some[0], rel=1e-6)
 
 
+def test_fp8_weight_operands_are_held_through_the_optimizer_step():
+    """train.fp8 with one process keeps each FP8 Linear's E4M3 weight and its transpose between steps (2 bytes a
+    parameter: FP8WeightCache), so the optimizer step holds them beside the weights, gradients and AdamW states:
+    mamba2-1.3b's in_proj (2048 -> 8512) and out_proj (4096 -> 2048) in 48 layers; the LM head stays bf16. One
+    micro-batch of a short sequence per step makes that the peak (in the forward the FP8 operands replace
+    autocast's casts of the same weights, the same 2 bytes)."""
+    over = ("train.micro_batch=1", "train.seq_len=64", "train.global_batch=1")
+    base = memory.estimate(_cfg("configs/mamba2-1.3b.yaml", *over), bf16=True)
+    fp8 = memory.estimate(_cfg("configs/mamba2-1.3b.yaml", *over, "train.fp8=true"), bf16=True)
+    r = fp8["ranks"][0]
+    step = r["weights"] + r["grads"] + r["optimizer"] + 2 * 48 * (2048 * 8512 + 4096 * 2048)
+    assert abs(fp8["peak_per_gpu"] - step) <= 2 and fp8["peak_per_gpu"] > base["peak_per_gpu"]
+    fsdp = ("parallel.world_size=2", "parallel.engine=fsdp2", "train.global_batch=2")  # every call casts: no cache
+    assert (memory.estimate(_cfg("configs/mamba2-1.3b.yaml", *over, *fsdp, "train.fp8=true"), bf16=True)
+            == memory.estimate(_cfg("configs/mamba2-1.3b.yaml", *over, *fsdp), bf16=True))
+
+
 def test_saved_ssd_states_are_priced(monkeypatch):
     """MEGASSM_SSD_SAVE_STATES=1 adds the kept chunk states, H x P x N x 4 bytes per chunk per Mamba-2 layer (the
     split precision's hi + lo planes; 2 bytes, one plane, under MEGASSM_SSD_PRECISION=bf16)."""

@@ -15,7 +15,10 @@ measured peaks of docs/benchmarks.md):
                                 data-parallel ranks where ZeRO / FSDP2 shards them; one data-parallel rank
                                 builds no engine (parallel/engines.py build_engine): priced as plain ddp
   buffers                       deepspeed: the gradient buckets of its ZeRO optimizer (`deepspeed_terms`)
-  weight copies                 bf16 autocast casts of the matmul weights, saved for the backward
+  weight copies                 bf16 autocast casts of the matmul weights, saved for the backward; with
+                                train.fp8 under one process / ddp, the FP8 operands of the FP8 Linears'
+                                weights (2 bytes a parameter, the same as their autocast casts) are held
+                                through the optimizer step too (training/fp8.py FP8WeightCache)
   activations                   the tensors each block saves for its backward, per token (`block_bytes`),
                                 times tokens per micro-batch (micro_batch x seq_len / cp), times the
                                 micro-batches a pipeline rank holds in flight (1F1B / GPipe / interleaved),
@@ -270,6 +273,18 @@ def rank_models(cfg: Config, vocab: int) -> list:
     return models
 
 
+def _fp8_params(model) -> int:
+    """Parameters of the Linears train.fp8 computes in FP8 (training/fp8.py apply_fp8: not the LM head, sizes
+    torch._scaled_mm takes)."""
+    from torch import nn
+
+    from megassm.kernels.fp8 import fp8_eligible
+
+    head = getattr(model, "lm_head", None)
+    return sum(m.weight.numel() for m in model.modules()
+               if type(m) is nn.Linear and m is not head and fp8_eligible(m.in_features, m.out_features))
+
+
 def _matmul_params(model) -> int:
     """Parameters that bf16 autocast casts for a matmul (Linear weights and the head); the embedding lookup,
     norms, conv and per-head parameters stay fp32."""
@@ -398,6 +413,8 @@ def estimate(cfg: Config, vocab: int | None = None, bf16: bool | None = None, do
             act_peak = max(act_peak, live)
         act_report = sum(saved) + max((b.act for b, r in zip(blocks, ac) if r), default=0.0)
         step_peak = weights + step_grads + optim  # optimizer step: every gradient and state
+        if t.fp8 and engine == "ddp":  # FP8WeightCache: kept between steps, so present at the optimizer step
+            step_peak += 2.0 * _fp8_params(model)
         peak = max(weights + optim + act_peak + gather + buffers, step_peak)
         sizes = {"weights": weights, "grads": grads, "optimizer": optim, "weight_copies": copies,
                  "activations": act_report, "head": head, "gather": gather, "buffers": buffers, "peak": peak}
