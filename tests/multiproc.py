@@ -58,6 +58,7 @@ def free_port() -> int:
 # worker's group) can take it first: the rendezvous then fails to listen (EADDRINUSE) before any work starts.
 # Such a run is started again on a new port; any other failure is reported as it is.
 _PORT_TRIES = 3
+_FAIL_GRACE = 10.0  # seconds the other ranks get to exit after one failed (then stopped)
 
 
 def port_clash(text: str) -> bool:
@@ -114,13 +115,24 @@ def _run_once(fn, world, args, backend, timeout, group):
                                  join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         timed_out = False
+        failed_at = None
         try:
-            while not ctx.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
-                if time.monotonic() >= deadline:
+            # not ctx.join(): on the first failed rank it terminates the others at once, and a rank failing a
+            # moment later then dies before writing its error (seen in CI under load); the others get
+            # _FAIL_GRACE seconds to finish or fail on their own
+            while True:
+                codes = [p.exitcode for p in ctx.processes]
+                now = time.monotonic()
+                if all(c is not None for c in codes):
+                    break
+                if now >= deadline:
                     timed_out = True
                     break
-        except mp.ProcessExitedException:
-            pass  # a rank failed (join stopped the others): its error file says why
+                if failed_at is None and any(c not in (None, 0) for c in codes):
+                    failed_at = now
+                if failed_at is not None and now - failed_at > _FAIL_GRACE:
+                    break
+                time.sleep(0.05)
         finally:
             _stop(ctx)
         errors = {}

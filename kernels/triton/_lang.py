@@ -1,11 +1,11 @@
-"""Small replacements for triton.language's standard-library helpers (tl.sum, tl.cumsum, tl.sigmoid; tl.zeros is
-replaced by tl.full at the call sites).
+"""Small replacements for triton.language's standard-library helpers (tl.sum, tl.max, tl.cumsum, tl.sigmoid;
+tl.zeros is replaced by tl.full at the call sites).
 
 Those are @triton.jit functions decorated when triton.language is first imported; if that import happened
 before TRITON_INTERPRET=1 was set (torch imports triton for torch.compile / the flop counter), they are
 compiled-mode functions that the CPU interpreter cannot call. These helpers are decorated with the kernels,
-and use only builtins (tl.reduce / tl.associative_scan with the standard sum combiner, which the interpreter
-recognizes without calling it). On the GPU they compile to exactly what tl.sum / tl.cumsum do.
+and use only builtins (tl.reduce / tl.associative_scan with the standard sum or max combiner, which the
+interpreter recognizes without calling it). On the GPU they compile to exactly what tl.sum / tl.max / tl.cumsum do.
 """
 import triton
 import triton.language as tl
@@ -14,6 +14,11 @@ import triton.language as tl
 @triton.jit
 def tsum(x, axis: tl.constexpr):
     return tl.reduce(x, axis, tl.standard._sum_combine)
+
+
+@triton.jit
+def tmax(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._elementwise_max)
 
 
 @triton.jit

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._lang import tmax
+
 PARTS = 512       # amax partials (a power of two: the cast kernel loads them as one block)
 AMAX_BLOCK = 4096
 TILE_M, TILE_K, WARPS = 64, 128, 8
@@ -39,7 +41,7 @@ def _amax_kernel(T, P, M, K, stride_m, stride_k, rows_per_prog, BLOCK_M: tl.cons
             ptr = T + rows[:, None].to(tl.int64) * stride_m + cols[None, :].to(tl.int64) * stride_k
             x = tl.load(ptr, mask=rmask[:, None] & (cols[None, :] < K), other=0.0).to(tl.float32)
             acc = tl.maximum(acc, tl.abs(x))
-    tl.store(P + pid, tl.max(tl.max(acc, 1), 0))
+    tl.store(P + pid, tmax(tmax(acc, 1), 0))
 
 
 @triton.jit
@@ -47,7 +49,7 @@ def _cast_kernel(T, P, n_parts, Q, QT, INV, M, K, stride_m, stride_k, fmax, floo
                  PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, WRITE_T: tl.constexpr):
     pm, pk = tl.program_id(0), tl.program_id(1)
     parts = tl.load(P + tl.arange(0, PARTS), mask=tl.arange(0, PARTS) < n_parts, other=0.0)
-    amax = tl.maximum(tl.max(parts, 0), floor)
+    amax = tl.maximum(tmax(parts, 0), floor)
     r = tl.math.div_rn(fmax, amax)  # IEEE division, as torch's
     e = ((r.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 r) for a normal r
     s = ((e + 127) << 23).to(tl.float32, bitcast=True)
