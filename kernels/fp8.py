@@ -28,6 +28,7 @@ transpose), the same values as the eager casts used elsewhere.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .ops import triton_kernels, use_triton
 
@@ -141,6 +142,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if not fp8_eligible(x.shape[-1], weight.shape[0]):
         raise ValueError(f"fp8_linear: in_features {x.shape[-1]} and out_features {weight.shape[0]} must be "
                          "multiples of 16 (torch._scaled_mm); keep this Linear in bf16")
+    if x.numel() == 0:  # no tokens (an amax has no value): the empty output, and zero gradients, of F.linear
+        return F.linear(x.to(out_dtype), weight.to(out_dtype), None if bias is None else bias.to(out_dtype))
     with torch.autocast(dev, enabled=False):
         return _FP8Linear.apply(x, weight, bias, out_dtype, wq)
 

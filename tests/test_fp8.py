@@ -75,6 +75,8 @@ def test_to_fp8_scales_are_powers_of_two_and_never_saturate():
     assert (z8.float() == 0).all()
     y, dx, dw, _ = _run(fp8_linear, torch.zeros(16, 32), torch.zeros(16, 32), None, torch.zeros(16, 16))
     assert (y == 0).all() and (dx == 0).all() and (dw == 0).all()
+    y, dx, dw, db = _run(fp8_linear, torch.zeros(2, 0, 32), torch.ones(16, 32), torch.ones(16), torch.zeros(2, 0, 16))
+    assert y.shape == (2, 0, 16) and dx.shape == (2, 0, 32) and (dw == 0).all() and (db == 0).all()
 
 
 def _fp8_grid(shape, dtype, gen):
