@@ -60,14 +60,16 @@ def to_fp8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Ten
     return (t * s.to(t.dtype)).to(dtype), s.reciprocal()
 
 
-def cast_fp8(t: torch.Tensor, dtype: torch.dtype, transpose: bool = True, out: tuple | None = None) -> tuple:
-    """A 2-D t as (t8, t8^T contiguous or None, 1 / s), the FP8 operands torch._scaled_mm takes in both roles.
-    Triton (kernels/triton/fp8.py: two passes over t) on CUDA tensors, else the eager casts; the same values.
-    `out`: (t8, t8t, inv) to write in place."""
+def cast_fp8(t: torch.Tensor, dtype: torch.dtype, transpose: bool = True, out: tuple | None = None,
+             rowmajor: bool = True) -> tuple:
+    """A 2-D t as (t8 or None, t8^T contiguous or None, 1 / s), the FP8 operands torch._scaled_mm takes in both
+    roles (`rowmajor`, `transpose`: which to make). Triton (kernels/triton/fp8.py: two passes over t) on CUDA
+    tensors, else the eager casts; the same values. `out`: (t8, t8t, inv) to write in place."""
     if use_triton(t):
-        return triton_kernels().fp8.cast_transpose(t, dtype, _AMAX_FLOOR, transpose, out)
+        return triton_kernels().fp8.cast_transpose(t, dtype, _AMAX_FLOOR, transpose, out, rowmajor)
     t8, inv = to_fp8(t, dtype)
     t8t = t8.t().contiguous() if transpose else None
+    t8 = t8 if rowmajor else None
     if out is None:
         return t8, t8t, inv
     for dst, src in zip(out, (t8, t8t, inv)):
@@ -98,11 +100,19 @@ class _FP8Linear(torch.autograd.Function):
         want_dx, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # x^T is the column-major x the weight gradient's matmul takes: the only FP8 copy of x kept
         x8, x8t, sx = cast_fp8(x2, E4M3, transpose=want_dw)
-        w8, w8t, sw = cast_fp8(weight, E4M3, transpose=want_dx) if wq is None else wq
+        if wq is None:  # cast here (FSDP2: the gathered weight); dx's W^T is cast again in the backward from the
+            # weight itself, which costs no memory (FSDP2 holds it to the backward at reshard=step, gathers it again
+            # at reshard=block) where an FP8 copy kept from forward to backward would hold 1 byte a parameter of the
+            # whole model (6.5 GiB at 7B); the same bits as a forward cast
+            w8, _, sw = cast_fp8(weight, E4M3, transpose=False)
+            ctx.save_for_backward(x8t, sx, weight if want_dx else None, sw)
+        else:  # cast once per step (fp8_weight): the same values
+            w8, w8t, sw = wq
+            ctx.save_for_backward(x8t, sx, w8t, sw)
+        ctx.recast = wq is None
         y = _mm(x8, w8.t(), sx, sw, out_dtype)
         if bias is not None:
             y = y + bias.to(out_dtype)
-        ctx.save_for_backward(x8t, sx, w8t, sw)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.n_out = x.shape, x.dtype, weight.dtype, weight.shape[0]
         ctx.has_bias = bias is not None
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -111,6 +121,8 @@ class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         x8t, sx, w8t, sw = ctx.saved_tensors
+        if ctx.recast and w8t is not None:  # the weight itself was kept: its W^T operand, cast as the forward did
+            _, w8t, sw = cast_fp8(w8t.detach(), E4M3, rowmajor=False, transpose=True)
         g2 = gy.reshape(-1, ctx.n_out)
         M = g2.shape[0]
         want_dx, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]

@@ -105,6 +105,8 @@ def test_triton_cast_transpose_matches_the_eager_cast(dtype, src):
             assert torch.equal(qt.view(torch.uint8), r.t().contiguous().view(torch.uint8))
     q, qt, inv = cast_fp8(t, dtype, transpose=False)
     assert qt is None and torch.equal(q.view(torch.uint8), to_fp8(t, dtype)[0].view(torch.uint8))
+    q, qt, inv = cast_fp8(t, dtype, rowmajor=False)  # the backward's W^T alone
+    assert q is None and torch.equal(qt.view(torch.uint8), to_fp8(t, dtype)[0].t().contiguous().view(torch.uint8))
     w = (_fp8_grid((48, 32), E4M3, gen) / 64).to(DEV)
     out = (torch.empty(48, 32, dtype=E4M3, device=DEV), torch.empty(32, 48, dtype=E4M3, device=DEV),
            torch.empty((), device=DEV))
@@ -115,6 +117,27 @@ def test_triton_cast_transpose_matches_the_eager_cast(dtype, src):
     assert torch.equal(out[1].view(torch.uint8), ref[0].t().contiguous().view(torch.uint8))
     q, qt, inv = cast_fp8(torch.zeros(20, 32, dtype=src, device=DEV), dtype)
     assert (q.float() == 0).all() and torch.equal(inv, to_fp8(torch.zeros(1), dtype)[1].to(DEV))
+
+
+def test_per_call_weight_cast_keeps_no_fp8_weight_for_the_backward():
+    """Without the per-step cache (FSDP2's case) the forward keeps the weight itself, not an FP8 copy of it (that
+    would hold a byte per parameter of the whole model until the backward), and the backward's W^T cast gives the
+    gradients of the cached path bit for bit."""
+    torch.manual_seed(0)
+    x, w, g = torch.randn(64, 48), torch.randn(32, 48) * 0.1, torch.randn(64, 32)
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, tuple(t.shape)))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        per_call = _run(fp8_linear, x, w, None, g)
+    assert (torch.float32, (32, 48)) in saved  # the weight
+    assert not [s for s in saved if s[0] in (E4M3, E5M2) and sorted(s[1]) == [32, 48]]
+    cached = _run(lambda a, b, c: fp8_linear(a, b, c, fp8_weight(b.detach())), x, w, None, g)
+    for u, v in zip(per_call[:3], cached[:3]):
+        assert torch.equal(u, v)
 
 
 def test_fp8_linear_refuses_sizes_scaled_mm_cannot_take():
@@ -281,6 +304,7 @@ def test_gpu_triton_cast_is_the_eager_cast_bit_for_bit(dtype):
         assert torch.equal(inv, rinv)
         assert torch.equal(q.view(torch.uint8), r.view(torch.uint8))
         assert torch.equal(qt.view(torch.uint8), r.t().contiguous().view(torch.uint8))
+        assert torch.equal(cast_fp8(t, dtype, rowmajor=False)[1], qt)
 
 
 def test_fp8_under_fsdp2_dp2_equals_one_process(tmp_path):

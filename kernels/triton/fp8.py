@@ -46,7 +46,8 @@ def _amax_kernel(T, P, M, K, stride_m, stride_k, rows_per_prog, BLOCK_M: tl.cons
 
 @triton.jit
 def _cast_kernel(T, P, n_parts, Q, QT, INV, M, K, stride_m, stride_k, fmax, floor,
-                 PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, WRITE_T: tl.constexpr):
+                 PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, WRITE_Q: tl.constexpr,
+                 WRITE_T: tl.constexpr):
     pm, pk = tl.program_id(0), tl.program_id(1)
     parts = tl.load(P + tl.arange(0, PARTS), mask=tl.arange(0, PARTS) < n_parts, other=0.0)
     amax = tl.maximum(tmax(parts, 0), floor)
@@ -58,10 +59,10 @@ def _cast_kernel(T, P, n_parts, Q, QT, INV, M, K, stride_m, stride_k, fmax, floo
     rows = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pk * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
-    x = tl.load(T + rows[:, None].to(tl.int64) * stride_m + cols[None, :].to(tl.int64) * stride_k, mask=mask,
-                other=0.0).to(tl.float32)
-    xs = x * s
-    tl.store(Q + rows[:, None].to(tl.int64) * K + cols[None, :], xs.to(Q.dtype.element_ty), mask=mask)
+    if WRITE_Q:
+        x = tl.load(T + rows[:, None].to(tl.int64) * stride_m + cols[None, :].to(tl.int64) * stride_k, mask=mask,
+                    other=0.0).to(tl.float32)
+        tl.store(Q + rows[:, None].to(tl.int64) * K + cols[None, :], (x * s).to(Q.dtype.element_ty), mask=mask)
     if WRITE_T:  # the tile read again (from L2) through transposed pointers and stored row by row: an FP8 tile
         # transposed in registers (tl.trans, or a store to transposed addresses) lost rows on an H200 (Triton 3.6)
         mask_t = (cols[:, None] < K) & (rows[None, :] < M)
@@ -71,13 +72,14 @@ def _cast_kernel(T, P, n_parts, Q, QT, INV, M, K, stride_m, stride_k, fmax, floo
 
 
 def cast_transpose(t: torch.Tensor, dtype: torch.dtype, amax_floor: float, transpose: bool = True,
-                   out: tuple | None = None) -> tuple:
-    """(t8 [M, K], t8t [K, M] or None, 1 / scale): module docstring. `out`: (t8, t8t, inv) written in place."""
-    assert t.dim() == 2 and dtype in _TL, (t.shape, dtype)
+                   out: tuple | None = None, rowmajor: bool = True) -> tuple:
+    """(t8 [M, K] or None, t8t [K, M] or None, 1 / scale): module docstring; `rowmajor` / `transpose` say which
+    layouts to write. `out`: (t8, t8t, inv) written in place."""
+    assert t.dim() == 2 and dtype in _TL and (rowmajor or transpose), (t.shape, dtype)
     M, K = t.shape
     dev = t.device
     if out is None:
-        q = torch.empty(M, K, dtype=dtype, device=dev)
+        q = torch.empty(M, K, dtype=dtype, device=dev) if rowmajor else None
         qt = torch.empty(K, M, dtype=dtype, device=dev) if transpose else None
         inv = torch.empty((), dtype=torch.float32, device=dev)
     else:
@@ -90,7 +92,8 @@ def cast_transpose(t: torch.Tensor, dtype: torch.dtype, amax_floor: float, trans
     _amax_kernel[(n_parts,)](t, partials, M, K, t.stride(0), t.stride(1), rows, BLOCK_M=8, BLOCK_K=bk,
                              num_warps=4)
     grid = (triton.cdiv(M, TILE_M), triton.cdiv(K, TILE_K))
-    _cast_kernel[grid](t, partials, n_parts, q, qt if qt is not None else q, inv, M, K, t.stride(0), t.stride(1),
-                       float(torch.finfo(dtype).max), amax_floor, PARTS=PARTS, BLOCK_M=TILE_M, BLOCK_K=TILE_K,
-                       WRITE_T=qt is not None, num_warps=WARPS)
+    _cast_kernel[grid](t, partials, n_parts, q if q is not None else qt, qt if qt is not None else q, inv, M, K,
+                       t.stride(0), t.stride(1), float(torch.finfo(dtype).max), amax_floor, PARTS=PARTS,
+                       BLOCK_M=TILE_M, BLOCK_K=TILE_K, WRITE_Q=q is not None, WRITE_T=qt is not None,
+                       num_warps=WARPS)
     return q, qt, inv
