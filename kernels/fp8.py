@@ -116,7 +116,8 @@ class _FP8Linear(torch.autograd.Function):
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.n_out = x.shape, x.dtype, weight.dtype, weight.shape[0]
         ctx.has_bias = bias is not None
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return y.view(*x.shape[:-1], weight.shape[0])
+        return y  # [M, N]: fp8_linear views it as [..., N] outside (a view made in here could not be changed in
+        # place afterwards, as TP's all-reduce of a row-parallel output does)
 
     @staticmethod
     def backward(ctx, gy):
@@ -157,7 +158,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if x.numel() == 0:  # no tokens (an amax has no value): the empty output, and zero gradients, of F.linear
         return F.linear(x.to(out_dtype), weight.to(out_dtype), None if bias is None else bias.to(out_dtype))
     with torch.autocast(dev, enabled=False):
-        return _FP8Linear.apply(x, weight, bias, out_dtype, wq)
+        return _FP8Linear.apply(x, weight, bias, out_dtype, wq).view(*x.shape[:-1], weight.shape[0])
 
 
 def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

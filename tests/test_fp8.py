@@ -243,7 +243,8 @@ def test_trainer_with_fp8_follows_bf16(tmp_path):
 
 
 @pytest.mark.parametrize("over,why", [
-    (["parallel.tp=2", "parallel.world_size=2"], "tensor-parallel Linears"),
+    (["parallel.tp=2", "parallel.world_size=2", "parallel.tp_overlap=true"], "tp_overlap"),
+    (["parallel.tp=2", "parallel.world_size=4", "parallel.engine=fsdp2", "train.global_batch=8"], "FSDP2 x TP"),
     (["train.cast_weights_once=true"], "pick one"),
     (["train.precision=fp32"], "bf16 autocast"),
     (["parallel.engine=deepspeed", "parallel.world_size=2", "train.global_batch=4"], "deepspeed"),
@@ -321,3 +322,37 @@ def test_fp8_under_fsdp2_dp2_equals_one_process(tmp_path):
     two = train_losses(tmp_path / "two", 2, over, base=base, timeout=300)
     assert sorted(one) == sorted(two) == [1, 2, 3]
     assert all(abs(one[s] - two[s]) < 2e-3 * one[s] for s in one), (one, two)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_fp8_under_tensor_parallelism_follows_one_process(tmp_path, sp):
+    """TP 2 (+ SP) over gloo with train.fp8: the column-parallel Linears' rows and the row-parallel Linears'
+    columns in FP8 (FP8RowParallelLinear: the local product, then the reduction), cast once per step. Each rank
+    scales its own shards, so the quantization is per shard: close to one process's FP8 run, not equal (as FP8
+    is to bf16 here, ~5e-4)."""
+    from multiproc import train_losses
+
+    over = ["train.fp8=true", "train.device=cpu"]
+    one = train_losses(tmp_path / "one", 1, over, base=TINY, timeout=300)
+    tp = ["parallel.tp=2", f"parallel.sp={str(sp).lower()}"]
+    two = train_losses(tmp_path / "tp", 2, [*over, *tp], base=TINY, timeout=300)
+    assert sorted(one) == sorted(two) == [1, 2, 3, 4]
+    assert all(abs(one[s] - two[s]) < 5e-3 * one[s] for s in one), (one, two)
+
+
+def test_apply_fp8_swaps_the_row_parallel_linears(monkeypatch):
+    """Under TP the row-parallel projections become FP8RowParallelLinear (same parameters and group), the
+    column-parallel ones (plain Linears of their rows) FP8Linear, and a TP variant with its own autograd path
+    (the entry Linear of tp_overlap) is kept in bf16, named."""
+    from torch import nn
+
+    from megassm.parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megassm.training.fp8 import FP8RowParallelLinear
+
+    model = nn.Sequential(nn.Linear(32, 64), RowParallelLinear(64, 32, bias=False), ColumnParallelLinear(32, 48))
+    model[1].tp_group, model[1].sp = "g", True
+    w = model[1].weight
+    out = apply_fp8(model)
+    assert type(model[0]) is FP8Linear and type(model[1]) is FP8RowParallelLinear
+    assert model[1].weight is w and model[1].tp_group == "g" and model[1].sp
+    assert out["fp8"] == ["0", "1"] and "own autograd path" in out["kept"]["2"]

@@ -167,8 +167,8 @@ def test_dry_run_checks_the_gpu_job_on_a_cpu_machine(capsys, monkeypatch):
         assert main(["--dry-run", "--config", "configs/tiny.yaml", opt]) == 0, opt
         assert "would refuse" not in capsys.readouterr().err
     assert main(["--dry-run", "--config", "configs/tiny.yaml", "train.fp8=true", "parallel.world_size=2",
-                 "parallel.tp=2"]) == 2
-    assert "train.fp8=true: parallel.tp=2" in capsys.readouterr().err
+                 "parallel.tp=2", "parallel.tp_overlap=true"]) == 2
+    assert "train.fp8=true: parallel.tp_overlap=true" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("recipe,world", [("configs/recipes/mamba2-1.3b-1node.yaml", 8),

@@ -84,15 +84,18 @@ def _check_cast_weights_once(cfg: Config, device: torch.device) -> None:
 
 
 def _check_fp8(cfg: Config, device: torch.device) -> None:
-    """train.fp8=true (training/fp8.py): bf16 autocast, no TP, no cast_weights_once, not DeepSpeed; on CUDA a GPU
-    with FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, Blackwell)."""
+    """train.fp8=true (training/fp8.py): bf16 autocast, not tp_overlap or FSDP2 x TP, no cast_weights_once, not
+    DeepSpeed; on CUDA a GPU with FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, Blackwell)."""
     p, t = cfg.parallel, cfg.train
     why = None
     if autocast_dtype(cfg, device) is not torch.bfloat16:
         why = (f"train.precision={t.precision} on {device.type}: FP8 projections run inside bf16 autocast "
                "(train.precision=bf16, or auto on a GPU)")
-    elif p.tp > 1:
-        why = f"parallel.tp={p.tp}: the tensor-parallel Linears have autograd functions of their own; use tp=1"
+    elif p.tp > 1 and p.tp_overlap:
+        why = ("parallel.tp_overlap=true: its column-parallel autograd function (parallel/layers.py) is not built "
+               "for FP8; set parallel.tp_overlap=false")
+    elif p.tp > 1 and p.engine == "fsdp2":
+        why = f"parallel.engine=fsdp2 with parallel.tp={p.tp} (FSDP2 x TP): not built (tp with ddp / zero_stage=1 is)"
     elif t.cast_weights_once:
         why = "train.cast_weights_once=true: both replace the Linears' weight path; pick one"
     elif p.engine == "deepspeed":

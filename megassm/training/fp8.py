@@ -13,9 +13,15 @@ weights are whole fp32 tensors on every rank (one process, the ddp engine with o
 replay the same tensors), 2 bytes per parameter held. Under FSDP2 the weights exist whole only inside each
 forward, so every call casts them.
 
-Refused where it is not built (training/checks.py): without bf16 autocast, with tensor parallelism (the TP
-Linears run their own autograd functions), with train.cast_weights_once (both replace the Linears' weight
-path), and with the DeepSpeed engine.
+Tensor parallelism: the column-parallel Linears are plain nn.Linears holding their rows (swapped as above), and
+the row-parallel ones (`RowParallelLinear`) become `FP8RowParallelLinear`: the local product in FP8, then the
+same all-reduce (SP: reduce-scatter) of its bf16 output. Each rank scales its own shard of x and W, so TP's
+quantization is per shard, not per whole tensor: close to one process's, not bit for bit. Kept in bf16: TP's
+entry Linear under parallel.tp_overlap (its fused autograd function: refused in checks.py), and the replicated
+row Linears (Mamba-1 / Longhorn x_proj).
+
+Refused where it is not built (training/checks.py): without bf16 autocast, with parallel.tp_overlap, with FSDP2
+x TP, with train.cast_weights_once (both replace the Linears' weight path), and with the DeepSpeed engine.
 """
 from __future__ import annotations
 
@@ -25,9 +31,10 @@ import torch
 from torch import nn
 
 from megassm.kernels.fp8 import E4M3, fp8_eligible, fp8_linear, fp8_weight
+from megassm.parallel.layers import RowParallelLinear, region_out
 from megassm.parallel.substitute import substitute
 
-__all__ = ["FP8Linear", "FP8WeightCache", "apply_fp8"]
+__all__ = ["FP8Linear", "FP8RowParallelLinear", "FP8WeightCache", "apply_fp8"]
 
 log = logging.getLogger("megassm.train")
 
@@ -42,12 +49,26 @@ class FP8Linear(nn.Linear):
         return fp8_linear(x, self.weight, self.bias, self.fp8_weight)
 
 
+class FP8RowParallelLinear(RowParallelLinear):
+    """RowParallelLinear whose local product runs in FP8 (this rank's shards of x and W, scaled apart); the
+    reduction over the TP group and the bias as before."""
+
+    fp8_weight: tuple | None = None
+
+    def forward(self, x):
+        y = region_out(fp8_linear(x, self.weight, None, self.fp8_weight), self.tp_group, self.sp and x.dim() == 3)
+        return y if self.bias is None else y + self.bias
+
+
+_FP8_MODULES = (FP8Linear, FP8RowParallelLinear)
+
+
 class FP8WeightCache:
     """The FP8Linears' weight operands, cast once per optimizer step (module docstring). `refresh()` after every
     change of the weights and before they are used (the trainer: at each step's start and before evaluation)."""
 
     def __init__(self, model: nn.Module):
-        self.mods = [m for m in model.modules() if isinstance(m, FP8Linear)]
+        self.mods = [m for m in model.modules() if isinstance(m, _FP8_MODULES)]
         for m in self.mods:
             n, k = m.weight.shape
             dev = m.weight.device
@@ -66,15 +87,19 @@ def apply_fp8(model: nn.Module) -> dict:
     """Swap the eligible Linears of `model` for FP8Linear, in place. Returns {"fp8": names, "kept": {name: why}}."""
     head = getattr(model, "lm_head", None)
     done, kept = [], {}
+    swap = {nn.Linear: FP8Linear, RowParallelLinear: FP8RowParallelLinear}
     for name, m in list(model.named_modules()):
-        if type(m) is not nn.Linear:
+        if not isinstance(m, nn.Linear):
             continue
+        n_out, n_in = m.weight.shape  # this rank's shard under TP
         if m is head:
             kept[name] = "the LM head stays in bf16"
-        elif not fp8_eligible(m.in_features, m.out_features):
-            kept[name] = f"{m.in_features} -> {m.out_features}: not multiples of 16"
+        elif type(m) not in swap:
+            kept[name] = f"{type(m).__name__}: its own autograd path, not built for FP8"
+        elif not fp8_eligible(n_in, n_out):
+            kept[name] = f"{n_in} -> {n_out}: not multiples of 16"
         else:
-            substitute(model, name, FP8Linear)
+            substitute(model, name, swap[type(m)])
             done.append(name)
     n = sum(model.get_submodule(x).weight.numel() for x in done)
     log.info("train.fp8: %d Linears (%.1fM parameters) compute in FP8 (E4M3 forward, E5M2 gradients, per-tensor "

@@ -274,15 +274,16 @@ def rank_models(cfg: Config, vocab: int) -> list:
 
 
 def _fp8_params(model) -> int:
-    """Parameters of the Linears train.fp8 computes in FP8 (training/fp8.py apply_fp8: not the LM head, sizes
-    torch._scaled_mm takes)."""
+    """Parameters of the Linears train.fp8 computes in FP8 (training/fp8.py apply_fp8: plain and row-parallel
+    Linears, not the LM head, sizes torch._scaled_mm takes)."""
     from torch import nn
 
     from megassm.kernels.fp8 import fp8_eligible
+    from megassm.parallel.layers import RowParallelLinear
 
     head = getattr(model, "lm_head", None)
-    return sum(m.weight.numel() for m in model.modules()
-               if type(m) is nn.Linear and m is not head and fp8_eligible(m.in_features, m.out_features))
+    return sum(m.weight.numel() for m in model.modules() if type(m) in (nn.Linear, RowParallelLinear)
+               and m is not head and fp8_eligible(m.weight.shape[1], m.weight.shape[0]))
 
 
 def _matmul_params(model) -> int:
