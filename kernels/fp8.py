@@ -121,9 +121,10 @@ class _FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
-        x8t, sx, w8t, sw = ctx.saved_tensors
-        if ctx.recast and w8t is not None:  # the weight itself was kept: its W^T operand, cast as the forward did
-            _, w8t, sw = cast_fp8(w8t.detach(), E4M3, rowmajor=False, transpose=True)
+        x8t, sx, w_kept, sw = ctx.saved_tensors  # w_kept: W^T in FP8, or (ctx.recast) the weight itself
+        w8t = w_kept
+        if ctx.recast and w_kept is not None:  # W^T's operand cast as the forward cast W
+            _, w8t, sw = cast_fp8(w_kept.detach(), E4M3, rowmajor=False, transpose=True)
         g2 = gy.reshape(-1, ctx.n_out)
         M = g2.shape[0]
         want_dx, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]

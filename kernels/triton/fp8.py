@@ -23,7 +23,7 @@ import triton.language as tl
 from ._lang import tmax
 
 PARTS = 512       # amax partials (a power of two: the cast kernel loads them as one block)
-AMAX_BLOCK = 4096
+AMAX_BLOCK_K = 512  # columns per amax load (x 8 rows)
 TILE_M, TILE_K, WARPS = 64, 128, 8
 _TL = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 
@@ -35,7 +35,7 @@ def _amax_kernel(T, P, M, K, stride_m, stride_k, rows_per_prog, BLOCK_M: tl.cons
     acc = tl.full([BLOCK_M, BLOCK_K], 0.0, tl.float32)
     for m in range(r0, r0 + rows_per_prog, BLOCK_M):
         rows = m + tl.arange(0, BLOCK_M)
-        rmask = (rows < r0 + rows_per_prog) & (rows < M)
+        rmask = rows < M  # rows_per_prog is a multiple of BLOCK_M: a program's steps never pass its run
         for k in range(0, K, BLOCK_K):
             cols = k + tl.arange(0, BLOCK_K)
             ptr = T + rows[:, None].to(tl.int64) * stride_m + cols[None, :].to(tl.int64) * stride_k
@@ -88,7 +88,7 @@ def cast_transpose(t: torch.Tensor, dtype: torch.dtype, amax_floor: float, trans
     rows = triton.cdiv(rows, 8) * 8  # whole BLOCK_M steps per program
     n_parts = triton.cdiv(M, rows)
     partials = torch.empty(PARTS, dtype=torch.float32, device=dev)
-    bk = min(triton.next_power_of_2(max(K, 16)), AMAX_BLOCK // 8)
+    bk = min(triton.next_power_of_2(max(K, 16)), AMAX_BLOCK_K)
     _amax_kernel[(n_parts,)](t, partials, M, K, t.stride(0), t.stride(1), rows, BLOCK_M=8, BLOCK_K=bk,
                              num_warps=4)
     grid = (triton.cdiv(M, TILE_M), triton.cdiv(K, TILE_K))

@@ -34,7 +34,7 @@ from megassm.kernels.fp8 import E4M3, fp8_eligible, fp8_linear, fp8_weight
 from megassm.parallel.layers import RowParallelLinear, region_out
 from megassm.parallel.substitute import substitute
 
-__all__ = ["FP8Linear", "FP8RowParallelLinear", "FP8WeightCache", "apply_fp8"]
+__all__ = ["FP8Linear", "FP8RowParallelLinear", "FP8WeightCache", "apply_fp8", "fp8_plan"]
 
 log = logging.getLogger("megassm.train")
 
@@ -83,24 +83,36 @@ class FP8WeightCache:
             fp8_weight(m.weight.detach(), out=m.fp8_weight)
 
 
-def apply_fp8(model: nn.Module) -> dict:
-    """Swap the eligible Linears of `model` for FP8Linear, in place. Returns {"fp8": names, "kept": {name: why}}."""
+_SWAP = {nn.Linear: FP8Linear, RowParallelLinear: FP8RowParallelLinear}
+
+
+def fp8_plan(model: nn.Module) -> tuple[dict, dict]:
+    """Which Linears of `model` train.fp8 computes in FP8: ({name: FP8 class}, {name: why kept in bf16}). Shared by
+    apply_fp8 and the memory estimate (training/memory.py)."""
     head = getattr(model, "lm_head", None)
-    done, kept = [], {}
-    swap = {nn.Linear: FP8Linear, RowParallelLinear: FP8RowParallelLinear}
-    for name, m in list(model.named_modules()):
+    swaps, kept = {}, {}
+    for name, m in model.named_modules():
         if not isinstance(m, nn.Linear):
             continue
         n_out, n_in = m.weight.shape  # this rank's shard under TP
         if m is head:
             kept[name] = "the LM head stays in bf16"
-        elif type(m) not in swap:
+        elif type(m) not in _SWAP:
             kept[name] = f"{type(m).__name__}: its own autograd path, not built for FP8"
         elif not fp8_eligible(n_in, n_out):
             kept[name] = f"{n_in} -> {n_out}: not multiples of 16"
         else:
-            substitute(model, name, swap[type(m)])
-            done.append(name)
+            swaps[name] = _SWAP[type(m)]
+    return swaps, kept
+
+
+def apply_fp8(model: nn.Module) -> dict:
+    """Swap the eligible Linears of `model` for their FP8 classes, in place (`fp8_plan`). Returns
+    {"fp8": names, "kept": {name: why}}."""
+    swaps, kept = fp8_plan(model)
+    for name, cls in swaps.items():
+        substitute(model, name, cls)
+    done = list(swaps)
     n = sum(model.get_submodule(x).weight.numel() for x in done)
     log.info("train.fp8: %d Linears (%.1fM parameters) compute in FP8 (E4M3 forward, E5M2 gradients, per-tensor "
              "dynamic scales); %d kept in bf16%s", len(done), n / 1e6, len(kept),

@@ -274,16 +274,10 @@ def rank_models(cfg: Config, vocab: int) -> list:
 
 
 def _fp8_params(model) -> int:
-    """Parameters of the Linears train.fp8 computes in FP8 (training/fp8.py apply_fp8: plain and row-parallel
-    Linears, not the LM head, sizes torch._scaled_mm takes)."""
-    from torch import nn
+    """Parameters of the Linears train.fp8 computes in FP8 (training/fp8.py `fp8_plan`)."""
+    from megassm.training.fp8 import fp8_plan
 
-    from megassm.kernels.fp8 import fp8_eligible
-    from megassm.parallel.layers import RowParallelLinear
-
-    head = getattr(model, "lm_head", None)
-    return sum(m.weight.numel() for m in model.modules() if type(m) in (nn.Linear, RowParallelLinear)
-               and m is not head and fp8_eligible(m.weight.shape[1], m.weight.shape[0]))
+    return sum(model.get_submodule(name).weight.numel() for name in fp8_plan(model)[0])
 
 
 def _matmul_params(model) -> int:
