@@ -1,11 +1,18 @@
 """The one launcher of the multi-process tests: N ranks of a function over gloo (or nccl) with a timeout and
-every rank's result or traceback (spawn), and training runs as one process or under torchrun (launch,
-run_train, train_records / train_losses). Importable by name from tests/ (pytest puts tests/ on sys.path,
-and the spawned ranks inherit it), so torch.multiprocessing can pickle the workers."""
+every rank's result or traceback (spawn), and training runs as one process or N ranks (launch, run_train,
+train_records / train_losses). Importable by name from tests/ (pytest puts tests/ on sys.path, and the
+spawned ranks inherit it), so torch.multiprocessing can pickle the workers.
+
+On a host without CUDA every process starts from a forkserver that has imported torch (_start_method), and a
+training run's ranks get torchrun's environment without torchrun itself unless the test asks for it
+(launch(torchrun=True): the fault tests). MEGASSM_TEST_SPAWN=1 starts every process as a fresh interpreter
+and every multi-rank run under torchrun."""
 from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import pickle
 import random
@@ -73,7 +80,44 @@ class RankError(AssertionError):
         self.errors = errors
 
 
-def _entry(rank, world, port, backend, fn, args, out_dir, group):
+# Processes start from a forkserver that has imported torch and torch._dynamo (which the first optimizer step
+# imports): ~3 s of CPU less per process, and the suite starts several hundred on CI's two cores. Only on a
+# host without CUDA (a child of a process that touched CUDA cannot use it), and only while TRITON_INTERPRET is
+# what it was when the server started (torch._dynamo imports Triton, whose builtins read it at import);
+# otherwise a fresh interpreter ("spawn"). A child takes the caller's environment of the moment (_adopt): the
+# server's is the one it started with.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+_UNSET = object()
+_server_interp = _UNSET
+
+
+def _start_method() -> str:
+    global _server_interp
+    if os.environ.get("MEGASSM_TEST_SPAWN") == "1" or torch.cuda.is_available():
+        return "spawn"
+    interp = os.environ.get("TRITON_INTERPRET")
+    if _server_interp is _UNSET:
+        multiprocessing.set_forkserver_preload(_PRELOAD)
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"  # OpenMP reads it when the server loads torch, not later
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["OMP_NUM_THREADS"]
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+        _server_interp = interp
+    return "forkserver" if interp == _server_interp else "spawn"
+
+
+def _adopt(env: dict) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+
+
+def _entry(rank, world, port, backend, fn, args, out_dir, group, env):
+    _adopt(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -98,6 +142,16 @@ def _entry(rank, world, port, backend, fn, args, out_dir, group):
         destroy()
 
 
+def _clashed(out_dir: str, world: int) -> bool:
+    for r in range(world):
+        path = os.path.join(out_dir, f"{r}.error")
+        if os.path.exists(path):
+            with open(path) as f:
+                if port_clash(f.read()):
+                    return True
+    return False
+
+
 def _stop(ctx) -> None:
     for p in ctx.processes:
         if p.is_alive():
@@ -111,8 +165,8 @@ def _stop(ctx) -> None:
 
 def _run_once(fn, world, args, backend, timeout, group):
     with tempfile.TemporaryDirectory(prefix="megassm-ranks-") as out:
-        ctx = mp.start_processes(_entry, args=(world, free_port(), backend, fn, args, out, group), nprocs=world,
-                                 join=False, start_method="spawn")
+        ctx = mp.start_processes(_entry, args=(world, free_port(), backend, fn, args, out, group, dict(os.environ)),
+                                 nprocs=world, join=False, start_method=_start_method())
         deadline = time.monotonic() + timeout
         timed_out = False
         failed_at = None
@@ -130,8 +184,8 @@ def _run_once(fn, world, args, backend, timeout, group):
                     break
                 if failed_at is None and any(c not in (None, 0) for c in codes):
                     failed_at = now
-                if failed_at is not None and now - failed_at > _FAIL_GRACE:
-                    break
+                if failed_at is not None and (now - failed_at > _FAIL_GRACE or _clashed(out, world)):
+                    break  # a port clash: the others wait on a rendezvous that will not come
                 time.sleep(0.05)
         finally:
             _stop(ctx)
@@ -213,30 +267,131 @@ def run_bounded(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedPro
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
-def launch(cwd: str, args: list[str], nproc: int = 1, env: dict | None = None,
-           timeout: int = 400) -> subprocess.CompletedProcess:
-    """Run `megassm.train` with `args` as one process (nproc 1) or under torchrun (nproc ranks on this host),
-    one thread per process, in `cwd`, and return its CompletedProcess whatever the exit code (`.seconds`: the
-    wall time of the launch that counted). Past `timeout` every process of the launch is killed (TimeoutExpired)."""
+def launch(cwd: str, args: list[str], nproc: int = 1, env: dict | None = None, timeout: int = 400,
+           torchrun: bool = False) -> subprocess.CompletedProcess:
+    """Run `megassm.train` with `args` as one process (nproc 1) or nproc ranks on this host, one thread per
+    process, in `cwd`, and return its CompletedProcess whatever the exit code (`.seconds`: the wall time of the
+    launch that counted). Past `timeout` every process of the launch is killed (TimeoutExpired).
+
+    The ranks run under torchrun where it counts (torchrun=True: how it stops the others after a failure, its
+    summary) or the host has CUDA; otherwise they start from the forkserver (_launch_forked) with the
+    environment torchrun gives a rank: ~3 s of CPU less per process, the same trainer."""
     full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    forked = (nproc == 1 or not torchrun) and _start_method() == "forkserver"
     launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
-    for _ in range(_PORT_TRIES if launcher else 1):
-        port = ["--master_port", str(free_port())] if launcher else []
-        cmd = [sys.executable, *launcher, *port, "-m", "megassm.train", *args]
-        t0 = time.monotonic()
-        r = run_bounded(cmd, timeout, cwd=cwd, env=full_env)
-        r.seconds = time.monotonic() - t0
+    for _ in range(_PORT_TRIES if nproc > 1 else 1):
+        port = free_port()
+        if forked:
+            r = _launch_forked(cwd, args, full_env, timeout, nproc, port)
+        else:
+            cmd = [sys.executable, *launcher, *(["--master_port", str(port)] if launcher else []), "-m",
+                   "megassm.train", *args]
+            t0 = time.monotonic()
+            r = run_bounded(cmd, timeout, cwd=cwd, env=full_env)
+            r.seconds = time.monotonic() - t0
         if r.returncode == 0 or not port_clash(r.stderr):
             break
     return r
 
 
-def run_train(cwd: str, args: list[str], nproc: int = 1, env: dict | None = None, timeout: int = 400) -> list[dict]:
+def _train_child(args, cwd, env, out_path, err_path):
+    """`python -m megassm.train ARGS` in a forkserver child: its own session (a timeout kills its tree), the
+    caller's environment and directory, stdout / stderr (file descriptors 1 and 2) appended to the launch's
+    files, and the exit code the interpreter would give (an uncaught exception: its traceback and 1)."""
+    os.setsid()
+    for fd, path in ((1, out_path), (2, err_path)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    _adopt(env)
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or 1))
+    os.chdir(cwd)
+    sys.argv = [os.path.join(ROOT, "megassm", "train.py"), *args]
+    code = 1
+    try:
+        import megassm.train
+
+        megassm.train.cli()  # a rank of several leaves through os._exit in there
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        import logging
+
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _read(path: str) -> str:
+    if not os.path.exists(path):
+        return ""
+    with open(path, errors="replace") as f:
+        return f.read()
+
+
+_LAUNCH_GRACE = 5.0  # seconds the other ranks get to exit by themselves after one failed (torchrun: SIGTERM, 30 s)
+
+
+def _launch_forked(cwd: str, args: list[str], env: dict, timeout: float, nproc: int,
+                   port: int) -> subprocess.CompletedProcess:
+    """launch() from the forkserver: nproc children with torchrun's rank environment (rank 0 hosts the store at
+    `port`). After a failure the others get _LAUNCH_GRACE seconds, then every rank's session is killed."""
+    cmd = [sys.executable, "-m", "megassm.train", *args]
+    ctx = multiprocessing.get_context("forkserver")
+    with tempfile.TemporaryDirectory(prefix="megassm-launch-") as tmp:
+        out_path, err_path = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+        procs = []
+        for r in range(nproc):
+            rank_env = env if nproc == 1 else dict(
+                env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                GROUP_RANK="0", ROLE_RANK=str(r), ROLE_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port))
+            procs.append(ctx.Process(target=_train_child, args=(args, cwd, rank_env, out_path, err_path)))
+        t0 = time.monotonic()
+        for p in procs:
+            p.start()
+        timed_out, failed_at = False, None
+        while True:
+            codes = [p.exitcode for p in procs]
+            now = time.monotonic()
+            if all(c is not None for c in codes):
+                break
+            if now - t0 > timeout:
+                timed_out = True
+                break
+            if failed_at is None and any(c not in (None, 0) for c in codes):
+                failed_at = now
+            if failed_at is not None and now - failed_at > _LAUNCH_GRACE:
+                break
+            time.sleep(0.05)
+        for p in procs:
+            if p.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+            p.join()
+        seconds = time.monotonic() - t0
+        out, err = (_read(path) for path in (out_path, err_path))
+    if timed_out:
+        raise subprocess.TimeoutExpired(cmd, timeout, out, err)
+    codes = [p.exitcode for p in procs]
+    r = subprocess.CompletedProcess(cmd, next((c for c in codes if c != 0), 0), out, err)
+    r.seconds = seconds
+    return r
+
+
+def run_train(cwd: str, args: list[str], nproc: int = 1, env: dict | None = None, timeout: int = 400,
+              torchrun: bool = False) -> list[dict]:
     """launch(), assert it succeeded (its stderr's tail as the message) and return the run's metrics.jsonl
     records. `args` must set run.dir."""
     run_dir = next((a.split("=", 1)[1] for a in args if a.startswith("run.dir=")), None)
     assert run_dir is not None, "run_train: args must set run.dir"
-    r = launch(cwd, args, nproc, env, timeout)
+    r = launch(cwd, args, nproc, env, timeout, torchrun)
     assert r.returncode == 0, r.stderr[-5000:]
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]

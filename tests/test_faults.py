@@ -71,7 +71,8 @@ def test_fault_spec_is_checked():
 
 def test_killed_rank_ends_the_job_and_resume_auto_continues_exactly(tmp_path):
     run = tmp_path / "run"
-    r = launch(ROOT, _args(run, "parallel.timeout_s=20"), nproc=2, env={"MEGASSM_FAULT": "kill:1:4"}, timeout=300)
+    r = launch(ROOT, _args(run, "parallel.timeout_s=20"), nproc=2, env={"MEGASSM_FAULT": "kill:1:4"}, timeout=300,
+               torchrun=True)
     assert r.returncode != 0, r.stderr[-3000:]
     assert "[rank 1] megassm: MEGASSM_FAULT=kill:1:4: killed before step 4" in r.stderr
     assert "Signal 9 (SIGKILL) received by PID" in r.stderr  # torchrun's summary names the lost rank
@@ -88,7 +89,8 @@ def test_killed_rank_ends_the_job_and_resume_auto_continues_exactly(tmp_path):
 
 def test_stalled_rank_fails_its_peer_after_the_timeout_and_the_job_ends(tmp_path):
     run = tmp_path / "run"
-    r = launch(ROOT, _args(run, "parallel.timeout_s=4"), nproc=2, env={"MEGASSM_FAULT": "hang:1:4"}, timeout=300)
+    r = launch(ROOT, _args(run, "parallel.timeout_s=4"), nproc=2, env={"MEGASSM_FAULT": "hang:1:4"}, timeout=300,
+               torchrun=True)
     assert r.returncode != 0, r.stderr[-3000:]
     assert "[rank 1] megassm: MEGASSM_FAULT=hang:1:4: stalls before step 4" in r.stderr
     assert "Timed out waiting 4000ms" in r.stderr, r.stderr[-3000:]  # rank 0's gradient all-reduce
@@ -105,7 +107,7 @@ def test_a_rank_stalled_before_the_save_leaves_no_checkpoint_of_that_step(tmp_pa
     on garbage: a published checkpoint of it would be resumed from)."""
     run = tmp_path / "run"
     r = launch(ROOT, _args(run, "parallel.timeout_s=4"), nproc=2, env={"MEGASSM_FAULT": "hangsave:1:4"},
-               timeout=300)
+               timeout=300, torchrun=True)
     assert r.returncode != 0, r.stderr[-3000:]
     assert "[rank 1] megassm: MEGASSM_FAULT=hangsave:1:4: stalls before the checkpoint of step 4" in r.stderr
     assert r.seconds < 4 + GRACE_S + START_S, r.seconds

@@ -554,7 +554,7 @@ def _torchrun(args, timeout=300):
     from multiproc import launch
 
     return launch(ROOT, ["--config", "configs/tiny.yaml", *SMALL, *args], nproc=2, env={"CUDA_VISIBLE_DEVICES": ""},
-                  timeout=timeout)
+                  timeout=timeout, torchrun=True)
 
 
 def test_two_ranks_share_the_lock_refusal_and_the_fallback(base_run, tmp_path, live_process):
