@@ -116,13 +116,15 @@ def _adopt(env: dict) -> None:
     os.environ.update(env)
 
 
-def _entry(rank, world, port, backend, fn, args, out_dir, group, env):
+def _entry(rank, world, port, backend, payload, out_dir, group, env):
+    # the environment first, then the worker and its arguments unpickled (their modules imported) under it
     _adopt(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     try:
+        fn, args = pickle.loads(payload)
         if group:
             if backend == "nccl":
                 torch.cuda.set_device(rank)
@@ -165,7 +167,8 @@ def _stop(ctx) -> None:
 
 def _run_once(fn, world, args, backend, timeout, group):
     with tempfile.TemporaryDirectory(prefix="megassm-ranks-") as out:
-        ctx = mp.start_processes(_entry, args=(world, free_port(), backend, fn, args, out, group, dict(os.environ)),
+        payload = pickle.dumps((fn, args))
+        ctx = mp.start_processes(_entry, args=(world, free_port(), backend, payload, out, group, dict(os.environ)),
                                  nprocs=world, join=False, start_method=_start_method())
         deadline = time.monotonic() + timeout
         timed_out = False
