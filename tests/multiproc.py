@@ -144,6 +144,24 @@ def _entry(rank, world, port, backend, payload, out_dir, group, env):
         destroy()
 
 
+def _wait(procs, deadline: float, grace: float, give_up=lambda: False) -> bool:
+    """Poll `procs` (anything with .exitcode) until all have exited or `deadline` (monotonic) passes (then True:
+    timed out); after the first failure the others get `grace` seconds, or none once give_up() says so."""
+    failed_at = None
+    while True:
+        codes = [p.exitcode for p in procs]
+        now = time.monotonic()
+        if all(c is not None for c in codes):
+            return False
+        if now >= deadline:
+            return True
+        if failed_at is None and any(c not in (None, 0) for c in codes):
+            failed_at = now
+        if failed_at is not None and (now - failed_at > grace or give_up()):
+            return False
+        time.sleep(0.05)
+
+
 def _clashed(out_dir: str, world: int) -> bool:
     for r in range(world):
         path = os.path.join(out_dir, f"{r}.error")
@@ -170,26 +188,11 @@ def _run_once(fn, world, args, backend, timeout, group):
         payload = pickle.dumps((fn, args))
         ctx = mp.start_processes(_entry, args=(world, free_port(), backend, payload, out, group, dict(os.environ)),
                                  nprocs=world, join=False, start_method=_start_method())
-        deadline = time.monotonic() + timeout
-        timed_out = False
-        failed_at = None
         try:
             # not ctx.join(): on the first failed rank it terminates the others at once, and a rank failing a
-            # moment later then dies before writing its error (seen in CI under load); the others get
-            # _FAIL_GRACE seconds to finish or fail on their own
-            while True:
-                codes = [p.exitcode for p in ctx.processes]
-                now = time.monotonic()
-                if all(c is not None for c in codes):
-                    break
-                if now >= deadline:
-                    timed_out = True
-                    break
-                if failed_at is None and any(c not in (None, 0) for c in codes):
-                    failed_at = now
-                if failed_at is not None and (now - failed_at > _FAIL_GRACE or _clashed(out, world)):
-                    break  # a port clash: the others wait on a rendezvous that will not come
-                time.sleep(0.05)
+            # moment later then dies before writing its error (seen in CI under load); a port clash ends the
+            # wait at once (the others wait on a rendezvous that will not come)
+            timed_out = _wait(ctx.processes, time.monotonic() + timeout, _FAIL_GRACE, lambda: _clashed(out, world))
         finally:
             _stop(ctx)
         errors = {}
@@ -281,14 +284,14 @@ def launch(cwd: str, args: list[str], nproc: int = 1, env: dict | None = None, t
     environment torchrun gives a rank: ~3 s of CPU less per process, the same trainer."""
     full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     forked = (nproc == 1 or not torchrun) and _start_method() == "forkserver"
-    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
     for _ in range(_PORT_TRIES if nproc > 1 else 1):
         port = free_port()
         if forked:
             r = _launch_forked(cwd, args, full_env, timeout, nproc, port)
         else:
-            cmd = [sys.executable, *launcher, *(["--master_port", str(port)] if launcher else []), "-m",
-                   "megassm.train", *args]
+            launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                                              "--master_port", str(port)]
+            cmd = [sys.executable, *launcher, "-m", "megassm.train", *args]
             t0 = time.monotonic()
             r = run_bounded(cmd, timeout, cwd=cwd, env=full_env)
             r.seconds = time.monotonic() - t0
@@ -359,20 +362,7 @@ def _launch_forked(cwd: str, args: list[str], env: dict, timeout: float, nproc: 
         t0 = time.monotonic()
         for p in procs:
             p.start()
-        timed_out, failed_at = False, None
-        while True:
-            codes = [p.exitcode for p in procs]
-            now = time.monotonic()
-            if all(c is not None for c in codes):
-                break
-            if now - t0 > timeout:
-                timed_out = True
-                break
-            if failed_at is None and any(c not in (None, 0) for c in codes):
-                failed_at = now
-            if failed_at is not None and now - failed_at > _LAUNCH_GRACE:
-                break
-            time.sleep(0.05)
+        timed_out = _wait(procs, t0 + timeout, _LAUNCH_GRACE)
         for p in procs:
             if p.exitcode is None:
                 with contextlib.suppress(ProcessLookupError):
