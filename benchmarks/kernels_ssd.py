@@ -6,6 +6,8 @@ measurement, then a short table.
     PYTHONPATH=.peers python benchmarks/kernels_ssd.py --only ssd  # ssd | conv | norm | step | sdpa
     python benchmarks/kernels_ssd.py --quick                       # only the 2K row of the anchors shape
     PYTHONPATH=.peers python benchmarks/kernels_ssd.py --only ssd --repeat 3 --graph  # rounds; CUDA-graph replays
+    python benchmarks/kernels_ssd.py --only ssd --lens 2048 --tokens 8192 --docs 2 --graph --profile
+                                                                   # the trainer's call: 4 x 2048, packed rows
 
 mamba_ssm is imported from PYTHONPATH when present (peer code: measured, never copied); absent, its rows say
 so. Timings: triton.testing.do_bench, median, bf16, one GPU. Shapes of one Mamba-2 1.3B layer: H=64 heads, P=64,
@@ -96,6 +98,17 @@ def ssd_inputs(B, L, H, P, N, G, seed=0):
     )
 
 
+def doc_ids(B, L, docs, seed=0):
+    """seq_idx [B, L] int32: each row packs `docs` documents split at random positions (as the trainer's packed
+    corpus rows are)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(B, L, dtype=torch.int32)
+    for b in range(B):
+        cuts = torch.randperm(L - 1, generator=g)[: docs - 1] + 1
+        ids[b, cuts] = 1
+    return ids.cumsum(1, dtype=torch.int32).cuda()
+
+
 def kernel_profile(fn, reps=5):
     """GPU time per call of each kernel fn launches (torch.profiler), largest first: {name: ms}."""
     from torch.profiler import ProfilerActivity, profile
@@ -112,6 +125,7 @@ def kernel_profile(fn, reps=5):
 
 
 PROFILE = False
+DOCS = 1  # documents per row of the SSD rows (--docs): > 1 passes seq_idx
 SEGMENTS = []  # MEGASSM_SSD_STATE_SEGMENTS values of the megassm_seg<k> rows (--segments)
 REPEAT = 1  # rounds over the impls (--repeat)
 GRAPH = False  # time CUDA-graph replays instead of eager calls (--graph)
@@ -138,10 +152,12 @@ def bench_ssd(row, B, L, H, P, N, G, chunk, impls):
     inp = ssd_inputs(B, L, H, P, N, G)
     leaves = {k: v.detach().clone().requires_grad_(True) for k, v in inp.items()}
     names = list(leaves)
+    seq_idx = doc_ids(B, L, DOCS) if DOCS > 1 else None
+    row["docs_per_row"] = DOCS
 
     def ours():
         return K.ssd(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], D=leaves["D"],
-                     dt_bias=leaves["dt_bias"], dt_softplus=True, chunk_size=chunk)
+                     dt_bias=leaves["dt_bias"], dt_softplus=True, chunk_size=chunk, seq_idx=seq_idx)
 
     def with_precision(mode, segments=None, keep="0"):
         def f():  # the env switches are read per call (forward and backward), so set them per call
@@ -170,7 +186,7 @@ def bench_ssd(row, B, L, H, P, N, G, chunk, impls):
     if mcs is not None:
         def peer():
             return mcs(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], chunk_size=chunk,
-                       D=leaves["D"], dt_bias=leaves["dt_bias"], dt_softplus=True)
+                       D=leaves["D"], dt_bias=leaves["dt_bias"], dt_softplus=True, seq_idx=seq_idx)
 
         fns["mamba_ssm"] = peer
     else:
@@ -368,13 +384,21 @@ def main():
                     help="time the SSD impls as CUDA-graph replays (no host launch time or host jitter); the "
                     "default times eager calls, as a training step without train.cuda_graph runs them")
     ap.add_argument("--profile", action="store_true", help="SSD rows also list each kernel's GPU ms per fwd+bwd")
+    ap.add_argument("--tokens", type=int, default=32768,
+                    help="tokens per SSD call of the anchors-shape rows (B = tokens / L); the trainer's 1.3B rows "
+                    "call it with 4 x 2048 = 8192")
+    ap.add_argument("--docs", type=int, default=1,
+                    help="documents per row in the SSD rows (> 1: seq_idx with random boundaries, as packed rows)")
     ap.add_argument("--segments", default="",
                     help="comma list of MEGASSM_SSD_STATE_SEGMENTS values, one megassm_seg<k> row (default mode) and "
                     "one megassm_<other mode>_seg<k> row each in every SSD shape, as --impls selects; e.g. 1,2,4,8,16 "
                     "(the megassm row is the default, auto)")
     args = ap.parse_args()
-    global PROFILE, SEGMENTS, DEFAULT_PRECISION, REPEAT, GRAPH
+    global PROFILE, SEGMENTS, DEFAULT_PRECISION, REPEAT, GRAPH, DOCS
     PROFILE = args.profile
+    DOCS = args.docs
+    if DOCS < 1:
+        ap.error(f"--docs {DOCS}: expected a positive integer")
     REPEAT = args.repeat
     GRAPH = args.graph
     if REPEAT < 1:
@@ -394,7 +418,7 @@ def main():
         ap.error(f"--impls: unknown {sorted(impls - ssd_impl_names())} (the megassm rows are in the "
                  f"{DEFAULT_PRECISION} precision mode here); expected names among {sorted(ssd_impl_names())}")
     want = (lambda k: not only or k in only)
-    tokens = 32768
+    tokens = args.tokens
     try:
         lens = [int(v) for v in args.lens.split(",") if v.strip()]
     except ValueError:

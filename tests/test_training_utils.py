@@ -486,6 +486,19 @@ def test_step_profile_summary_families_overlap_and_top_kernels():
     assert [t[0] for t in s["top"]][-1] == "elementwise_kernel<copy>" and len(s["top"]) == 4
 
 
+def test_kernel_families_of_our_triton_kernels():
+    """family_of names each of our Triton kernels by what it computes (the conv backward's pass 2,
+    _conv_dx_kernel, is conv, not the SSD's _dx_kernel)."""
+    from megassm.training.profiling import family_of
+
+    expect = {"_conv_dx_kernel": "conv", "_conv_dpre_kernel": "conv", "_conv_fwd_kernel": "conv",
+              "_conv_bwd_kernel": "conv", "_dx_kernel": "ssd / scan", "_dcb_kernel": "ssd / scan",
+              "_scan_kernel": "ssd / scan", "_states_kernel": "ssd / scan", "_dstates_kernel": "ssd / scan",
+              "_gated_bwd_kernel": "norm", "_add_fwd_kernel": "norm", "_cast_kernel": "elementwise / copy / other",
+              "_swiglu_bwd_kernel": "elementwise / copy / other"}
+    assert {k: family_of(k) for k in expect} == expect
+
+
 def test_dp_gradient_average_in_buckets_equals_the_mean():
     """parallel/dp.allreduce_grads over 2 gloo ranks: every gradient becomes the mean over the ranks, whatever
     the bucket size (one bucket, several, a gradient larger than a bucket reduced in place; two dtypes), and

@@ -29,10 +29,10 @@ log = logging.getLogger("megassm.profile")
 
 _FAMILIES = (  # first match wins; names of cuBLAS / cuDNN / Triton / NCCL / torch kernels, lower-cased
     ("nccl", ("nccl",)),
+    ("conv", ("_conv_", "conv")),  # before the SSD's "_dx_kernel": the conv backward's pass 2 is _conv_dx_kernel
     ("ssd / scan", ("_cb_kernel", "_dbc_kernel", "_dcb_kernel", "_dstates", "_dt_grad_kernel", "_dt_kernel",
                     "_dx_kernel", "_scan", "_segment_ends", "_states_fix", "_states_kernel", "_ssd")),
     ("norm", ("_add_fwd_kernel", "_add_bwd_kernel", "_gated_fwd_kernel", "_gated_bwd_kernel", "norm")),
-    ("conv", ("_conv_", "conv")),
     ("attention", ("flash", "fmha", "sdpa", "attention", "attn")),
     ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "wgmma", "matmul", "splitk", "sm90_", "sm80_", "ampere_")),
     ("optimizer", ("adam",)),
