@@ -1,10 +1,11 @@
 """Tile sweep for the Triton causal conv (+SiLU) forward and backward, bf16, the mamba2-1.3b shape
 (16 x 2048 tokens, conv_dim 4352 read as a strided slice of in_proj's output, as the model does).
 Prints one JSON line per variant (median ms of triton.testing.do_bench) and the bytes-moved floor. The
-backward rows cover both modes: fused (one kernel) and two_pass (dpre to fp32 scratch, then dx; opt-in
-until this sweep), whose tile defaults (conv._two_pass_tiles) are guesses until this runs on the device.
+backward rows cover the three modes: fused (one kernel), two_pass (dpre to fp32 scratch, then dx; the default,
+at the tiles this sweep picked on an H200, conv._two_pass_tiles) and two_pass_defer (pass 1 reducing dweight /
+dbias once per program: opt-in until this sweep and a trainer A/B; larger pass-1 tiles are its candidates).
 
-    python benchmarks/conv_tiles.py [--seq-idx]
+    python benchmarks/conv_tiles.py [--seq-idx] [--batch 4]      # --batch 4: the trainer's 1.3B call
 """
 from __future__ import annotations
 
@@ -61,6 +62,8 @@ def main() -> None:
         "two_pass": [None, *[(t1, d2) for t1 in [(16, 32, 4), (8, 128, 8), (32, 32, 8), (16, 64, 4), (16, 128, 8),
                                                  (32, 64, 8), (32, 128, 8)]],
                      *[(d1, t2) for t2 in [(16, 128, 4), (8, 256, 4), (8, 512, 8), (16, 512, 8), (32, 256, 8)]]],
+        "two_pass_defer": [None, *[(t1, d2) for t1 in [(16, 64, 4), (32, 32, 4), (32, 64, 4), (32, 64, 8),
+                                                       (64, 32, 4), (64, 64, 8), (16, 128, 4), (32, 128, 8)]]],
     }
     for mode, candidates in bwd_tiles.items():
         for tiles in candidates:

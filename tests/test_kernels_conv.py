@@ -113,8 +113,12 @@ def _case_id(v):
     return str(v).replace("torch.", "")
 
 
-# two_pass over the whole grid; fused at the widest case (elsewhere it is two_pass's bits: the bitwise test below)
-_CONV_BWD_MODE_GRID = [(*c, "two_pass") for c in _CONV_BWD_GRID] + [(4, "all", d, "fused") for d in (_F32, _BF16)]
+# two_pass over the whole grid; fused at the widest case (elsewhere it is two_pass's bits: the bitwise test below);
+# two_pass_defer at every width (its own dweight / dbias sums; widths above 4 sum as two_pass)
+_CONV_BWD_MODE_GRID = ([(*c, "two_pass") for c in _CONV_BWD_GRID] + [(4, "all", d, "fused") for d in (_F32, _BF16)]
+                       + [(w, f, d, "two_pass_defer") for w, f, d in [(4, "all", _F32), (4, "all", _BF16),
+                                                                     (4, "plain", _F32), (3, "seq_nobias", _F32),
+                                                                     (2, "init_dfin", _BF16), (1, "all", _F32)]])
 
 
 @needs_triton
@@ -332,6 +336,29 @@ def test_conv_bwd_two_pass_bitwise_equals_fused(triton_mode, width, features, se
 
 
 @needs_triton
+@pytest.mark.parametrize("width,features,seqlen,ch,tiles", [(4, "all", 70, 24, (4, 16, 4)),
+                                                            (3, "seq_nobias", 37, 13, ((8, 16, 4), (4, 32, 4))),
+                                                            (5, "all", 23, 9, (4, 8, 4))], ids=_case_id)
+def test_conv_bwd_two_pass_defer_against_two_pass(triton_mode, width, features, seqlen, ch, tiles):
+    """two_pass_defer changes only where pass 1 reduces dweight / dbias: dx and d initial_state are two_pass's bit
+    for bit, dweight / dbias the same terms summed in another order (fp32: within rounding of each other); at
+    width 5 (above its four named accumulators) it is two_pass."""
+    from megassm.kernels.triton import conv as tc
+
+    case = _conv_bwd_case(width, _F32, seqlen=seqlen, ch=ch, **_CONV_BWD_FEATURES[features])
+    late = _conv_bwd_triton(tc, case, tiles, "two_pass_defer")
+    per_block = _conv_bwd_triton(tc, case, tiles, "two_pass")
+    for name, u, v in zip(("dx", "dweight", "dbias", "dinit"), late, per_block):
+        assert (u is None) == (v is None), name
+        if u is None:
+            continue
+        if name in ("dx", "dinit") or width > 4:
+            assert torch.equal(u, v), name
+        else:
+            torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@needs_triton
 def test_conv_bwd_mode_switch(triton_mode, monkeypatch):
     """MEGASSM_CONV_BWD picks the backward (two_pass when unset or empty, fused) when mode is None; mode= wins
     over it; two_pass takes a pair of tiles (pass 1's, pass 2's); a bad value fails naming the variable
@@ -343,10 +370,12 @@ def test_conv_bwd_mode_switch(triton_mode, monkeypatch):
         def __getitem__(self, grid):
             raise AssertionError("this kernel must not run in this mode")
 
-    off = {"two_pass": ("_conv_bwd_kernel",), "fused": ("_conv_dpre_kernel", "_conv_dx_kernel")}
+    off = {"two_pass": ("_conv_bwd_kernel",), "fused": ("_conv_dpre_kernel", "_conv_dx_kernel"),
+           "two_pass_defer": ("_conv_bwd_kernel",)}
     case = _conv_bwd_case(2, _F32, seqlen=9, ch=5, **_CONV_BWD_FEATURES["all"])
     refs = {mode: _conv_bwd_triton(tc, case, (4, 8, 4), mode) for mode in off}
-    for value, mode in ((None, "two_pass"), ("", "two_pass"), (" Two_Pass", "two_pass"), ("fused", "fused")):
+    for value, mode in ((None, "two_pass"), ("", "two_pass"), (" Two_Pass", "two_pass"), ("fused", "fused"),
+                        ("two_pass_defer", "two_pass_defer")):
         if value is None:
             monkeypatch.delenv("MEGASSM_CONV_BWD", raising=False)
         else:
@@ -361,7 +390,7 @@ def test_conv_bwd_mode_switch(triton_mode, monkeypatch):
         m.setattr(tc, "_conv_bwd_kernel", Unlaunchable())
         got = _conv_bwd_triton(tc, case, ((4, 8, 4), (8, 4, 4)), "two_pass")  # pass 2's tiles change no bits
         assert all(torch.equal(u, v) for u, v in zip(got, refs["two_pass"]))
-    with pytest.raises(ValueError, match="for mode two_pass only"):
+    with pytest.raises(ValueError, match="for the two_pass modes only"):
         _conv_bwd_triton(tc, case, ((4, 8, 4), (8, 4, 4)), "fused")
     with pytest.raises(ValueError, match="mode='both'"):
         _conv_bwd_triton(tc, case, (4, 8, 4), "both")

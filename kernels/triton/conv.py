@@ -4,7 +4,7 @@
     y_t   = silu(pre_t)
 
 Positions -(W-1)..-1 read initial_state[:, :, pos + W-1] and belong to the row's first document.
-Forward: one program per (row, block of positions, block of channels). Backward, two modes
+Forward: one program per (row, block of positions, block of channels). Backward, three modes
 (MEGASSM_CONV_BWD, or causal_conv1d_bwd's mode):
 - two_pass (the default since its swept tiles beat fused in the trainer: +1.9% / +2.6% a hybrid-1.3b /
   mamba2-1.3b step on an H200, 2026-11-28; at its first tiles it had lost): pass 1 (_conv_dpre_kernel) computes pre and dpre =
@@ -12,6 +12,11 @@ Forward: one program per (row, block of positions, block of channels). Backward,
   partial sums of dweight/dbias; pass 2 (_conv_dx_kernel), a forward-like conv over dpre, writes dx (s >= 0)
   or d initial_state (s < 0). At the same tiles its outputs are the fused kernel's bit for bit (in the
   interpreter).
+- two_pass_defer (opt-in until measured): two_pass whose pass 1 adds the dweight / dbias products element-wise
+  over its blocks and reduces them over the rows once per program, not once per block and tap. In the trainer
+  (H100, 2026-12-06) pass 1 took 0.35 ms a call at 4 x 2048 x 4352, about 4x its bytes' floor, while pass 2
+  and the forward run near theirs: the per-block reductions across warps are the suspect. dx and d initial_state
+  are two_pass's; dweight / dbias the same terms summed in another order.
 - fused (_conv_bwd_kernel, the previous default, kept as the A/B baseline): one program per (row, block of input
   positions s in [-(W-1), L), block of channels); it recomputes pre at the W output positions each input feeds
   (from the 2W-1 shifted x tiles s-(W-1) .. s+W-1, each loaded once per block): W times the pre work and a
@@ -218,11 +223,15 @@ def _conv_bwd_kernel(X, INIT, SEQ, WT, BIAS, DY, DFIN, DX, DINIT, DW_PART, DB_PA
 def _conv_dpre_kernel(X, INIT, SEQ, WT, BIAS, DY, DPRE, DW_PART, DB_PART, L, C, sb_per_prog, n_prog_l,
                       sxb, sxl, sxc, sib, sic, sil, ssb, ssl, swc, sww, sdyb, sdyl, sdyc,
                       W: tl.constexpr, WP: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BL: tl.constexpr, BC: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, SILU: tl.constexpr, DEFER: tl.constexpr, BL: tl.constexpr,
+                      BC: tl.constexpr):
     """Two-pass backward, pass 1: per block of output positions t, dpre(t) = dy(t) * silu'(pre(t)) into DPRE
     (fp32 [B, L, C], only with SiLU: without it dpre is dy, which pass 2 reads in place) and the dweight /
     dbias partials. The blocks, programs and every operation are those of _conv_bwd_kernel's m == 0 step (t is
-    its s), so DW_PART / DB_PART and dpre are bit for bit the fused kernel's at the same tiles."""
+    its s), so DW_PART / DB_PART and dpre are bit for bit the fused kernel's at the same tiles.
+    DEFER (W <= 4; mode two_pass_defer): the products dpre * x are summed element-wise over the program's blocks
+    in [BL, BC] accumulators and reduced over the rows once, at the end, instead of a reduction across the
+    block's rows (threads and warps) per block and tap: the same terms, another summation order."""
     b = tl.program_id(0).to(tl.int64)
     pl = tl.program_id(1)
     c = tl.program_id(2) * BC + tl.arange(0, BC)
@@ -233,6 +242,12 @@ def _conv_dpre_kernel(X, INIT, SEQ, WT, BIAS, DY, DPRE, DW_PART, DB_PART, L, C, 
         bias = tl.load(BIAS + c, mask=mask_c, other=0.0).to(tl.float32)
     dw_acc = tl.full([WP, BC], 0.0, tl.float32)
     db_acc = tl.full([BC], 0.0, tl.float32)
+    # DEFER's accumulators, one per tap (named: W <= 4) and the bias; unused ones are compiled away
+    a0 = tl.full([BL, BC], 0.0, tl.float32)
+    a1 = tl.full([BL, BC], 0.0, tl.float32)
+    a2 = tl.full([BL, BC], 0.0, tl.float32)
+    a3 = tl.full([BL, BC], 0.0, tl.float32)
+    ab = tl.full([BL, BC], 0.0, tl.float32)
     for i in range(sb_per_prog):
         sblk = pl * sb_per_prog + i
         t = sblk * BL - (W - 1) + tl.arange(0, BL)
@@ -262,11 +277,32 @@ def _conv_dpre_kernel(X, INIT, SEQ, WT, BIAS, DY, DPRE, DW_PART, DB_PART, L, C, 
                      mask=valid_t[:, None] & mask_c[None, :])
         else:
             dpre = dy
+        if DEFER:
+            if HAS_BIAS:
+                ab += dpre
+            a0 += dpre * xm[0]
+            if W > 1:
+                a1 += dpre * xm[1]
+            if W > 2:
+                a2 += dpre * xm[2]
+            if W > 3:
+                a3 += dpre * xm[3]
+        else:
+            if HAS_BIAS:
+                db_acc += tsum(dpre, 0)
+            for k in tl.static_range(W):
+                dwk = tsum(dpre * xm[k], 0)
+                dw_acc += tl.where(kk[:, None] == k, dwk[None, :], 0.0)
+    if DEFER:
         if HAS_BIAS:
-            db_acc += tsum(dpre, 0)
-        for k in tl.static_range(W):
-            dwk = tsum(dpre * xm[k], 0)
-            dw_acc += tl.where(kk[:, None] == k, dwk[None, :], 0.0)
+            db_acc = tsum(ab, 0)
+        dw_acc += tl.where(kk[:, None] == 0, tsum(a0, 0)[None, :], 0.0)
+        if W > 1:
+            dw_acc += tl.where(kk[:, None] == 1, tsum(a1, 0)[None, :], 0.0)
+        if W > 2:
+            dw_acc += tl.where(kk[:, None] == 2, tsum(a2, 0)[None, :], 0.0)
+        if W > 3:
+            dw_acc += tl.where(kk[:, None] == 3, tsum(a3, 0)[None, :], 0.0)
     _store_partials(DW_PART, DB_PART, b * n_prog_l + pl, c, mask_c, kk, C, dw_acc, db_acc, W, HAS_BIAS)
 
 
@@ -367,15 +403,17 @@ def causal_conv1d_fwd(x, weight, bias, initial_state, seq_idx, silu, return_fina
 
 
 def causal_conv1d_bwd(x, weight, bias, initial_state, seq_idx, silu, dy, dfinal, tiles=None, mode=None):
-    """mode: "two_pass" (_conv_dpre_kernel, then _conv_dx_kernel) or "fused" (_conv_bwd_kernel); None reads
-    MEGASSM_CONV_BWD (default two_pass). tiles=(BL, BC, num_warps) is used by every kernel launched; two_pass
-    also takes a pair ((pass 1's), (pass 2's)) (benchmarks/conv_tiles.py sweeps each pass's)."""
+    """mode: "two_pass" (_conv_dpre_kernel, then _conv_dx_kernel), "two_pass_defer" (the same, pass 1 summing
+    the dweight / dbias products over its blocks before one reduction; widths above 4 sum per block as two_pass)
+    or "fused" (_conv_bwd_kernel); None reads MEGASSM_CONV_BWD (default two_pass). tiles=(BL, BC, num_warps) is
+    used by every kernel launched; the two_pass modes also take a pair ((pass 1's), (pass 2's))
+    (benchmarks/conv_tiles.py sweeps each pass's)."""
     mode = env.conv_bwd() if mode is None else mode
     if mode not in env.CONV_BWD_MODES:
         raise ValueError(f"causal_conv1d_bwd mode={mode!r}: expected one of {', '.join(env.CONV_BWD_MODES)}")
     pair = tiles is not None and isinstance(tiles[0], (tuple, list))
-    if pair and mode != "two_pass":
-        raise ValueError(f"causal_conv1d_bwd tiles={tiles!r}: a pair of tiles is for mode two_pass only")
+    if pair and mode == "fused":
+        raise ValueError(f"causal_conv1d_bwd tiles={tiles!r}: a pair of tiles is for the two_pass modes only")
     bsz, seqlen, channels = x.shape
     width = weight.shape[-1]
     dx = torch.empty(bsz, seqlen, channels, dtype=x.dtype, device=x.device)
@@ -423,7 +461,8 @@ def causal_conv1d_bwd(x, weight, bias, initial_state, seq_idx, silu, dy, dfinal,
                 x, init, seq, weight, bias if bias is not None else weight, dy, dpre, dw_part, db_part,
                 seqlen, channels, sb_per_prog, n_prog_l, *in_strides,
                 WP=triton.next_power_of_2(width), HAS_INIT=initial_state is not None, HAS_BIAS=bias is not None,
-                SILU=bool(silu), BL=BL, BC=BC, num_warps=warps, **flags,
+                SILU=bool(silu), DEFER=mode == "two_pass_defer" and width <= 4, BL=BL, BC=BC, num_warps=warps,
+                **flags,
             )
             BL2, BC2, warps2 = tiles_dx
             _conv_dx_kernel[(bsz, triton.cdiv(npos, BL2), triton.cdiv(channels, BC2))](
