@@ -337,21 +337,25 @@ def test_conv_bwd_two_pass_bitwise_equals_fused(triton_mode, width, features, se
 
 @needs_triton
 @pytest.mark.parametrize("width,features,seqlen,ch,tiles", [(4, "all", 70, 24, (4, 16, 4)),
+                                                            (4, "all", 70, 24, (4, 16, 4, 3)),
                                                             (3, "seq_nobias", 37, 13, ((8, 16, 4), (4, 32, 4))),
                                                             (5, "all", 23, 9, (4, 8, 4))], ids=_case_id)
 def test_conv_bwd_two_pass_defer_against_two_pass(triton_mode, width, features, seqlen, ch, tiles):
     """two_pass_defer changes only where pass 1 reduces dweight / dbias: dx and d initial_state are two_pass's bit
-    for bit, dweight / dbias the same terms summed in another order (fp32: within rounding of each other); at
-    width 5 (above its four named accumulators) it is two_pass."""
+    for bit, dweight / dbias the same terms summed in another order (fp32: within rounding of each other, and of
+    the fp64 reference); at width 5 (above its four named accumulators) it is two_pass. A fourth tile entry
+    (position blocks per program, here 3 of a row's 19) changes only how the partials are split."""
     from megassm.kernels.triton import conv as tc
 
     case = _conv_bwd_case(width, _F32, seqlen=seqlen, ch=ch, **_CONV_BWD_FEATURES[features])
     late = _conv_bwd_triton(tc, case, tiles, "two_pass_defer")
     per_block = _conv_bwd_triton(tc, case, tiles, "two_pass")
-    for name, u, v in zip(("dx", "dweight", "dbias", "dinit"), late, per_block):
-        assert (u is None) == (v is None), name
+    oracle = _conv_bwd_reference(case, F64)
+    for name, u, v, o in zip(("dx", "dweight", "dbias", "dinit"), late, per_block, oracle):
+        assert (u is None) == (v is None) == (o is None), name
         if u is None:
             continue
+        assert rel(u, o) < 1e-5, name
         if name in ("dx", "dinit") or width > 4:
             assert torch.equal(u, v), name
         else:

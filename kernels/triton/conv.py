@@ -407,7 +407,8 @@ def causal_conv1d_bwd(x, weight, bias, initial_state, seq_idx, silu, dy, dfinal,
     the dweight / dbias products over its blocks before one reduction; widths above 4 sum per block as two_pass)
     or "fused" (_conv_bwd_kernel); None reads MEGASSM_CONV_BWD (default two_pass). tiles=(BL, BC, num_warps) is
     used by every kernel launched; the two_pass modes also take a pair ((pass 1's), (pass 2's))
-    (benchmarks/conv_tiles.py sweeps each pass's)."""
+    (benchmarks/conv_tiles.py sweeps each pass's). The fused kernel's or pass 1's tile may add a fourth entry,
+    its position blocks per program (default 8)."""
     mode = env.conv_bwd() if mode is None else mode
     if mode not in env.CONV_BWD_MODES:
         raise ValueError(f"causal_conv1d_bwd mode={mode!r}: expected one of {', '.join(env.CONV_BWD_MODES)}")
@@ -428,9 +429,10 @@ def causal_conv1d_bwd(x, weight, bias, initial_state, seq_idx, silu, dy, dfinal,
         tiles_main, tiles_dx = (*_blocks(npos, channels, bwd=True), 4), None
     else:
         tiles_main, tiles_dx = _two_pass_tiles(npos, channels)
-    BL, BC, warps = tiles_main  # the fused kernel's or pass 1's
+    BL, BC, warps = tiles_main[:3]  # the fused kernel's or pass 1's
     n_sblocks = triton.cdiv(npos, BL)
-    sb_per_prog = min(8, n_sblocks)  # 8 blocks per program: small dweight partials, enough programs
+    # 8 blocks per program by default: small dweight partials, enough programs
+    sb_per_prog = min(tiles_main[3] if len(tiles_main) > 3 else 8, n_sblocks)
     n_prog_l = triton.cdiv(n_sblocks, sb_per_prog)
     # positions past the end (the last program's extra blocks) load nothing and store nothing
     dw_part = torch.empty(bsz * n_prog_l, width, channels, dtype=torch.float32, device=x.device)
@@ -464,7 +466,7 @@ def causal_conv1d_bwd(x, weight, bias, initial_state, seq_idx, silu, dy, dfinal,
                 SILU=bool(silu), DEFER=mode == "two_pass_defer" and width <= 4, BL=BL, BC=BC, num_warps=warps,
                 **flags,
             )
-            BL2, BC2, warps2 = tiles_dx
+            BL2, BC2, warps2 = tiles_dx[:3]
             _conv_dx_kernel[(bsz, triton.cdiv(npos, BL2), triton.cdiv(channels, BC2))](
                 seq, weight, dpre, dfinal if dfinal is not None else dy, dx, dinit if dinit is not None else dx,
                 seqlen, channels, *(seq_idx.stride() if seq_idx is not None else (0, 0)),
