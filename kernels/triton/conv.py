@@ -15,8 +15,8 @@ Forward: one program per (row, block of positions, block of channels). Backward,
 - two_pass_defer (opt-in until measured): two_pass whose pass 1 adds the dweight / dbias products element-wise
   over its blocks and reduces them over the rows once per program, not once per block and tap. In the trainer
   (H100, 2026-12-06) pass 1 took 0.35 ms a call at 4 x 2048 x 4352, about 4x its bytes' floor, while pass 2
-  and the forward run near theirs: the per-block reductions across warps are the suspect. dx and d initial_state
-  are two_pass's; dweight / dbias the same terms summed in another order.
+  and the forward run near theirs: the per-block reductions across warps are one suspect (docs/kernels.md).
+  dx and d initial_state are two_pass's; dweight / dbias the same terms summed in another order.
 - fused (_conv_bwd_kernel, the previous default, kept as the A/B baseline): one program per (row, block of input
   positions s in [-(W-1), L), block of channels); it recomputes pre at the W output positions each input feeds
   (from the 2W-1 shifted x tiles s-(W-1) .. s+W-1, each loaded once per block): W times the pre work and a
