@@ -1,11 +1,11 @@
 """Tile sweep for the Triton causal conv (+SiLU) forward and backward, bf16, the mamba2-1.3b shape
 (16 x 2048 tokens, conv_dim 4352 read as a strided slice of in_proj's output, as the model does).
 Prints one JSON line per variant (median ms of triton.testing.do_bench) and the bytes-moved floor. The
-backward rows cover the three modes: fused (one kernel), two_pass (dpre to fp32 scratch, then dx; the default,
-at the tiles this sweep picked on an H200, conv._two_pass_tiles) and two_pass_defer (pass 1 reducing dweight /
-dbias once per program: opt-in until this sweep and a trainer A/B; larger pass-1 tiles are its candidates).
+backward rows cover the three modes: fused (one kernel), two_pass (dpre to fp32 scratch, then dx, at the tiles
+this sweep picked on an H200, conv._two_pass_tiles) and two_pass_defer (the default: pass 1 reducing dweight /
+dbias once per program; larger pass-1 tiles and blocks per program are its candidates).
 
-    python benchmarks/conv_tiles.py [--seq-idx] [--batch 4]      # --batch 4: the trainer's 1.3B call
+    python benchmarks/conv_tiles.py [--seq-idx] [--batch 4] [--modes two_pass_defer two_pass]  # batch 4: the trainer's
 """
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ def main() -> None:
     ap.add_argument("--seq-idx", action="store_true")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seqlen", type=int, default=2048)
+    ap.add_argument("--modes", nargs="+", default=["fwd", "fused", "two_pass", "two_pass_defer"],
+                    help="which rows to run: fwd and the backward modes")
     args = ap.parse_args()
     B, L, C, W = args.batch, args.seqlen, 4352, 4
     dev = "cuda"
@@ -43,7 +45,8 @@ def main() -> None:
 
     ms = lambda f: triton.testing.do_bench(f, warmup=25, rep=100, return_mode="median")  # noqa: E731
     y0 = tc.causal_conv1d_fwd(x, w, b, None, seq, True, False)[0]
-    for tiles in [None, (16, 128, 8), (16, 256, 8), (8, 256, 4), (16, 512, 8), (32, 256, 8), (8, 512, 8)]:
+    fwd_tiles = [None, (16, 128, 8), (16, 256, 8), (8, 256, 4), (16, 512, 8), (32, 256, 8), (8, 512, 8)]
+    for tiles in fwd_tiles if "fwd" in args.modes else []:
         try:
             y = tc.causal_conv1d_fwd(x, w, b, None, seq, True, False, tiles=tiles)[0]
             err = (y.float() - y0.float()).abs().max().item()
@@ -69,6 +72,8 @@ def main() -> None:
                                                        (32, 64, 4, 4), (32, 64, 4, 16)]]],
     }
     for mode, candidates in bwd_tiles.items():
+        if mode not in args.modes:
+            continue
         for tiles in candidates:
             try:
                 out = tc.causal_conv1d_bwd(x, w, b, None, seq, True, dy, None, tiles=tiles, mode=mode)

@@ -57,15 +57,16 @@ def ssd_streams() -> bool:
     return _choice("MEGASSM_SSD_STREAMS", "1", ("0", "1")) == "1"
 
 
-CONV_BWD_MODES = ("two_pass", "fused", "two_pass_defer")  # MEGASSM_CONV_BWD's values, the default first (two_pass
-# at its swept tiles: +1.9% hybrid-1.3b, +2.6% mamba2-1.3b trainer steps on an H200, 2026-11-28; docs/kernels.md
-# "Conv and norms"); two_pass_defer: opt-in until its device A/B and tile sweep
+CONV_BWD_MODES = ("two_pass_defer", "two_pass", "fused")  # MEGASSM_CONV_BWD's values, the default first
+# (two_pass_defer: conv 99 -> 63 ms a mamba2-1.3b trainer step on an H100, +3.9% tokens/s, 2026-12-06; two_pass
+# and fused kept as A/B baselines; docs/kernels.md "Conv and norms")
 
 
 def conv_bwd() -> str:
-    """MEGASSM_CONV_BWD=two_pass|fused|two_pass_defer (default two_pass): the Triton conv backward as two kernels
-    (dpre to an fp32 scratch, then dx from it), the single kernel that recomputes pre W times, or two_pass with
-    pass 1's dweight / dbias reduction deferred to each program's end (docs/kernels.md, "Conv")."""
+    """MEGASSM_CONV_BWD=two_pass_defer|two_pass|fused (default two_pass_defer): the Triton conv backward as two
+    kernels (dpre to an fp32 scratch, then dx from it) with pass 1's dweight / dbias reduction deferred to each
+    program's end, the same with a reduction per block, or the single kernel that recomputes pre W times
+    (docs/kernels.md, "Conv")."""
     return _choice("MEGASSM_CONV_BWD", CONV_BWD_MODES[0], CONV_BWD_MODES)
 
 

@@ -1,6 +1,6 @@
 """The Triton causal conv1d (kernels/triton/conv.py) against the PyTorch reference: the forward and every gradient,
-widths 1-4, strided inputs, initial states, document resets, fp32 and bf16; the backward's two modes
-(MEGASSM_CONV_BWD: two_pass, fused) against the reference and bit for bit against each other, and the fused
+widths 1-4, strided inputs, initial states, document resets, fp32 and bf16; the backward's three modes
+(MEGASSM_CONV_BWD: two_pass_defer, two_pass, fused) against the reference and against each other, and the fused
 kernel against the one it replaced. Triton's CPU interpreter at tiny shapes in CI; the real shapes are in
 test_kernels_triton.py's GPU tests. Shared setup and criteria: kernel_cases.py."""
 import pytest
@@ -364,9 +364,9 @@ def test_conv_bwd_two_pass_defer_against_two_pass(triton_mode, width, features, 
 
 @needs_triton
 def test_conv_bwd_mode_switch(triton_mode, monkeypatch):
-    """MEGASSM_CONV_BWD picks the backward (two_pass when unset or empty, fused) when mode is None; mode= wins
-    over it; two_pass takes a pair of tiles (pass 1's, pass 2's); a bad value fails naming the variable
-    (env.check too) or the argument."""
+    """MEGASSM_CONV_BWD picks the backward (two_pass_defer when unset or empty, two_pass, fused) when mode is
+    None; mode= wins over it; two_pass takes a pair of tiles (pass 1's, pass 2's); a bad value fails naming the
+    variable (env.check too) or the argument."""
     from megassm.kernels import env
     from megassm.kernels.triton import conv as tc
 
@@ -378,8 +378,8 @@ def test_conv_bwd_mode_switch(triton_mode, monkeypatch):
            "two_pass_defer": ("_conv_bwd_kernel",)}
     case = _conv_bwd_case(2, _F32, seqlen=9, ch=5, **_CONV_BWD_FEATURES["all"])
     refs = {mode: _conv_bwd_triton(tc, case, (4, 8, 4), mode) for mode in off}
-    for value, mode in ((None, "two_pass"), ("", "two_pass"), (" Two_Pass", "two_pass"), ("fused", "fused"),
-                        ("two_pass_defer", "two_pass_defer")):
+    for value, mode in ((None, "two_pass_defer"), ("", "two_pass_defer"), (" Two_Pass", "two_pass"),
+                        ("fused", "fused"), ("two_pass_defer", "two_pass_defer")):
         if value is None:
             monkeypatch.delenv("MEGASSM_CONV_BWD", raising=False)
         else:

@@ -6,17 +6,17 @@
 Positions -(W-1)..-1 read initial_state[:, :, pos + W-1] and belong to the row's first document.
 Forward: one program per (row, block of positions, block of channels). Backward, three modes
 (MEGASSM_CONV_BWD, or causal_conv1d_bwd's mode):
-- two_pass (the default since its swept tiles beat fused in the trainer: +1.9% / +2.6% a hybrid-1.3b /
-  mamba2-1.3b step on an H200, 2026-11-28; at its first tiles it had lost): pass 1 (_conv_dpre_kernel) computes pre and dpre =
-  dy * silu'(pre) once per output position, writes dpre to an fp32 scratch [B, L, C] (without SiLU dpre is dy: no scratch) and per-program
-  partial sums of dweight/dbias; pass 2 (_conv_dx_kernel), a forward-like conv over dpre, writes dx (s >= 0)
-  or d initial_state (s < 0). At the same tiles its outputs are the fused kernel's bit for bit (in the
+- two_pass_defer (the default since 2026-12-06): two_pass whose pass 1 adds the dweight / dbias products
+  element-wise over its blocks and reduces them over the rows once per program, not once per block and tap.
+  dx and d initial_state are two_pass's; dweight / dbias the same terms summed in another order. On an H100
+  (4 x 2048 x 4352, bf16) the backward takes 0.27 ms a call against two_pass's 0.45, and a mamba2-1.3b trainer
+  step under CUDA graphs spends 63 ms in conv instead of 99 (+3.9% tokens/s).
+- two_pass (the default from 2026-11-28 to 2026-12-06, kept as a baseline): pass 1 (_conv_dpre_kernel) computes
+  pre and dpre = dy * silu'(pre) once per output position, writes dpre to an fp32 scratch [B, L, C] (without
+  SiLU dpre is dy: no scratch) and per-program partial sums of dweight/dbias, reduced across the tile's rows per
+  block and tap; pass 2 (_conv_dx_kernel), a forward-like conv over dpre, writes dx (s >= 0) or
+  d initial_state (s < 0). At the same tiles its outputs are the fused kernel's bit for bit (in the
   interpreter).
-- two_pass_defer (opt-in until measured): two_pass whose pass 1 adds the dweight / dbias products element-wise
-  over its blocks and reduces them over the rows once per program, not once per block and tap. In the trainer
-  (H100, 2026-12-06) pass 1 took 0.35 ms a call at 4 x 2048 x 4352, about 4x its bytes' floor, while pass 2
-  and the forward run near theirs: the per-block reductions across warps are one suspect (docs/kernels.md).
-  dx and d initial_state are two_pass's; dweight / dbias the same terms summed in another order.
 - fused (_conv_bwd_kernel, the previous default, kept as the A/B baseline): one program per (row, block of input
   positions s in [-(W-1), L), block of channels); it recomputes pre at the W output positions each input feeds
   (from the 2W-1 shifted x tiles s-(W-1) .. s+W-1, each loaded once per block): W times the pre work and a
@@ -229,7 +229,7 @@ def _conv_dpre_kernel(X, INIT, SEQ, WT, BIAS, DY, DPRE, DW_PART, DB_PART, L, C, 
     (fp32 [B, L, C], only with SiLU: without it dpre is dy, which pass 2 reads in place) and the dweight /
     dbias partials. The blocks, programs and every operation are those of _conv_bwd_kernel's m == 0 step (t is
     its s), so DW_PART / DB_PART and dpre are bit for bit the fused kernel's at the same tiles.
-    DEFER (W <= 4; mode two_pass_defer): the products dpre * x are summed element-wise over the program's blocks
+    DEFER (W <= 4; mode two_pass_defer, the default): the products dpre * x are summed element-wise over the program's blocks
     in [BL, BC] accumulators and reduced over the rows once, at the end, instead of a reduction across the
     block's rows (threads and warps) per block and tap: the same terms, another summation order."""
     b = tl.program_id(0).to(tl.int64)
@@ -356,7 +356,10 @@ def _two_pass_tiles(npos, C):
     for the first guess 16 x 64 / 8 (the fused kernel at its default: 0.54). Pass 2's tile barely mattered
     (1.00-1.02 ms over five tiles). Registers (ptxas sm_90 via benchmarks/kernels_compile_check.py, W = 4,
     bf16): pass 1 costs ~20 per element a thread holds, so 16 x 32 / 4 warps (4 elements a thread) stays near
-    78; pass 2, a forward-like conv over dpre, at the forward's 16 x 256 / 8 warps takes 78 (88 fp32)."""
+    78; pass 2, a forward-like conv over dpre, at the forward's 16 x 256 / 8 warps takes 78 (88 fp32).
+    two_pass_defer's pass 1 (H100 sweep, 2026-12-06, same shape): 16 x 32 / 4 warps, 8 blocks a program is
+    still the best, 0.27 ms for both passes, against 0.29-0.38 for 16 x 64, 32 x 32, 32 x 64, 64 x 32, 64 x 64,
+    16 x 128, 32 x 128 and 2, 4 or 16 blocks a program."""
     BL1, BC1 = min(16, triton.next_power_of_2(max(npos, 1))), min(32, triton.next_power_of_2(max(C, 1)))
     BL2, BC2 = min(16, triton.next_power_of_2(max(npos, 1))), min(256, triton.next_power_of_2(max(C, 1)))
     return (BL1, BC1, 4), (BL2, BC2, 8 if BL2 * BC2 >= 2048 else 4)
@@ -405,8 +408,8 @@ def causal_conv1d_fwd(x, weight, bias, initial_state, seq_idx, silu, return_fina
 def causal_conv1d_bwd(x, weight, bias, initial_state, seq_idx, silu, dy, dfinal, tiles=None, mode=None):
     """mode: "two_pass" (_conv_dpre_kernel, then _conv_dx_kernel), "two_pass_defer" (the same, pass 1 summing
     the dweight / dbias products over its blocks before one reduction; widths above 4 sum per block as two_pass)
-    or "fused" (_conv_bwd_kernel); None reads MEGASSM_CONV_BWD (default two_pass). tiles=(BL, BC, num_warps) is
-    used by every kernel launched; the two_pass modes also take a pair ((pass 1's), (pass 2's))
+    or "fused" (_conv_bwd_kernel); None reads MEGASSM_CONV_BWD (default two_pass_defer). tiles=(BL, BC, num_warps)
+    is used by every kernel launched; the two_pass modes also take a pair ((pass 1's), (pass 2's))
     (benchmarks/conv_tiles.py sweeps each pass's). The fused kernel's or pass 1's tile may add a fourth entry,
     its position blocks per program (default 8)."""
     mode = env.conv_bwd() if mode is None else mode
