@@ -39,6 +39,7 @@ __all__ = [
     "selective_scan_step",
     "coffee_scan",
     "split_last",
+    "cross_entropy",
 ]
 
 # name of the backend announced last ("reference" / "triton"), False before the first call
@@ -163,6 +164,20 @@ def swiglu(a, b):
     if _eager_reference(a):
         return reference.swiglu(a, b)
     return ops.swiglu_call(a, b)
+
+
+def cross_entropy(logits, labels, ignore_index=-100):
+    """Per-row cross-entropy losses [N] in fp32 (0 where labels == ignore_index) of logits [N, V] (bf16, fp16 or
+    fp32) against labels [N]: F.cross_entropy(logits.float(), labels, reduction="none"). The Triton path reads the
+    logits without an fp32 copy and writes their gradient in the logits' dtype (kernels/triton/ce.py)."""
+    if logits.dim() != 2 or labels.dim() != 1 or labels.shape[0] != logits.shape[0]:
+        raise ValueError(f"cross_entropy: logits {tuple(logits.shape)} must be [N, V] and labels "
+                         f"{tuple(labels.shape)} [N]")
+    if labels.is_floating_point() or labels.is_complex():
+        raise ValueError(f"cross_entropy: labels must be integers, got {labels.dtype}")
+    if _eager_reference(logits):
+        return reference.cross_entropy(logits, labels, int(ignore_index))[0]
+    return ops.cross_entropy_call(logits, labels, int(ignore_index))[0]
 
 
 # gated_rmsnorm in stages, for norm groups whose channels are spread over devices (tensor parallelism with fewer

@@ -718,6 +718,43 @@ swiglu_op.register_autograd(_swiglu_bwd, setup_context=_swiglu_setup)
 
 
 # --------------------------------------------------------------------------------------------------------
+# cross-entropy of the LM head: per-row fp32 losses (and the log-sum-exp the Triton backward reads)
+
+
+def _ce_ref(logits, labels, ignore_index):
+    return reference.cross_entropy(logits, labels, ignore_index)
+
+
+@torch.library.custom_op("megassm::cross_entropy", mutates_args=())
+def cross_entropy_op(logits: Tensor, labels: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
+    if _pick(logits):
+        return triton_kernels().cross_entropy_fwd(logits, labels, ignore_index)
+    return _fresh_all(_ce_ref(logits, labels, ignore_index))
+
+
+@cross_entropy_op.register_fake
+def _(logits, labels, ignore_index):
+    n = logits.shape[0]
+    return logits.new_empty(n, dtype=_cdt(logits)), logits.new_empty(n, dtype=_cdt(logits))
+
+
+def _ce_setup(ctx, inputs, output):
+    _save(ctx, inputs, output, keep_output=True)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _ce_bwd(ctx, gloss, _glse):
+    args, outs = _restore(ctx)
+    logits, labels, ignore_index = args
+    if use_triton(logits):
+        return triton_kernels().cross_entropy_bwd(gloss, logits, labels, outs[1], ignore_index), None, None
+    return _reference_backward(_ce_ref, ctx, args, (gloss, None))
+
+
+cross_entropy_op.register_autograd(_ce_bwd, setup_context=_ce_setup)
+
+
+# --------------------------------------------------------------------------------------------------------
 # eager fast path
 
 
@@ -756,5 +793,6 @@ gated_rmsnorm_call = _eager_caller(gated_rmsnorm_op, _norm_setup, _gated_bwd)
 rmsnorm_call = _eager_caller(rmsnorm_op, _norm_setup, _rmsnorm_bwd)
 add_rmsnorm_call = _eager_caller(add_rmsnorm_op, _add_setup, _add_bwd)
 swiglu_call = _eager_caller(swiglu_op, _swiglu_setup, _swiglu_bwd)
+cross_entropy_call = _eager_caller(cross_entropy_op, _ce_setup, _ce_bwd)
 selective_scan_call = _eager_caller(selective_scan_op, _scan_setup, _scan_bwd)
 coffee_scan_call = _eager_caller(coffee_scan_op, _coffee_setup, _coffee_bwd)

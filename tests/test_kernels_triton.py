@@ -85,6 +85,8 @@ def test_opcheck_custom_ops(torch_mode):
     torch.library.opcheck(ops.rmsnorm_op, (x, torch.randn(3), 1e-5), test_utils=tests)
     torch.library.opcheck(ops.add_rmsnorm_op, (x, torch.randn(2, 5, 3), torch.randn(3), 1e-5), test_utils=tests)
     torch.library.opcheck(ops.swiglu_op, (x, torch.randn(2, 5, 3)), test_utils=tests)
+    torch.library.opcheck(ops.cross_entropy_op, (torch.randn(4, 7), torch.tensor([1, -100, 6, 0]), -100),
+                          test_utils=tests)
     torch.library.opcheck(ops.ssd_step_op, (torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3), torch.randn(2, 2),
                                             -torch.rand(2), torch.randn(2, 1, 4), torch.randn(2, 1, 4), None,
                                             None, None, True, None), test_utils=tests)

@@ -495,7 +495,8 @@ def test_kernel_families_of_our_triton_kernels():
               "_conv_bwd_kernel": "conv", "_dx_kernel": "ssd / scan", "_dcb_kernel": "ssd / scan",
               "_scan_kernel": "ssd / scan", "_states_kernel": "ssd / scan", "_dstates_kernel": "ssd / scan",
               "_gated_bwd_kernel": "norm", "_add_fwd_kernel": "norm", "_cast_kernel": "elementwise / copy / other",
-              "_swiglu_bwd_kernel": "elementwise / copy / other"}
+              "_swiglu_bwd_kernel": "elementwise / copy / other", "_cross_entropy_fwd_kernel": "loss",
+              "_cross_entropy_bwd_kernel": "loss"}
     assert {k: family_of(k) for k in expect} == expect
 
 

@@ -2,6 +2,7 @@
 from .act import swiglu
 from .coffee import coffee_scan
 from .conv import causal_conv1d, causal_conv1d_step
+from .loss import cross_entropy
 from .norm import (add_rmsnorm, gated_rmsnorm, gated_rmsnorm_apply, gated_rmsnorm_bwd_apply, gated_rmsnorm_bwd_dot,
                    gated_rmsnorm_sumsq, rmsnorm)
 from .scan import selective_scan, selective_scan_sequential, selective_scan_step
@@ -26,4 +27,5 @@ __all__ = [
     "selective_scan_sequential",
     "selective_scan_step",
     "coffee_scan",
+    "cross_entropy",
 ]

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from megassm import kernels
 from megassm.config import PATTERN_SEPARATORS, ModelConfig, blocks_of
 
 from .attention import single_document
@@ -248,9 +249,8 @@ class LanguageModel(nn.Module):
         if self.vocab_parallel is not None:
             return self.vocab_parallel.loss_terms(logits, labels)
         flat = labels.reshape(-1)
-        total = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(), flat, ignore_index=IGNORE_INDEX, reduction="sum"
-        )
+        # per-row fp32 losses summed; the Triton path reads the logits without an fp32 copy (kernels/triton/ce.py)
+        total = kernels.cross_entropy(logits.reshape(-1, logits.shape[-1]), flat, IGNORE_INDEX).sum()
         return total, (flat != IGNORE_INDEX).sum()
 
     def finish_loss(self, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,8 @@ measured peaks of docs/benchmarks.md):
                                 times train.bptt_windows; with activation checkpointing only each block's
                                 inputs plus one block being recomputed
   head                          logits (bf16), their fp32 copy and the saved log-softmax of one micro-batch
-                                (of one chunk with train.loss_chunk_tokens)
+                                (of one chunk with train.loss_chunk_tokens); with the fused loss of a bf16
+                                run without tensor parallelism, the logits and their gradient
   peak                          the largest of: end of forward / start of backward, the backward sweep
                                 (activations freed while gradients appear), the optimizer step
 
@@ -207,9 +208,11 @@ def block_bytes(block, a: int, cfg: Config, *, sp_tp: int = 1, cp: int = 1, seq_
     return {"stream": stream + more_stream, "local": local + extra}
 
 
-def head_bytes(vocab_local: int, a: int) -> int:
-    """Per token, on the last stage: bf16 logits, their fp32 copy for the loss, the saved log-softmax."""
-    return (a + 8) * vocab_local
+def head_bytes(vocab_local: int, a: int, fused: bool = False) -> int:
+    """Per token, on the last stage: the logits, their fp32 copy for the loss and the saved log-softmax; with
+    the fused Triton loss (kernels/triton/ce.py: a GPU run without the vocab-parallel head) the logits, kept
+    for the backward, and their gradient."""
+    return 2 * a * vocab_local if fused else (a + 8) * vocab_local
 
 
 def checkpointed_bytes(a: int, d: int, sp_tp: int = 1) -> int:
@@ -304,11 +307,14 @@ class _Block:
 # ----------------------------------------------------------------------------------------------------
 # the estimate
 # ----------------------------------------------------------------------------------------------------
-def estimate(cfg: Config, vocab: int | None = None, bf16: bool | None = None, doc_mask: bool | None = None) -> dict:
+def estimate(cfg: Config, vocab: int | None = None, bf16: bool | None = None, doc_mask: bool | None = None,
+             fused_loss: bool | None = None) -> dict:
     """Per-GPU memory of the layout in `cfg` (see the module docstring). `vocab`: the tokenizer's vocabulary
     when model.vocab_size is unset (default 257, the byte tokenizer); `bf16`: autocast (default: the
     config's precision, `auto` meaning a GPU run); `doc_mask`: whether the batches pack several documents
-    per row so attention takes its masked path (default model.attn.doc_mask)."""
+    per row so attention takes its masked path (default model.attn.doc_mask); `fused_loss`: whether the loss
+    runs the fused Triton cross-entropy (default: a bf16 run without tensor parallelism; False prices the
+    eager loss, as peaks measured before 2026-12-06 ran it)."""
     from torch import nn
 
     m, t, p = cfg.model, cfg.train, cfg.parallel
@@ -318,6 +324,8 @@ def estimate(cfg: Config, vocab: int | None = None, bf16: bool | None = None, do
     a = 2 if bf16 else 4
     if doc_mask is None:
         doc_mask = m.attn.doc_mask
+    if fused_loss is None:  # bf16 is a GPU run (Triton kernels); tp == 1 keeps the whole head on the rank
+        fused_loss = bf16 and p.tp == 1
     ws = world_size(cfg)
     dp = data_parallel_size(cfg)
     accum = t.global_batch // (t.micro_batch * dp)
@@ -351,7 +359,7 @@ def estimate(cfg: Config, vocab: int | None = None, bf16: bool | None = None, do
         head_tokens = tokens  # the logits of one micro-batch, or of one chunk (train.loss_chunk_tokens)
         if t.loss_chunk_tokens:
             head_tokens = min(tokens, max(1, t.loss_chunk_tokens // t.micro_batch) * t.micro_batch * sp_tp)
-        head = head_bytes(vocab_local, a) * head_tokens if last else 0.0
+        head = head_bytes(vocab_local, a, fused=fused_loss) * head_tokens if last else 0.0
         inflight = inflight_microbatches(p.pp_schedule, p.pp, p.pp_virtual, r, accum) * windows
 
         weights = eb["weights"] * n_params
