@@ -10,6 +10,7 @@ config, or at every config with --all-configs (maxnreg included).
 
     python benchmarks/kernels_compile_check.py                     # all variants, first autotune config
     python benchmarks/kernels_compile_check.py --all-configs --only _dx_kernel,_scan_kernel
+    python benchmarks/kernels_compile_check.py --norm-tiles --only _gated_bwd_kernel,_add_bwd_kernel
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 ROWS = {}  # variant key -> result row
 ALL_CONFIGS = False
+NORM_TILES = False
 ONLY: set = set()
 
 
@@ -169,25 +171,42 @@ def run_cases():
                 tk.selective_scan_bwd(rn(2, 300, 512, dtype=dtype), rn(2, 512, N) if full else None, *args)
                 tk.selective_scan_step_fwd(rn(2, 512, N), x[:, 0], dt[:, 0], A, Bm[:, 0], Cm[:, 0], Dv,
                                            None if z is None else z[:, 0], bias, decay == "exp", decay)
-    # norms
+    # norms (z a strided slice, as Mamba-2's of in_proj's output); the backward at its default tiles, the staged
+    # modes (TP with a group over several ranks), the add kernel with and without dres_in / dres
+    from megassm.kernels.triton import norm as tn
+
     for dtype in (torch.bfloat16, torch.float32):
-        x, z, w = rn(64, 4096, dtype=dtype), rn(64, 4096, dtype=dtype), rn(4096)
+        x, z, w = rn(64, 4096, dtype=dtype), rn(64, 8512, dtype=dtype)[:, :4096], rn(4096)
         for G, nbg, zz in ((1, False, True), (8, False, True), (8, True, True), (1, False, False)):
             zi = z if zz else None
             tk.gated_rmsnorm_fwd(x, zi, w, G, 1e-5, nbg)
             tk.gated_rmsnorm_bwd(x, x, zi, w, G, 1e-5, nbg)
+        ss = rn(64, 1).abs()
+        tk.gated_rmsnorm_bwd_dot(x, x, z, w, ss, 8192, 1e-5, False)
+        tk.gated_rmsnorm_bwd_apply(x, x, z, w, ss, rn(64, 1), 8192, 1e-5, False)
         r = rn(64, 2048)
         tk.add_rmsnorm_fwd(x[:, :2048], r, w[:2048], 1e-5)
         tk.add_rmsnorm_bwd(x[:, :2048], r, r, w[:2048], 1e-5, dtype, torch.float32)
+        tk.add_rmsnorm_bwd(x[:, :2048], None, r, w[:2048], 1e-5, dtype, None)
+        if NORM_TILES and dtype == torch.bfloat16:  # every tile benchmarks/norm_tiles.py sweeps, at its dtypes
+            from norm_tiles import SHAPES
+
+            for rows, warps, pf, rl in SHAPES["gated"]:
+                tn._gated_bwd(x, x, z, w, 1, 1e-5, False, 0, tiles=(rows, warps, 64, pf, rl))
+            for rows, warps, pf, rl in SHAPES["add"]:
+                tn.add_rmsnorm_bwd(x[:, :2048], r, r, w[:2048], 1e-5, dtype, torch.float32,
+                                   tiles=(rows, warps, 64, pf, rl))
 
 
 def main():
-    global ALL_CONFIGS, ONLY
+    global ALL_CONFIGS, NORM_TILES, ONLY
     ap = argparse.ArgumentParser()
     ap.add_argument("--all-configs", action="store_true", help="every autotune config, not only the first")
     ap.add_argument("--only", default="", help="comma list of kernel names (e.g. _dx_kernel,_scan_kernel)")
+    ap.add_argument("--norm-tiles", action="store_true", help="also every norm backward tile of norm_tiles.py")
     args = ap.parse_args()
     ALL_CONFIGS = args.all_configs
+    NORM_TILES = args.norm_tiles
     ONLY = set(filter(None, args.only.split(",")))
     _install()
     run_cases()
