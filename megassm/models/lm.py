@@ -270,8 +270,8 @@ class LanguageModel(nn.Module):
     def head_loss(self, normed: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The head and the loss of the final-norm output. With `loss_chunk_tokens` > 0 the tokens go
         through the head in chunks along the sequence, each under activation checkpointing: only one
-        chunk's logits (and their fp32 copy and gradient) exist at a time, for one extra head matmul in the
-        backward. [B, L, vocab] fp32 logits are 26 GB at 128K tokens x 50K vocab (docs/config.md)."""
+        chunk's logits (and their gradient) exist at a time, for one extra head matmul in the backward.
+        [B, L, vocab] bf16 logits and their gradient are 26 GB at 128K tokens x 50K vocab (docs/config.md)."""
         chunk = self.loss_chunk_tokens
         B, L = normed.shape[:2]
         if chunk <= 0 or B * L <= chunk:
