@@ -142,7 +142,8 @@ def main() -> None:
                     "a good one: after warm-up, before the timed window)")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per layout")
     ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
-    ap.add_argument("extra", nargs="*", help="more key=value overrides for every run")
+    ap.add_argument("extra", nargs="*", help="more key=value overrides for every run; put them before --layouts "
+                    "or after `--` (right after --layouts they would be read as layouts)")
     a = ap.parse_args()
     for layout in a.layouts:
         res = run_layout(layout, a.nproc, a.steps, a.timed, a.accum, a.config, a.extra, a.profile_step, a.timeout)
