@@ -138,6 +138,13 @@ def run_cases():
             tk.ssd_bwd(rn(B, L, H, P, dtype=dtype), rn(B, H, P, N), x, dt, A, Bm, Cm, D, z, rn(H), True, lim, h0,
                        sid, chunk)
     os.environ.pop("MEGASSM_SSD_PRECISION", None)
+    # _dbc_kernel with its head loop split over 4 programs (MEGASSM_SSD_DBC_SPLIT, the mamba2-1.3b shape)
+    os.environ["MEGASSM_SSD_DBC_SPLIT"] = "4"
+    x, dt, Bm, Cm = (rn(1, 512, 64, 64, dtype=torch.bfloat16), rn(1, 512, 64, dtype=torch.bfloat16),
+                     rn(1, 512, 1, 128, dtype=torch.bfloat16), rn(1, 512, 1, 128, dtype=torch.bfloat16))
+    tk.ssd_bwd(rn(1, 512, 64, 64, dtype=torch.bfloat16), None, x, dt, -torch.rand(64, generator=g), Bm, Cm, rn(64),
+               None, rn(64), True, None, None, torch.zeros(1, 512, dtype=torch.int32), 256)
+    os.environ.pop("MEGASSM_SSD_DBC_SPLIT", None)
     # decode steps
     tk.ssd_step_fwd(rn(2, 64, 64, 128), rn(2, 64, 64, dtype=torch.bfloat16), rn(2, 64, dtype=torch.bfloat16),
                     -torch.rand(64), rn(2, 1, 128, dtype=torch.bfloat16), rn(2, 1, 128, dtype=torch.bfloat16),

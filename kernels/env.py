@@ -51,6 +51,16 @@ def ssd_save_states() -> bool:
     return _choice("MEGASSM_SSD_SAVE_STATES", "0", ("0", "1")) == "1"
 
 
+SSD_DBC_SPLITS = ("1", "2", "4", "8")  # MEGASSM_SSD_DBC_SPLIT's values, the default first
+
+
+def ssd_dbc_split() -> int:
+    """MEGASSM_SSD_DBC_SPLIT=1|2|4|8 (default 1): programs that share the head loop of each dB / dC tile of the
+    SSD backward (_dbc_kernel), their fp32 partials summed by torch. Opt-in until measured: at micro-batch 4 x
+    2048 the kernel's grid is 64 programs for 132 SMs (docs/kernels.md, "The SSD backward's dB / dC")."""
+    return int(_choice("MEGASSM_SSD_DBC_SPLIT", SSD_DBC_SPLITS[0], SSD_DBC_SPLITS))
+
+
 def ssd_streams() -> bool:
     """MEGASSM_SSD_STREAMS=0|1 (default 1): run the SSD's kernels that do not depend on the chunk walks (C B^T,
     the backward's dCB) on a second CUDA stream, beside the walks."""
@@ -84,5 +94,6 @@ def check() -> None:
     ssd_state_segments()
     ssd_save_states()
     ssd_streams()
+    ssd_dbc_split()
     conv_bwd()
     triton_tune_log()

@@ -218,6 +218,29 @@ def test_ssd_state_segments_setting(monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("ngroups,split", [(1, "2"), (1, "4"), (2, "8"), (1, "1")])
+def test_ssd_triton_dbc_split(triton_mode, monkeypatch, ngroups, split):
+    """MEGASSM_SSD_DBC_SPLIT: dB / dC from programs sharing the head loop (fp32 partials summed by torch) equal
+    the unsplit kernel's up to fp32 summation order, every other output and gradient bit for bit; against the
+    fp64 oracle as the unsplit run. 8 at 2 heads a group is capped at 2; resets, odd length, initial states."""
+    inp = ssd_inputs(2, 45, 4, 16, ngroups, 32, d_mode="chan")
+    sid = seq_from_starts(reset_starts(45, 32, 2), 45)
+    monkeypatch.setenv("MEGASSM_SSD_DBC_SPLIT", "1")
+    base = run_ssd(K.ssd, inp, sid, chunk_size=32)
+    monkeypatch.setenv("MEGASSM_SSD_DBC_SPLIT", split)
+    ours = run_ssd(K.ssd, inp, sid, chunk_size=32)
+    for name, v in ours.items():
+        if name in ("dB", "dC"):
+            assert rel(v, base[name]) < 1e-6, name
+        else:
+            assert torch.equal(v, base[name]), name
+    check_fp32(ours, run_ssd(R.ssd_sequential, cast_inputs(inp, to=F64), sid), 1e-5)
+    monkeypatch.setenv("MEGASSM_SSD_DBC_SPLIT", "3")
+    with pytest.raises(ValueError, match="MEGASSM_SSD_DBC_SPLIT='3'"):
+        run_ssd(K.ssd, inp, sid, chunk_size=32)
+
+
+@needs_triton
 def test_ssd_side_stream_setting(monkeypatch):
     """MEGASSM_SSD_STREAMS: 1 (default) gives CUDA inputs a side stream, 0 none; never on the CPU; a bad value
     fails naming the variable."""

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ._lang import tcumsum, trevcumsum, tsigmoid, tsum
+from .. import env
 from .ssd import _prep, _scan
 from .ssd_common import (
     _autotune,
@@ -251,19 +252,21 @@ def _dcb_kernel(X, DY, CB, DTP, CS, SEQ, DCB, DCSI, L, H, G, NC,
 
 
 @_autotune([triton.Config({}, num_warps=8, num_stages=2), triton.Config({}, num_warps=4, num_stages=2),
-            triton.Config({}, num_warps=8, num_stages=3)], key=["T", "P", "N", "BS", "BN", "IS_DC"])
+            triton.Config({}, num_warps=8, num_stages=3)], key=["T", "P", "N", "BS", "BN", "IS_DC", "SPLIT"])
 @triton.jit
-def _dbc_kernel(X, DY, OTHER, CR, DCB, DTP, CS, SEQ, SVH, SVL, OUT, DCSR, L, H, G, NC,
+def _dbc_kernel(X, DY, OTHER, CR, DCB, DTP, CS, SEQ, SVH, SVL, OUT, DCSR, PART, L, H, G, NC,
                 sxb, sxl, sxh, sxp, sdyb, sdyl, sdyh, sdyp, sob, sol, sog, son, scrb, scrl, scrg, scrn, ssb, ssl,
                 soutb, soutl,
                 P: tl.constexpr, N: tl.constexpr, T: tl.constexpr, BPF: tl.constexpr, BS: tl.constexpr,
                 BN: tl.constexpr, IS_DC: tl.constexpr, HAS_SEQ: tl.constexpr, DY_F32: tl.constexpr,
-                PREC: tl.constexpr):
+                PREC: tl.constexpr, SPLIT: tl.constexpr = 1):
     """dB (IS_DC False; rows are source positions s, OTHER = C, SV = dS leaving the chunk) or
     dC (IS_DC True; rows are target positions t, OTHER = B, SV = S entering the chunk): the state term summed
     over the heads of the group in this program, then the intra-chunk term dCB @ B (dC) or dCB^T @ C (dB)
     from _dcb_kernel (no atomics). The dC pass also stores DCSR[b, h, c, t, N block] = exp(cs_t) m_t
-    sum over the block's n of (dy_t S^T)_n C_tn: the state read-out part of dy_t . y_t (the cs_t gradient)."""
+    sum over the block's n of (dy_t S^T)_n C_tn: the state read-out part of dy_t . y_t (the cs_t gradient).
+    SPLIT > 1 (MEGASSM_SSD_DBC_SPLIT): program_id(2) = sp takes the sp-th share of the group's heads, sp 0 adds
+    the intra-chunk term, and each stores its fp32 sum to PART[sp, b, l, g, n], which the caller sums into OUT."""
     bc = tl.program_id(1)
     b = (bc // NC).to(tl.int64)
     c = bc % NC
@@ -288,7 +291,9 @@ def _dbc_kernel(X, DY, OTHER, CR, DCB, DTP, CS, SEQ, SVH, SVL, OUT, DCSR, L, H, 
         crv = tl.load(CR + b * scrb + pr[:, None] * scrl + g * scrg + n[None, :] * scrn,
                       mask=mr[:, None] & mn[None, :], other=0.0).to(tl.float32)
     rep = H // G
-    for hi in range(rep):
+    sp = tl.program_id(2)
+    per = (rep + SPLIT - 1) // SPLIT  # heads of this program's share: sp * per .. min(rep, (sp + 1) * per) - 1
+    for hi in range(sp * per, tl.minimum(rep, sp * per + per)):
         h = g * rep + hi
         dbase = ((b * H + h) * NC + c) * T
         cs_r = tl.load(CS + dbase + r)
@@ -324,6 +329,7 @@ def _dbc_kernel(X, DY, OTHER, CR, DCB, DTP, CS, SEQ, SVH, SVL, OUT, DCSR, L, H, 
     else:
         lo = rb * BS
         hi_ = T
+    hi_ = tl.where(sp > 0, lo, hi_)  # the first share's program adds it
     for o0 in range(lo, hi_, BS):
         o = o0 + tl.arange(0, BS)
         po = c * T + o
@@ -334,8 +340,13 @@ def _dbc_kernel(X, DY, OTHER, CR, DCB, DTP, CS, SEQ, SVH, SVL, OUT, DCSR, L, H, 
         ov = tl.load(OTHER + b * sob + po[:, None] * sol + g * sog + n[None, :] * son,
                      mask=(po < L)[:, None] & mn[None, :], other=0.0)
         acc += _mm_af(w, ov, PREC)
-    tl.store(OUT + b * soutb + pr[:, None].to(tl.int64) * soutl + g * N + n[None, :],
-             acc.to(OUT.dtype.element_ty), mask=mr[:, None] & mn[None, :])
+    if SPLIT == 1:
+        tl.store(OUT + b * soutb + pr[:, None].to(tl.int64) * soutl + g * N + n[None, :],
+                 acc.to(OUT.dtype.element_ty), mask=mr[:, None] & mn[None, :])
+    else:
+        nbat = tl.num_programs(1) // NC
+        row0 = (sp.to(tl.int64) * nbat + b) * L  # PART [SPLIT, batch, L, G, N], fp32, contiguous
+        tl.store(PART + ((row0 + pr[:, None]) * G + g) * N + n[None, :], acc, mask=mr[:, None] & mn[None, :])
 
 
 @triton.jit
@@ -491,19 +502,27 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     BNc = _tile("dbc_bn", dstate)
     nnb = triton.cdiv(dstate, BNc)
     dcsr = torch.empty(bsz, nheads, nc, T, nnb, dtype=torch.float32, device=dev)
-    grid = (ngroups * (T // BSR) * nnb, bsz * nc)
+    # MEGASSM_SSD_DBC_SPLIT: programs sharing each tile's head loop (never more than the group's heads)
+    split = max(1, min(env.ssd_dbc_split(), nheads // ngroups))
+    grid = (ngroups * (T // BSR) * nnb, bsz * nc, split)
+    part = (torch.empty(split, bsz, seqlen, ngroups, dstate, dtype=torch.float32, device=dev) if split > 1
+            else dcsr)
     _dbc_kernel[grid](
-        x, dy, C, C, dcb, dtp, cs, seq, *dsn, dB, dcsr, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(),
-        *C.stride(), *C.stride(), ssb, ssl, dB.stride(0), dB.stride(1), P=hdim, N=dstate, T=T, BPF=BPF, BS=BSR,
-        BN=BNc, IS_DC=False,
-        HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=_out_prec(x),
+        x, dy, C, C, dcb, dtp, cs, seq, *dsn, dB, dcsr, part, seqlen, nheads, ngroups, nc, *x.stride(),
+        *dy.stride(), *C.stride(), *C.stride(), ssb, ssl, dB.stride(0), dB.stride(1), P=hdim, N=dstate, T=T,
+        BPF=BPF, BS=BSR, BN=BNc, IS_DC=False,
+        HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=_out_prec(x), SPLIT=split,
     )
+    if split > 1:
+        dB.copy_(part.sum(0))
     _dbc_kernel[grid](
-        x, dy, B, C, dcb, dtp, cs, seq, *states, dC, dcsr, seqlen, nheads, ngroups, nc, *x.stride(), *dy.stride(),
-        *B.stride(), *C.stride(), ssb, ssl, dC.stride(0), dC.stride(1), P=hdim, N=dstate, T=T, BPF=BPF, BS=BSR,
-        BN=BNc, IS_DC=True,
-        HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=prec,
+        x, dy, B, C, dcb, dtp, cs, seq, *states, dC, dcsr, part, seqlen, nheads, ngroups, nc, *x.stride(),
+        *dy.stride(), *B.stride(), *C.stride(), ssb, ssl, dC.stride(0), dC.stride(1), P=hdim, N=dstate, T=T,
+        BPF=BPF, BS=BSR, BN=BNc, IS_DC=True,
+        HAS_SEQ=seq_idx is not None, DY_F32=dy_f32, PREC=prec, SPLIT=split,
     )
+    if split > 1:
+        dC.copy_(part.sum(0))
     # the cs gradients -> the a = dt * A gradients -> ddt, dA, ddt_bias, fused (_dt_grad_kernel)
     BH = min(16, triton.next_power_of_2(nheads))
     ddt = torch.empty(bsz, seqlen, nheads, dtype=dt.dtype, device=dev)
