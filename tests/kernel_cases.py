@@ -58,7 +58,7 @@ def triton_mode(monkeypatch):
     monkeypatch.setenv("MEGASSM_KERNELS", "triton")
     tk = ops.triton_kernels()
     if tk is None:
-        pytest.skip(f"megassm.kernels.triton failed to import: {ops._triton_err!r}")
+        pytest.skip(f"megassm.kernels.triton failed to import: {ops.triton_error()!r}")
     if not HAS_CUDA:
         from megassm.kernels.triton import ssd_common
 

@@ -150,7 +150,7 @@ def test_triton_path_in_the_mixer(monkeypatch, letter):
 
     monkeypatch.setenv("MEGASSM_KERNELS", "triton")
     if ops.triton_kernels() is None:
-        pytest.skip(f"triton kernels unavailable: {ops._triton_err!r}")
+        pytest.skip(f"triton kernels unavailable: {ops.triton_error()!r}")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cpu":
         from megassm.kernels.triton import ssd_common

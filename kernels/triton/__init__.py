@@ -1,5 +1,5 @@
-"""Triton kernels of megassm.kernels (imported lazily by kernels/ops.py: Triton reads TRITON_INTERPRET when the
-kernels are decorated, i.e. at import). The ops' dispatch, autograd and fake registrations live in ops.py."""
+"""Triton kernels of megassm.kernels (imported lazily by kernels/dispatch.py: Triton reads TRITON_INTERPRET when
+the kernels are decorated, i.e. at import). The ops' fake and autograd registrations live in ops.py."""
 import triton  # noqa: F401  (ImportError here means: no Triton backend)
 
 from .act import swiglu_bwd, swiglu_fwd  # noqa: E402

@@ -1,0 +1,213 @@
+"""The kernels' dispatch and autograd plumbing, shared by every op of kernels/ops.py: the backend chosen per call
+from `MEGASSM_KERNELS`, the lazy import of kernels/triton, the saving / restoring of an op's inputs for its
+backward, the reference backward by recomputation, and the eager caller that skips the custom-op dispatcher.
+
+  auto    (default) Triton when the tensors are on CUDA, triton imports and the dtype is not fp64;
+          the PyTorch reference otherwise.
+  triton  always Triton; CPU tensors are an error unless TRITON_INTERPRET=1 (Triton's CPU interpreter,
+          used by the tests). fp64 tensors still go to the reference (the kernels do not do fp64).
+  torch   always the PyTorch reference (megassm.kernels.reference).
+
+Reference backward: the reference forward is recomputed on detached inputs under autograd and
+differentiated with torch.autograd.grad, so gradients are the plain reference's autograd gradients exactly.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from . import env
+
+logger = logging.getLogger("megassm.kernels")
+
+_triton_mod = None
+_triton_err: Optional[BaseException] = None
+
+
+def mode() -> str:
+    return env.kernels_mode()
+
+
+def interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def triton_kernels():
+    """The kernels/triton package, imported on first use (Triton reads TRITON_INTERPRET when its kernels are
+    decorated, i.e. at import). Returns None when triton cannot be imported."""
+    global _triton_mod, _triton_err
+    if _triton_mod is None and _triton_err is None:
+        try:
+            from . import triton as tk  # noqa: PLC0415
+
+            _triton_mod = tk
+        except Exception as e:  # ImportError, or a broken triton install
+            _triton_err = e
+    return _triton_mod
+
+
+def triton_available() -> bool:
+    return triton_kernels() is not None
+
+
+def use_triton(x: Tensor) -> bool:
+    """Backend decision for a call whose main tensor is `x`."""
+    m = mode()
+    if m == "torch" or x.dtype == torch.float64:
+        return False
+    if m == "triton":
+        if not x.is_cuda and not interpret():  # checked before importing: Triton reads the flag at import
+            raise RuntimeError(
+                "MEGASSM_KERNELS=triton with CPU tensors: Triton kernels need CUDA tensors "
+                "(or TRITON_INTERPRET=1 to run them in Triton's CPU interpreter). "
+                "Use MEGASSM_KERNELS=auto or torch for the PyTorch reference."
+            )
+        if triton_kernels() is None:
+            raise RuntimeError(f"MEGASSM_KERNELS=triton but triton cannot be imported: {_triton_err!r}")
+        return True
+    return x.is_cuda and triton_kernels() is not None
+
+
+def _announce(use: bool, x: Tensor) -> None:
+    # the "last announced" flag lives on the package (tests monkeypatch it)
+    K = sys.modules[__package__]
+
+    name = "triton" if use else "reference"
+    if K._announced != name:
+        K._announced = name
+        if use:
+            logger.info(
+                "megassm.kernels: using Triton kernels (MEGASSM_KERNELS=%s, %s tensors%s; SSD precision for bf16 "
+                "inputs: MEGASSM_SSD_PRECISION=%s)",
+                mode(), x.device.type, ", interpreter" if not x.is_cuda else "", env.ssd_precision(),
+            )
+        else:
+            logger.info("megassm.kernels: using PyTorch reference ops (MEGASSM_KERNELS=%s, %s tensors)",
+                        mode(), x.device.type)
+
+
+def _pick(x: Tensor) -> bool:
+    use = use_triton(x)
+    _announce(use, x)
+    return use
+
+
+# --------------------------------------------------------------------------------------------------------
+# generic autograd plumbing
+
+
+def _save(ctx, inputs, output, keep_output=False):
+    tensors, spec = [], []
+    for a in inputs:
+        if isinstance(a, Tensor):
+            spec.append(len(tensors))
+            tensors.append(a)
+        else:
+            spec.append(("const", a))
+    n_in = len(tensors)
+    if keep_output:
+        outs = output if isinstance(output, tuple) else (output,)
+        tensors.extend(outs)
+    ctx.save_for_backward(*tensors)
+    ctx._spec = spec
+    ctx._n_in = n_in
+
+
+def _restore(ctx):
+    saved = ctx.saved_tensors
+    args = [saved[s] if isinstance(s, int) else s[1] for s in ctx._spec]
+    return args, saved[ctx._n_in:]
+
+
+def _reference_backward(full_ref: Callable, ctx, args, grads):
+    """Gradients of `full_ref(*args)` (which returns the op's output tuple) by recomputation under autograd."""
+    need = ctx.needs_input_grad
+    leaves = []
+    for i, a in enumerate(args):
+        if isinstance(a, Tensor) and need[i] and (a.is_floating_point() or a.is_complex()):
+            leaves.append(a.detach().requires_grad_(True))
+        else:
+            leaves.append(a)
+    wrt = [i for i, a in enumerate(leaves) if isinstance(a, Tensor) and a.requires_grad]
+    out = [None] * len(args)
+    if not wrt:
+        return tuple(out)
+    with torch.enable_grad():
+        outs = full_ref(*leaves)
+        if not isinstance(outs, tuple):
+            outs = (outs,)
+        sel_o, sel_g = [], []
+        for o, g in zip(outs, grads):
+            if g is not None and o is not None and o.requires_grad and o.numel() > 0:
+                sel_o.append(o)
+                sel_g.append(g)
+        if not sel_o:
+            return tuple(out)
+        gs = torch.autograd.grad(sel_o, [leaves[i] for i in wrt], sel_g, allow_unused=True)
+    for i, g in zip(wrt, gs):
+        out[i] = g
+    return tuple(out)
+
+
+def _fresh(t: Tensor) -> Tensor:
+    """Outputs are dense, contiguous, offset-0 tensors (what the fake implementations promise)."""
+    if t.is_contiguous() and t.storage_offset() == 0:
+        return t
+    return t.contiguous() if not t.is_contiguous() else t.clone()
+
+
+def _fresh_all(out):
+    if isinstance(out, tuple):
+        return tuple(_fresh(o) for o in out)
+    return _fresh(out)
+
+
+def _empty_f32(x: Tensor) -> Tensor:
+    return x.new_empty(0, dtype=torch.promote_types(x.dtype, torch.float32))
+
+
+def _cdt(x: Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def triton_error():
+    """Why kernels/triton could not be imported (None when it was, or was not tried yet)."""
+    return _triton_err
+
+
+# --------------------------------------------------------------------------------------------------------
+# eager fast path
+
+
+def _eager_caller(op, setup_context, backward):
+    """A callable that runs `op` with the same implementation and the same backward, but in eager mode through
+    a plain torch.autograd.Function instead of the custom-op dispatcher. The dispatcher's Python layers cost
+    ~1 ms of host time per SSD call on an H100 (benchmarks/host_overhead.py), enough to leave the GPU idle in a
+    training step; under torch.compile the custom op itself is called, so graphs still see one opaque op."""
+    impl = op._init_fn
+
+    class _EagerOp(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):
+            out = impl(*args)
+            setup_context(ctx, args, out)
+            return out
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return backward(ctx, *grads)
+
+    _EagerOp.__name__ = _EagerOp.__qualname__ = f"{op._name}_eager"
+
+    def call(*args):
+        if torch.compiler.is_compiling():
+            return op(*args)
+        return _EagerOp.apply(*args)
+
+    call.__name__ = f"{op._name}_call"
+    return call
