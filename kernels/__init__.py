@@ -1,15 +1,14 @@
 """megassm.kernels: the ops the models call, behind one stable set of signatures.
 
-This module is the dispatch point. Every op is a `torch.library.custom_op` (namespace "megassm", see
-`ops.py`) with fake and autograd registrations; inside, the backend is chosen per call (`dispatch.py`) from
-the environment variable MEGASSM_KERNELS=auto|triton|torch (auto, the default: the Triton kernels of
-`kernels/triton` when the tensors are on CUDA and triton imports, the pure-PyTorch references of
-`megassm.kernels.reference` otherwise). The references stay the test oracle. In eager mode a call that resolves to the reference runs it
-directly (plain autograd, no recompute in the backward), and a Triton call runs the op's implementation and
-backward through a plain autograd.Function (`ops.*_call`: the custom-op dispatcher's host overhead left the
-GPU idle); under torch.compile every call goes through the custom op. The
-backend in use is logged once, at INFO on the "megassm.kernels" logger, on the first call of any op (and again
-only if a later call switches backend).
+This module is the dispatch point. Every op is a `torch.library.custom_op` (namespace "megassm", see `ops.py`) with
+fake and autograd registrations; inside, the backend is chosen per call (`dispatch.py`) from the environment
+variable MEGASSM_KERNELS=auto|triton|torch (auto, the default: the Triton kernels of `kernels/triton` when the
+tensors are on CUDA and triton imports, the pure-PyTorch references of `megassm.kernels.reference` otherwise). The
+references stay the test oracle. In eager mode a call that resolves to the reference runs it directly (plain
+autograd, no recompute in the backward), and a Triton call runs the op's implementation and backward through a
+plain autograd.Function (`ops.*_call`: the custom-op dispatcher's host overhead left the GPU idle); under
+torch.compile every call goes through the custom op. The backend in use is logged once, at INFO on the
+"megassm.kernels" logger, on the first call of any op (and again only if a later call switches backend).
 """
 from __future__ import annotations
 
