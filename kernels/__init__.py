@@ -175,7 +175,7 @@ def cross_entropy(logits, labels, ignore_index=-100):
     if labels.is_floating_point() or labels.is_complex():
         raise ValueError(f"cross_entropy: labels must be integers, got {labels.dtype}")
     if _eager_reference(logits):
-        return reference.cross_entropy(logits, labels, int(ignore_index))[0]
+        return reference.cross_entropy(logits, labels, int(ignore_index))
     return ops.cross_entropy_call(logits, labels, int(ignore_index))[0]
 
 

@@ -563,7 +563,9 @@ swiglu_op.register_autograd(_swiglu_bwd, setup_context=_swiglu_setup)
 
 
 def _ce_ref(logits, labels, ignore_index):
-    return reference.cross_entropy(logits, labels, ignore_index)
+    # the op's outputs: the losses and each row's log-sum-exp (what the Triton backward reads)
+    lse = torch.logsumexp(logits.detach().to(_cdt(logits)), dim=-1)
+    return reference.cross_entropy(logits, labels, ignore_index), lse
 
 
 @torch.library.custom_op("megassm::cross_entropy", mutates_args=())
