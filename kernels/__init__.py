@@ -101,11 +101,20 @@ def ssd(
     return (y, fin) if return_final_states else y
 
 
-def split_last(x, sizes):
-    """torch.split(x, sizes, dim=-1), whose backward takes the blocks' gradients without a copy when the op
+def split_last(x, sizes, share_grads=False):
+    """torch.split(x, sizes, dim=-1), whose backward takes the blocks' gradients without a copy when the ops
     after it wrote them as blocks of one buffer (the Triton SSD backward does for x, B, C split from the
-    Mamba-2 conv output); otherwise it concatenates them, as torch.split's backward does."""
-    return ops.SplitLast.apply(x, list(sizes))
+    Mamba-2 conv output); otherwise it concatenates them, as torch.split's backward does. share_grads: the
+    pieces carry one gradient buffer (ops.GradBlocks) that the Triton backwards of the ops reading them (the
+    gated norm's z, the conv's x, the SSD's dt) write into: Mamba-2's [z | xBC | dt] split from in_proj."""
+    sizes = list(sizes)
+    blocks = None
+    if share_grads and x.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        blocks = ops.GradBlocks(x, sizes)
+    pieces = ops.SplitLast.apply(x, sizes, blocks)
+    if blocks is not None:
+        blocks.tag(pieces)
+    return pieces
 
 
 def ssd_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_limit=None):

@@ -86,17 +86,64 @@ def _ssd_setup(ctx, inputs, output):
 
 class SplitLast(torch.autograd.Function):
     """torch.split along the last dim whose backward returns the gradients' common buffer itself when they
-    arrive as its consecutive column blocks (the SSD backward writes dx, dB, dC so: _xbc_grad_buffer), instead
-    of concatenating them into a new tensor (autograd's split backward always copies: a cat per Mamba-2 layer)."""
+    arrive as its consecutive column blocks (the SSD backward writes dx, dB, dC so: _xbc_grad_buffer; the ops
+    reading Mamba-2's in_proj pieces write into a GradBlocks), instead of concatenating them into a new tensor
+    (autograd's split backward always copies: a cat per Mamba-2 layer)."""
 
     @staticmethod
-    def forward(ctx, x, sizes):
-        ctx.shape, ctx.sizes = x.shape, tuple(sizes)
+    def forward(ctx, x, sizes, blocks=None):
+        ctx.shape, ctx.sizes, ctx.blocks = x.shape, tuple(sizes), blocks
         return tuple(x.split(ctx.sizes, dim=-1))
 
     @staticmethod
     def backward(ctx, *grads):
-        return _blocks_of_one(grads, ctx.shape, ctx.sizes), None
+        out = _blocks_of_one(grads, ctx.shape, ctx.sizes)
+        if ctx.blocks is not None:
+            ctx.blocks.release()
+        return out, None, None
+
+
+class GradBlocks:
+    """One gradient buffer for the pieces of a tensor split along its last dim (split_last(share_grads=True)):
+    the backward of an op reading a piece writes that piece's gradient into the piece's column block of one
+    buffer shaped like the split tensor (`grad_block`), so split_last's backward returns the buffer with no
+    concatenation (Mamba-2's in_proj output [z | xBC | dt]: the gated norm, the conv and the SSD each write
+    theirs). A block is handed out once per backward pass (a piece read by two ops gets a fresh gradient the
+    second time, and autograd sums the two as usual); the buffer is dropped once every block is handed out, and
+    the hand-outs are reset by split_last's backward. Whatever is not written here falls back to the cat."""
+
+    __slots__ = ("shape", "dtype", "device", "sizes", "buf", "taken")
+
+    def __init__(self, x: Tensor, sizes):
+        self.shape, self.dtype, self.device, self.sizes = x.shape, x.dtype, x.device, tuple(sizes)
+        self.buf, self.taken = None, set()
+
+    def tag(self, pieces) -> None:
+        off = 0
+        for p, n in zip(pieces, self.sizes):
+            p._megassm_grad_block = (self, off, n)
+            off += n
+
+    def take(self, off: int, n: int, piece: Tensor) -> Optional[Tensor]:
+        if off in self.taken or piece.shape != (*self.shape[:-1], n) or piece.dtype != self.dtype \
+                or piece.device != self.device:
+            return None
+        if self.buf is None:
+            self.buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        block = self.buf.narrow(-1, off, n)
+        self.taken.add(off)
+        if len(self.taken) == len(self.sizes):
+            self.buf = None  # the blocks keep it alive for as long as autograd holds them
+        return block
+
+    def release(self) -> None:
+        self.buf, self.taken = None, set()
+
+
+def grad_block(piece: Optional[Tensor]) -> Optional[Tensor]:
+    """The block of a GradBlocks buffer to write `piece`'s gradient into, or None (allocate as usual)."""
+    tag = getattr(piece, "_megassm_grad_block", None) if piece is not None else None
+    return None if tag is None else tag[0].take(tag[1], tag[2], piece)
 
 
 def _blocks_of_one(grads, shape, sizes) -> Tensor:
@@ -148,7 +195,8 @@ def _ssd_bwd(ctx, gy, gfinal, _gkept=None):
         grads = triton_kernels().ssd_bwd(
             gy, gfinal if ret else None, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, init, seq_idx,
             chunk, kept=(kept[0], kept[1] if ret else None) if kept else None,
-            out_xbc=_xbc_grad_buffer(x, B) if _packed_rows(x, B, C) else None)
+            out_xbc=_xbc_grad_buffer(x, B) if _packed_rows(x, B, C) else None,
+            out_ddt=grad_block(dt) if ctx.needs_input_grad[1] else None)
         dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit = grads
         return dx, ddt, dA, dB, dC, dD, dz, ddt_bias, None, None, dinit, None, None, None
     return _reference_backward(_ssd_ref_full, ctx, args, (gy, gfinal))
@@ -240,9 +288,10 @@ def _conv_bwd(ctx, gy, gfinal):
     args, _ = _restore(ctx)
     x, weight, bias, init, seq_idx, activation, ret = args
     if use_triton(x):
-        dx, dw, db, dinit = triton_kernels().causal_conv1d_bwd(
-            x, weight, bias, init, seq_idx, activation is not None, gy, gfinal if ret else None)
         need = ctx.needs_input_grad
+        dx, dw, db, dinit = triton_kernels().causal_conv1d_bwd(
+            x, weight, bias, init, seq_idx, activation is not None, gy, gfinal if ret else None,
+            out_dx=grad_block(x) if need[0] else None)
         return (dx if need[0] else None, dw if need[1] else None, db if need[2] else None,
                 dinit if need[3] else None, None, None, None)
     return _reference_backward(_conv_ref_full, ctx, args, (gy, gfinal))
@@ -448,7 +497,8 @@ def _gated_bwd(ctx, gout):
     args, _ = _restore(ctx)
     x, z, weight, ngroups, eps, nbg = args
     if use_triton(x):
-        dx, dz, dw = triton_kernels().gated_rmsnorm_bwd(gout, x, z, weight, ngroups, eps, nbg)
+        dx, dz, dw = triton_kernels().gated_rmsnorm_bwd(gout, x, z, weight, ngroups, eps, nbg,
+                                                        out_dz=grad_block(z) if ctx.needs_input_grad[1] else None)
         return dx, dz, dw, None, None, None
     return _reference_backward(_gated_ref, ctx, args, (gout,))
 

@@ -201,11 +201,11 @@ if triton is not None:
         return acc
 
 
-    @triton.jit
+    @triton.jit  # sdxb, sdxl (dx's strides, added later for out_dx) unused: the old kernel's dx is contiguous
     def _old_conv_bwd_kernel(X, INIT, SEQ, WT, BIAS, DY, DFIN, DX, DINIT, DW_PART, DB_PART, L, C, n_sblocks,
                              sb_per_prog, n_prog_l, sxb, sxl, sxc, sib, sic, sil, ssb, ssl, swc, sww, sdyb, sdyl,
-                             sdyc, sfb, sfc, sfl, W: tl.constexpr, WP: tl.constexpr, HAS_INIT: tl.constexpr,
-                             HAS_SEQ: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+                             sdyc, sfb, sfc, sfl, sdxb, sdxl, W: tl.constexpr, WP: tl.constexpr,
+                             HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
                              HAS_DFIN: tl.constexpr, WANT_DINIT: tl.constexpr, BL: tl.constexpr, BC: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         pl = tl.program_id(1)

@@ -682,6 +682,81 @@ def test_ssd_xbc_split_backward_writes_one_buffer(triton_mode, dtype):
     assert torch.equal(ref_split, ref_torch)
 
 
+class _Cats:
+    """Counts the aten cat calls made inside it (a TorchDispatchMode)."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                outer.n += func.overloadpacket.__name__ == "cat"
+                return func(*args, **(kwargs or {}))
+
+        self.n, self.mode = 0, Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mamba2_in_proj_split_backward_writes_one_buffer(triton_mode, monkeypatch, dtype):
+    """Mamba-2's [z | xBC | dt] split from in_proj (split_last(share_grads=True)): the gated norm's dz, the conv's
+    dxBC and the SSD's ddt are written as the column blocks of one buffer, so the split's backward is one cat
+    fewer per layer, with the same gradients bit for bit as separate buffers and a cat (GradBlocks disabled).
+    bf16: in_proj under autocast, as the trainer runs it."""
+    from megassm.config import MambaConfig, ModelConfig
+    from megassm.models import build_model
+
+    cfg = ModelConfig(pattern="MM", d_model=32, mamba=MambaConfig(d_state=16, headdim=16, chunk_size=16, ngroups=2))
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(0)).to(DEV)
+    sid = torch.zeros(2, 24, dtype=torch.int32, device=DEV)
+    sid[1, 9:] = 1
+
+    def grads():
+        m = build_model(cfg, vocab_size=97)
+        m.init_weights(0)
+        m = m.to(DEV).train()
+        with torch.autocast(DEV, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            loss = m(ids, seq_idx=sid).logits.float().pow(2).mean()
+        with _Cats() as cats:
+            loss.backward()
+        return {n: p.grad for n, p in m.named_parameters()}, cats.n
+
+    shared, n_shared = grads()
+    monkeypatch.setattr(ops.GradBlocks, "take", lambda self, off, n, piece: None)
+    separate, n_separate = grads()
+    assert n_separate - n_shared == 2  # one cat fewer per Mamba-2 layer
+    assert shared.keys() == separate.keys()
+    for k in shared:
+        assert shared[k] is not None and torch.equal(shared[k], separate[k]), k
+
+
+def test_grad_blocks_hand_out_each_block_once():
+    """GradBlocks: a block goes to the first op that asks in a backward pass (a second reader of the same piece
+    gets None: a fresh gradient that autograd sums), a mismatched piece gets None, split_last's backward resets
+    the hand-outs, and gradients through the pieces equal torch.split's whatever was written."""
+    x = torch.randn(3, 4, 10, requires_grad=True)
+    a, b, c = K.split_last(x, [2, 5, 3], share_grads=True)
+    blocks = a._megassm_grad_block[0]
+    got = ops.grad_block(a)
+    assert got is not None and got.shape == a.shape and got._base is blocks.buf
+    assert ops.grad_block(a) is None  # handed out once
+    assert blocks.take(2, 5, b.float().double()) is None  # dtype differs from the split tensor's
+    assert blocks.take(2, 5, b[..., :4]) is None  # not the block's shape
+    ((a * 2).sum() + (c * 3).sum()).backward()  # plain autograd (no op writes a block): the cat fallback
+    want = torch.cat([torch.full((3, 4, 2), 2.0), torch.zeros(3, 4, 5), torch.full((3, 4, 3), 3.0)], -1)
+    assert torch.equal(x.grad, want)
+    assert blocks.buf is None and not blocks.taken  # reset by split_last's backward
+    with torch.no_grad():
+        assert not hasattr(K.split_last(x, [2, 5, 3], share_grads=True)[0], "_megassm_grad_block")
+
+
 def test_split_last_backward_fills_a_missing_gradient():
     x = torch.randn(3, 10, requires_grad=True)
     a, b, c = K.split_last(x, [2, 5, 3])

@@ -102,10 +102,10 @@ def _load_taps(WT, c, mask_c, swc, sww, W: tl.constexpr):
 
 
 @triton.jit
-def _finish_dx(dx, s, seq_s, b, c, mask_c, L, C, SEQ, ssb, ssl, DFIN, sfb, sfc, sfl, DX, DINIT,
+def _finish_dx(dx, s, seq_s, b, c, mask_c, L, C, SEQ, ssb, ssl, DFIN, sfb, sfc, sfl, DX, sdxb, sdxl, DINIT,
                W: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_DFIN: tl.constexpr, WANT_DINIT: tl.constexpr):
     """The backward's last step for input positions s (seq_s: their document ids, with HAS_SEQ): add d final_state,
-    then store dx (s >= 0) or d initial_state (s < 0)."""
+    then store dx (s >= 0; rows of stride sdxl, unit channel stride) or d initial_state (s < 0)."""
     if HAS_DFIN:
         # final_state[:, :, j] is input position L-(W-1)+j (zeroed if of an earlier document than the last)
         j = s - (L - (W - 1))
@@ -119,7 +119,7 @@ def _finish_dx(dx, s, seq_s, b, c, mask_c, L, C, SEQ, ssb, ssl, DFIN, sfb, sfc, 
         dx += df
     in_x = (s >= 0) & (s < L)
     s_x = tl.where(in_x, s, 0)
-    tl.store(DX + b * L * C + s_x.to(tl.int64)[:, None] * C + c[None, :], dx.to(DX.dtype.element_ty),
+    tl.store(DX + b * sdxb + s_x.to(tl.int64)[:, None] * sdxl + c[None, :], dx.to(DX.dtype.element_ty),
              mask=in_x[:, None] & mask_c[None, :])
     if WANT_DINIT:
         jj = s + (W - 1)
@@ -141,7 +141,7 @@ def _store_partials(DW_PART, DB_PART, part, c, mask_c, kk, C, dw_acc, db_acc, W:
 @triton.jit
 def _conv_bwd_kernel(X, INIT, SEQ, WT, BIAS, DY, DFIN, DX, DINIT, DW_PART, DB_PART, L, C, n_sblocks, sb_per_prog,
                      n_prog_l, sxb, sxl, sxc, sib, sic, sil, ssb, ssl, swc, sww, sdyb, sdyl, sdyc, sfb, sfc, sfl,
-                     W: tl.constexpr, WP: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr,
+                     sdxb, sdxl, W: tl.constexpr, WP: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr,
                      HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_DFIN: tl.constexpr, WANT_DINIT: tl.constexpr,
                      BL: tl.constexpr, BC: tl.constexpr):
     """Per block of input positions s, every distinct shifted tile is loaded once: x (and seq_idx) at s + j for
@@ -214,7 +214,7 @@ def _conv_bwd_kernel(X, INIT, SEQ, WT, BIAS, DY, DFIN, DX, DINIT, DW_PART, DB_PA
         seq_s = s  # unused without seq_idx
         if HAS_SEQ:
             seq_s = sq[W - 1]
-        _finish_dx(dx, s, seq_s, b, c, mask_c, L, C, SEQ, ssb, ssl, DFIN, sfb, sfc, sfl, DX,
+        _finish_dx(dx, s, seq_s, b, c, mask_c, L, C, SEQ, ssb, ssl, DFIN, sfb, sfc, sfl, DX, sdxb, sdxl,
                    DINIT, W, HAS_SEQ, HAS_DFIN, WANT_DINIT)
     _store_partials(DW_PART, DB_PART, b * n_prog_l + pl, c, mask_c, kk, C, dw_acc, db_acc, W, HAS_BIAS)
 
@@ -308,8 +308,8 @@ def _conv_dpre_kernel(X, INIT, SEQ, WT, BIAS, DY, DPRE, DW_PART, DB_PART, L, C, 
 
 @triton.jit
 def _conv_dx_kernel(SEQ, WT, DP, DFIN, DX, DINIT, L, C, ssb, ssl, swc, sww, sdpb, sdpl, sdpc, sfb, sfc, sfl,
-                    W: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_DFIN: tl.constexpr, WANT_DINIT: tl.constexpr,
-                    BL: tl.constexpr, BC: tl.constexpr):
+                    sdxb, sdxl, W: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_DFIN: tl.constexpr,
+                    WANT_DINIT: tl.constexpr, BL: tl.constexpr, BC: tl.constexpr):
     """Two-pass backward, pass 2: one program per (row, block of input positions s in [-(W-1), L), block of
     channels), dx(s) = sum_m dpre(s+m) w[W-1-m] over m = 0 .. W-1 (terms of another document than s's read as 0;
     dpre outside [0, L) as 0), plus d final_state: _conv_bwd_kernel's sums in its order, so dx and
@@ -333,8 +333,8 @@ def _conv_dx_kernel(SEQ, WT, DP, DFIN, DX, DINIT, L, C, ssb, ssl, swc, sww, sdpb
         if HAS_SEQ and m > 0:  # m == 0 is s's own position
             contrib = tl.where((_load_seq(SEQ, b, t, L, ssb, ssl) == seq_s)[:, None], contrib, 0.0)
         dx += contrib
-    _finish_dx(dx, s, seq_s, b, c, mask_c, L, C, SEQ, ssb, ssl, DFIN, sfb, sfc, sfl, DX, DINIT, W, HAS_SEQ, HAS_DFIN,
-               WANT_DINIT)
+    _finish_dx(dx, s, seq_s, b, c, mask_c, L, C, SEQ, ssb, ssl, DFIN, sfb, sfc, sfl, DX, sdxb, sdxl, DINIT, W,
+               HAS_SEQ, HAS_DFIN, WANT_DINIT)
 
 
 def _blocks(L, C, bwd=False):
@@ -405,13 +405,14 @@ def causal_conv1d_fwd(x, weight, bias, initial_state, seq_idx, silu, return_fina
     return y, fin
 
 
-def causal_conv1d_bwd(x, weight, bias, initial_state, seq_idx, silu, dy, dfinal, tiles=None, mode=None):
+def causal_conv1d_bwd(x, weight, bias, initial_state, seq_idx, silu, dy, dfinal, tiles=None, mode=None, out_dx=None):
     """mode: "two_pass" (_conv_dpre_kernel, then _conv_dx_kernel), "two_pass_defer" (the same, pass 1 summing
     the dweight / dbias products over its blocks before one reduction; widths above 4 sum per block as two_pass)
     or "fused" (_conv_bwd_kernel); None reads MEGASSM_CONV_BWD (default two_pass_defer). tiles=(BL, BC, num_warps)
     is used by every kernel launched; the two_pass modes also take a pair ((pass 1's), (pass 2's))
     (benchmarks/conv_tiles.py sweeps each pass's). The fused kernel's or pass 1's tile may add a fourth entry,
-    its position blocks per program (default 8)."""
+    its position blocks per program (default 8). `out_dx`: a [B, L, C] tensor with unit channel stride to write dx
+    into (a column block of Mamba-2's in_proj gradient, ops.py's GradBlocks), else dx is allocated."""
     mode = env.conv_bwd() if mode is None else mode
     if mode not in env.CONV_BWD_MODES:
         raise ValueError(f"causal_conv1d_bwd mode={mode!r}: expected one of {', '.join(env.CONV_BWD_MODES)}")
@@ -420,7 +421,11 @@ def causal_conv1d_bwd(x, weight, bias, initial_state, seq_idx, silu, dy, dfinal,
         raise ValueError(f"causal_conv1d_bwd tiles={tiles!r}: a pair of tiles is for the two_pass modes only")
     bsz, seqlen, channels = x.shape
     width = weight.shape[-1]
-    dx = torch.empty(bsz, seqlen, channels, dtype=x.dtype, device=x.device)
+    if out_dx is not None:
+        if out_dx.shape != x.shape or out_dx.dtype != x.dtype or out_dx.stride(-1) != 1:
+            raise ValueError(f"causal_conv1d_bwd out_dx {tuple(out_dx.shape)} {out_dx.dtype} stride "
+                             f"{out_dx.stride()}: expected x's shape {tuple(x.shape)} and dtype, unit channel stride")
+    dx = out_dx if out_dx is not None else torch.empty(bsz, seqlen, channels, dtype=x.dtype, device=x.device)
     dinit = (torch.zeros(bsz, channels, width - 1, dtype=torch.float32, device=x.device)
              if initial_state is not None else None)
     npos = seqlen + width - 1  # input positions -(W-1) .. L-1
@@ -454,7 +459,7 @@ def causal_conv1d_bwd(x, weight, bias, initial_state, seq_idx, silu, dy, dfinal,
                 x, init, seq, weight, bias if bias is not None else weight, dy,
                 dfinal if dfinal is not None else dy, dx, dinit if dinit is not None else dx, dw_part, db_part,
                 seqlen, channels, n_sblocks, sb_per_prog, n_prog_l, *in_strides,
-                *(dfinal.stride() if dfinal is not None else (0, 0, 0)),
+                *(dfinal.stride() if dfinal is not None else (0, 0, 0)), dx.stride(0), dx.stride(1),
                 WP=triton.next_power_of_2(width), HAS_INIT=initial_state is not None, HAS_BIAS=bias is not None,
                 SILU=bool(silu), HAS_DFIN=dfinal is not None, WANT_DINIT=initial_state is not None,
                 BL=BL, BC=BC, num_warps=warps, **flags,
@@ -474,7 +479,7 @@ def causal_conv1d_bwd(x, weight, bias, initial_state, seq_idx, silu, dy, dfinal,
                 seq, weight, dpre, dfinal if dfinal is not None else dy, dx, dinit if dinit is not None else dx,
                 seqlen, channels, *(seq_idx.stride() if seq_idx is not None else (0, 0)),
                 weight.stride(0), weight.stride(1), dpre.stride(0), dpre.stride(1), dpre.stride(2),
-                *(dfinal.stride() if dfinal is not None else (0, 0, 0)),
+                *(dfinal.stride() if dfinal is not None else (0, 0, 0)), dx.stride(0), dx.stride(1),
                 HAS_DFIN=dfinal is not None, WANT_DINIT=initial_state is not None,
                 BL=BL2, BC=BC2, num_warps=warps2, **flags,
             )

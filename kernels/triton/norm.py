@@ -116,7 +116,7 @@ def _gated_bwd_parts(do, x, z, w, HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.cons
 @triton.jit
 def _gated_bwd_kernel(
     DOUT, X, Z, W, DX, DZ, DW_PART, SS, DOT, M, D, DG, N, eps, rows_per_prog, stride_do, stride_x, stride_z,
-    stride_ss, stride_dot,
+    stride_ss, stride_dot, stride_dz,
     HAS_Z: tl.constexpr, HAS_W: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, MODE: tl.constexpr,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, PREFETCH: tl.constexpr, RELOAD: tl.constexpr,
 ):
@@ -184,7 +184,7 @@ def _gated_bwd_kernel(
                 else:
                     dx = du * gate
                     dz = du * x * dgate_dz
-                tl.store(DZ + o64, dz.to(DZ.dtype.element_ty), mask=mask)
+                tl.store(DZ + r64[:, None] * stride_dz + cols, dz.to(DZ.dtype.element_ty), mask=mask)
             else:
                 dx = du
             tl.store(DX + o64, dx.to(DX.dtype.element_ty), mask=mask)
@@ -311,9 +311,10 @@ def gated_rmsnorm_apply(x, z, weight, sumsq, group_size, eps, norm_before_gate):
 
 
 def _gated_bwd(dout, x, z, weight, ngroups, eps, norm_before_gate, mode, ss=None, dot=None, group_size=None,
-               tiles=None):
+               tiles=None, out_dz=None):
     """tiles: (ROWS, num_warps, programs[, PREFETCH[, RELOAD]]) for benchmarks/norm_tiles.py; None:
-    _gated_bwd_tiles."""
+    _gated_bwd_tiles. out_dz: z-shaped, z's dtype, unit last stride, to write dz into (a column block of Mamba-2's
+    in_proj gradient, ops.py's GradBlocks), else dz is allocated."""
     shape = x.shape
     d = shape[-1]
     x2 = _strided_rows(x)
@@ -328,7 +329,14 @@ def _gated_bwd(dout, x, z, weight, ngroups, eps, norm_before_gate, mode, ss=None
         dx = dz = None
     else:
         dx = torch.empty(m, d, dtype=x.dtype, device=x.device)
-        dz = torch.empty(m, d, dtype=z.dtype, device=z.device) if z2 is not None else None
+        dz = torch.empty(m, d, dtype=z.dtype, device=z.device) if z2 is not None and out_dz is None else None
+        if out_dz is not None and z2 is not None:
+            if out_dz.shape != z.shape or out_dz.dtype != z.dtype or out_dz.stride(-1) != 1:
+                raise ValueError(f"gated_rmsnorm_bwd out_dz {tuple(out_dz.shape)} {out_dz.dtype} stride "
+                                 f"{out_dz.stride()}: expected z's shape {tuple(z.shape)} and dtype, unit last stride")
+            dz = _strided_rows(out_dz)
+            if dz.data_ptr() != out_dz.data_ptr():  # _strided_rows copied: its rows do not collapse
+                raise ValueError(f"gated_rmsnorm_bwd out_dz stride {out_dz.stride()}: its rows must collapse")
         if mode == 2:
             dot = _stats_rows(dot, ngroups)
     narrow = max(t.element_size() for t in (x2, do2, z2) if t is not None) <= 2
@@ -344,7 +352,7 @@ def _gated_bwd(dout, x, z, weight, ngroups, eps, norm_before_gate, mode, ss=None
             ss if ss is not None else x2, dot if dot is not None else x2, m, d, dg,
             dg if group_size is None else group_size, float(eps), rows_per, do2.stride(0), x2.stride(0),
             z2.stride(0) if z2 is not None else 0, ss.stride(0) if ss is not None else 0,
-            dot.stride(0) if dot is not None else 0,
+            dot.stride(0) if dot is not None else 0, dz.stride(0) if dz is not None else 0,
             HAS_Z=z is not None, HAS_W=weight is not None, NORM_BEFORE_GATE=bool(norm_before_gate), MODE=mode,
             BLOCK=block, ROWS=rows, PREFETCH=prefetch, RELOAD=reload, num_warps=warps,
         )
@@ -353,11 +361,13 @@ def _gated_bwd(dout, x, z, weight, ngroups, eps, norm_before_gate, mode, ss=None
     dw = None
     if want_dw:
         dw = (dw_part[:nprog].sum(0) if m > 0 else torch.zeros(d, device=x.device)).to(weight.dtype)
-    return dx.view(shape), (dz.view(z.shape) if dz is not None else None), dw
+    if dz is not None:
+        dz = out_dz if out_dz is not None else dz.view(z.shape)
+    return dx.view(shape), dz, dw
 
 
-def gated_rmsnorm_bwd(dout, x, z, weight, ngroups, eps, norm_before_gate):
-    return _gated_bwd(dout, x, z, weight, ngroups, eps, norm_before_gate, 0)
+def gated_rmsnorm_bwd(dout, x, z, weight, ngroups, eps, norm_before_gate, out_dz=None):
+    return _gated_bwd(dout, x, z, weight, ngroups, eps, norm_before_gate, 0, out_dz=out_dz)
 
 
 def gated_rmsnorm_bwd_dot(dout, x, z, weight, sumsq, group_size, eps, norm_before_gate):

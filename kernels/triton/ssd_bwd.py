@@ -351,7 +351,7 @@ def _dbc_kernel(X, DY, OTHER, CR, DCB, DTP, CS, SEQ, SVH, SVL, OUT, DCSR, PART, 
 
 @triton.jit
 def _dt_grad_kernel(DCSI, DCSR, DDTS, DCSL, DDTD, DTP, A, DT, DT_BIAS, DDT, DAP, DBP, L, H, NC,
-                    sdb, sdl, sdh, dt_lo, dt_hi, T: tl.constexpr, BH: tl.constexpr, NSB: tl.constexpr,
+                    sdb, sdl, sdh, sgb, sgl, dt_lo, dt_hi, T: tl.constexpr, BH: tl.constexpr, NSB: tl.constexpr,
                     NNB: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr):
     """Per (row, chunk, block of heads): the gradient of a_j = dt_j A from its terms (docs/kernels.md, "the a
     gradient"):
@@ -361,8 +361,9 @@ def _dt_grad_kernel(DCSI, DCSR, DDTS, DCSL, DDTD, DTP, A, DT, DT_BIAS, DDT, DAP,
      - the source-side terms of the positions before j only (DDTS, _dx: dt_s x_s . the state part of Q_s):
        the state leaving the chunk carries exp(cs_last - cs_s), in which a_j enters only for s < j;
      - exp(cs_last) <dS_out, S_in> (DCSL, _dstates), for every j.
-    Then ddt = the direct part (DDTD) + A da, through the clamp, softplus and bias, stored in dt's layout
-    [B, L, H]; partial sums over the chunk of dt da (DAP, for dA) and of ddt (DBP, for ddt_bias), [B, NC, H]."""
+    Then ddt = the direct part (DDTD) + A da, through the clamp, softplus and bias, stored as [B, L, H] with
+    strides (sgb, sgl, 1); partial sums over the chunk of dt da (DAP, for dA) and of ddt (DBP, for ddt_bias),
+    [B, NC, H]."""
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     h = tl.program_id(2) * BH + tl.arange(0, BH)
@@ -398,7 +399,7 @@ def _dt_grad_kernel(DCSI, DCSR, DDTS, DCSL, DDTD, DTP, A, DT, DT_BIAS, DDT, DAP,
     if SOFTPLUS:
         g = tl.where(dtb > 20.0, g, g * tsigmoid(dtb))
     g = tl.where(m, g, 0.0)
-    tl.store(DDT + (b * L + pos[:, None]) * H + h[None, :], g.to(DDT.dtype.element_ty), mask=m)
+    tl.store(DDT + b * sgb + pos[:, None] * sgl + h[None, :], g.to(DDT.dtype.element_ty), mask=m)
     tl.store(DBP + (b * NC + c) * H + h, tsum(g, axis=0), mask=mh)
 
 
@@ -417,14 +418,15 @@ def _intra_prec(prec):
 
 
 def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states, seq_idx,
-            chunk_size, kept=None, out_xbc=None):
+            chunk_size, kept=None, out_xbc=None, out_ddt=None):
     """Gradients (dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states) of ssd_fwd. `kept`: (ssd_fwd's third
     output, final states or None). A states buffer is used instead of recomputing the entering states when its
     layout matches this call's precision mode (a switch of MEGASSM_SSD_PRECISION between forward and backward
     recomputes); the true segment ends of a segmented walk let the recompute start every segment true (no
     fix-up pass), when the segments are this call's. The final states themselves are not needed: the reverse
     walk starts from `dfinal` (or zero). `out_xbc`: (dx, dB, dC) to write into, shaped like x, B, C with
-    unit strides inside a row (slices of one [x | B | C] gradient buffer, ops.py), else they are allocated."""
+    unit strides inside a row (slices of one [x | B | C] gradient buffer, ops.py), else they are allocated;
+    `out_ddt` likewise for ddt (a column block of Mamba-2's in_proj gradient, ops.py's GradBlocks)."""
     x, B, C, z = _contig_last(x), _contig_last(B), _contig_last(C), _contig_last(z)
     D_in = D
     D = D.contiguous() if D is not None else None
@@ -525,13 +527,17 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
         dC.copy_(part.sum(0))
     # the cs gradients -> the a = dt * A gradients -> ddt, dA, ddt_bias, fused (_dt_grad_kernel)
     BH = min(16, triton.next_power_of_2(nheads))
-    ddt = torch.empty(bsz, seqlen, nheads, dtype=dt.dtype, device=dev)
+    if out_ddt is not None and (out_ddt.shape != dt.shape or out_ddt.dtype != dt.dtype or out_ddt.stride(-1) != 1):
+        raise ValueError(f"ssd_bwd out_ddt {tuple(out_ddt.shape)} {out_ddt.dtype} stride {out_ddt.stride()}: "
+                         f"expected dt's shape {tuple(dt.shape)} and dtype, unit head stride")
+    ddt = out_ddt if out_ddt is not None else torch.empty(bsz, seqlen, nheads, dtype=dt.dtype, device=dev)
     dap = torch.empty(bsz, nc, nheads, dtype=torch.float32, device=dev)
     dbp = torch.empty_like(dap)
     lo, hi = (float(dt_limit[0]), float(dt_limit[1])) if dt_limit is not None else (0.0, 0.0)
     _dt_grad_kernel[(bsz, nc, triton.cdiv(nheads, BH))](
         dcsi, dcsr, ddt_state, dcs_last, ddt_direct, dtp, A, dt,
-        dt_bias if dt_bias is not None else dt, ddt, dap, dbp, seqlen, nheads, nc, *dt.stride(), lo, hi,
+        dt_bias if dt_bias is not None else dt, ddt, dap, dbp, seqlen, nheads, nc, *dt.stride(), ddt.stride(0),
+        ddt.stride(1), lo, hi,
         T=T, BH=BH, NSB=nsb, NNB=nnb, HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
         HAS_LIMIT=dt_limit is not None, num_warps=8,
     )

@@ -131,7 +131,8 @@ class Mamba2Mixer(nn.Module):
         # the rows' length from the projection: under TP + SP with parallel.tp_overlap, in_proj all-gathers the
         # sequence shards itself (parallel/layers.py ColumnParallelLinear)
         bsz, seqlen, _ = zxbcdt.shape
-        z, xBC, dt = torch.split(zxbcdt, [self.d_inner, self.conv_dim, self.nheads], dim=-1)
+        # the gated norm, the conv and the SSD write dz, dxBC, ddt as the blocks of one buffer: no cat backward
+        z, xBC, dt = kernels.split_last(zxbcdt, [self.d_inner, self.conv_dim, self.nheads], share_grads=True)
         xBC, conv_state = self.conv(xBC, seq_idx, None if state is None else state.conv, return_state, cp=cp)
         x, B, C = kernels.split_last(xBC, self.conv_sizes)  # no cat in the backward (the SSD writes dxBC whole)
         y, ssm_state = self.scan(
