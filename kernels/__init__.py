@@ -221,11 +221,15 @@ def gated_rmsnorm_bwd_dot(dout, x, z, weight, sumsq, group_size, eps=1e-5, norm_
     return reference.gated_rmsnorm_bwd_dot(dout, x, z, weight, sumsq, group_size, eps, norm_before_gate)
 
 
-def gated_rmsnorm_bwd_apply(dout, x, z, weight, sumsq, dot, group_size, eps=1e-5, norm_before_gate=False):
-    """Backward, second stage: (dx, dz, dweight) of gated_rmsnorm_apply with the summed `dot`."""
+def gated_rmsnorm_bwd_apply(dout, x, z, weight, sumsq, dot, group_size, eps=1e-5, norm_before_gate=False,
+                            dz_to_block=False):
+    """Backward, second stage: (dx, dz, dweight) of gated_rmsnorm_apply with the summed `dot`. dz_to_block: dz is
+    z's own gradient, so on the Triton path it goes into z's block of a split_last(share_grads=True) buffer
+    (ops.grad_block) when z is such a piece."""
     if _staged(x):
-        return ops.triton_kernels().gated_rmsnorm_bwd_apply(dout, x, z, weight, sumsq, dot, int(group_size),
-                                                            float(eps), bool(norm_before_gate))
+        return ops.triton_kernels().gated_rmsnorm_bwd_apply(
+            dout, x, z, weight, sumsq, dot, int(group_size), float(eps), bool(norm_before_gate),
+            out_dz=ops.grad_block(z) if dz_to_block else None)
     return reference.gated_rmsnorm_bwd_apply(dout, x, z, weight, sumsq, dot, group_size, eps, norm_before_gate)
 
 

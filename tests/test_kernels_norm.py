@@ -100,6 +100,32 @@ def test_gated_rmsnorm_staged_bwd_tiles(triton_mode, G, dtype, nbg):
         _same(got, base)
 
 
+@needs_triton
+@pytest.mark.parametrize("mode", [0, 2])
+def test_gated_rmsnorm_bwd_writes_dz_into_a_split_block(triton_mode, mode):
+    """dz into z's column block of a split_last(share_grads=True) buffer (Mamba-2's in_proj gradient; MODE 2 is
+    the TP plan whose norm groups span ranks): the same bits as a fresh dz, written through the block's row
+    stride, and the block is what comes back."""
+    from megassm import kernels as K
+    from megassm.kernels import ops
+    from megassm.kernels.triton import norm as tn
+
+    G, dtype, nbg = 2, torch.bfloat16, False
+    x, z, w, do = _gated_inputs(G, dtype, True, True, seed=7)
+    dg = D // G
+    wide = torch.cat([z, torch.randn(*z.shape[:-1], 40, device=DEV).to(dtype)], -1).requires_grad_(True)
+    zp, _ = K.split_last(wide, [D, 40], share_grads=True)
+    ss = R.gated_rmsnorm_sumsq(x, z, G, nbg).float()
+    dot = tn._gated_bwd(do, x, z, w, G, 1e-5, nbg, 1, ss, None, dg) if mode == 2 else None
+    args = (ss, dot, dg) if mode == 2 else ()
+    want = tn._gated_bwd(do, x, z, w, G, 1e-5, nbg, mode, *args)
+    block = ops.grad_block(zp)
+    got = tn._gated_bwd(do, x, zp, w, G, 1e-5, nbg, mode, *args, out_dz=block)
+    assert got[1] is block and block.stride()[-2] == D + 40
+    for u, v in zip(got, want):
+        assert torch.equal(u, v)
+
+
 ADD_CASES = [  # (dres_in, x dtype, residual dtype): dres written in fp32 besides dx, or dres = dx, or none
     (True, torch.bfloat16, torch.float32), (False, torch.bfloat16, torch.float32),
     (True, torch.float32, torch.float32), (False, torch.bfloat16, None),

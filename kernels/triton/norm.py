@@ -374,8 +374,9 @@ def gated_rmsnorm_bwd_dot(dout, x, z, weight, sumsq, group_size, eps, norm_befor
     return _gated_bwd(dout, x, z, weight, sumsq.shape[-1], eps, norm_before_gate, 1, sumsq, None, group_size)
 
 
-def gated_rmsnorm_bwd_apply(dout, x, z, weight, sumsq, dot, group_size, eps, norm_before_gate):
-    return _gated_bwd(dout, x, z, weight, sumsq.shape[-1], eps, norm_before_gate, 2, sumsq, dot, group_size)
+def gated_rmsnorm_bwd_apply(dout, x, z, weight, sumsq, dot, group_size, eps, norm_before_gate, out_dz=None):
+    return _gated_bwd(dout, x, z, weight, sumsq.shape[-1], eps, norm_before_gate, 2, sumsq, dot, group_size,
+                      out_dz=out_dz)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -175,7 +175,9 @@ class _SpanningGatedNorm(torch.autograd.Function):
         m = ctx.mixer
         nbg, eps = m.norm.norm_before_gate, m.norm.eps
         dot = _slot_sum(kernels.gated_rmsnorm_bwd_dot(dout, y, z, weight, ss, m.group_size, eps, nbg), m)
-        dy, dz, dw = kernels.gated_rmsnorm_bwd_apply(dout, y, z, weight, ss, dot, m.group_size, eps, nbg)
+        # dz into z's block of the in_proj gradient (split_last(share_grads=True)): no cat in the split's backward
+        dy, dz, dw = kernels.gated_rmsnorm_bwd_apply(dout, y, z, weight, ss, dot, m.group_size, eps, nbg,
+                                                     dz_to_block=ctx.needs_input_grad[1])
         return dy, dz, dw, None
 
 
