@@ -5,6 +5,12 @@ and the one-all-reduce-per-layer estimate. One JSON object per (model, tp) on st
     torchrun --nproc_per_node 2 benchmarks/tp_scaling.py --tp 1 2 --sp
     torchrun --nproc_per_node 4 benchmarks/tp_scaling.py --configs configs/mamba2-2.7b.yaml --micro-batch 2
     torchrun --nproc_per_node 2 benchmarks/tp_scaling.py model.d_model=64 ... --device cpu   # smoke run (gloo)
+    python3 benchmarks/tp_scaling.py --fake-world 4 --profile --configs configs/mamba2-2.7b.yaml   # one GPU
+
+--fake-world K: one process stands for rank 0 of K (torch's "fake" process group: every collective returns at
+once without moving data), so one GPU runs exactly what a TP rank computes, with no communication at all: the
+per-GPU compute of TP 1 / 2 / 4 side by side on one GPU (the losses are not a real run's). --profile adds the
+GPU ms of one step by kernel family (megassm.training.profiling) and the GPU's idle share (host-bound time).
 
 Dotted config overrides go FIRST (before the options: --configs / --tp take several values).
 
@@ -33,6 +39,8 @@ import torch.distributed as dist
 
 warnings.simplefilter("ignore")
 DEV = "cuda"  # --device cpu: a gloo smoke run of this script with tiny overrides (numbers meaningless)
+FAKE_WORLD = 0  # --fake-world K: one process as rank 0 of K, collectives that do nothing
+PROFILE = False
 
 
 def _sync():
@@ -83,10 +91,30 @@ def _no_comm():
         comm.all_reduce, comm.all_reduce_max, comm.all_gather_dim, comm.reduce_scatter_dim = saved
 
 
+def _profiled(step) -> dict:
+    """One more step under torch.profiler: GPU ms by kernel family, the idle share, the top kernels."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from megassm.training.profiling import summarize_kernels
+
+    _sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        step()
+        _sync()
+        span = time.perf_counter() - t
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    summ = summarize_kernels(kernels, span * 1e3)
+    return {"profiled_step_ms": summ["step_ms"], "gpu_busy_ms": summ["gpu_busy_ms"], "idle_share": summ["idle_share"],
+            "families_ms": summ["families"], "kernels": summ["kernels"], "top_kernels": summ["top"][:12]}
+
+
 def _time_collective(groups, shape, sp: bool, iters: int = 20) -> float:
     from megassm.parallel import comm
 
-    if groups.tp == 1:
+    if groups.tp == 1 or FAKE_WORLD:
         return 0.0
     x = torch.randn(shape, device=DEV, dtype=torch.bfloat16)
 
@@ -119,7 +147,7 @@ def run(cfg_path, tp, sp, micro, seq_len, steps, warmup, overrides) -> dict:
     groups = build_groups(tp=tp)
     world = dist.get_world_size()
     row = dict(model=name, tp=tp, sp=sp, world=world, groups=world // tp, micro_batch=micro, seq_len=seq_len,
-               device=torch.cuda.get_device_name() if DEV == "cuda" else "cpu")
+               device=torch.cuda.get_device_name() if DEV == "cuda" else "cpu", fake_world=FAKE_WORLD)
     meta = build_model(cfg.model, device="meta")
     n_params = meta.num_parameters()
     total_mem = torch.cuda.get_device_properties(0).total_memory if DEV == "cuda" else 2**40
@@ -165,8 +193,13 @@ def run(cfg_path, tp, sp, micro, seq_len, steps, warmup, overrides) -> dict:
         if DEV == "cuda":
             torch.cuda.reset_peak_memory_stats()
         t_step = timed()
-        with _no_comm():
-            t_nocomm = timed()
+        if FAKE_WORLD:  # no communication to remove: the step is the compute
+            t_nocomm = t_step
+        else:
+            with _no_comm():
+                t_nocomm = timed()
+        if PROFILE and DEV == "cuda":
+            row.update(_profiled(step))
     except torch.OutOfMemoryError:
         row["status"] = "oom"
         return row
@@ -195,15 +228,24 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--fake-world", type=int, default=0, metavar="K",
+                    help="one process as rank 0 of K with no-op collectives: a TP rank's compute on one device")
+    ap.add_argument("--profile", action="store_true", help="GPU ms of one step by kernel family")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    global DEV
-    DEV = args.device
+    global DEV, FAKE_WORLD, PROFILE
+    DEV, FAKE_WORLD, PROFILE = args.device, args.fake_world, args.profile
+    if FAKE_WORLD and (FAKE_WORLD < 1 or os.environ.get("WORLD_SIZE", "1") != "1"):
+        ap.error(f"--fake-world {FAKE_WORLD}: needs K >= 1 and a single process (not under torchrun)")
     from megassm.parallel.state import destroy, init_distributed
 
     if DEV == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if not init_distributed(DEV):
+    if FAKE_WORLD:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=FAKE_WORLD)
+    elif not init_distributed(DEV):
         dist.init_process_group("nccl" if DEV == "cuda" else "gloo", init_method="tcp://127.0.0.1:29555",
                                 rank=0, world_size=1)
     rank = dist.get_rank()

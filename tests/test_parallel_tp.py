@@ -109,6 +109,32 @@ def test_megatron_groups_on_gloo_match_layout(tmp_path):
     assert rec["layouts"][4]["pp"] == [0, 2] and rec["layouts"][4]["emb"] == [0, 2]
 
 
+def test_tp_scaling_fake_world_runs_each_rank_alone():
+    """benchmarks/tp_scaling.py --fake-world 4 on CPU: one process as rank 0 of 4 (torch's fake process group),
+    TP 1 / 2 / 4 each build their rank-local model and train a step with no communication."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = ["model.d_model=64", "model.pattern=MM", "model.vocab_size=128", "model.mamba.d_state=16",
+            "model.mamba.headdim=16", "model.mamba.chunk_size=32", "--configs", "configs/mamba2-2.7b.yaml",
+            "--device", "cpu", "--fake-world", "4", "--tp", "1", "2", "4", "--seq-len", "64", "--steps", "1",
+            "--warmup", "1"]
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "tp_scaling.py"), *args],
+                       capture_output=True, text=True, cwd=root, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [(x["tp"], x["status"], x["fake_world"], x["groups"]) for x in rows] == [
+        (1, "ok", 4, 4), (2, "ok", 4, 2), (4, "ok", 4, 1)]
+    assert all(x["comm_share"] == 0.0 and x["collective_ms"] == 0.0 for x in rows)
+    # under torchrun (WORLD_SIZE > 1) a fake world is refused before any model is built
+    bad = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "tp_scaling.py"), "--fake-world", "2",
+                          "--device", "cpu"], capture_output=True, text=True, cwd=root, timeout=120,
+                         env=dict(os.environ, WORLD_SIZE="2", OMP_NUM_THREADS="1"))
+    assert bad.returncode == 2 and "--fake-world 2: needs K >= 1 and a single process" in bad.stderr
+
+
 def test_tp_rank_adds_no_copies_per_mamba2_layer():
     """What one TP rank runs per Mamba-2 layer beyond its share (benchmarks/tp_ops.py: the aten ops of the
     second layer's forward and backward, kernels counted as one op each as on the GPU), ngroups 1 like
