@@ -11,6 +11,9 @@ and the one-all-reduce-per-layer estimate. One JSON object per (model, tp) on st
 once without moving data), so one GPU runs exactly what a TP rank computes, with no communication at all: the
 per-GPU compute of TP 1 / 2 / 4 side by side on one GPU (the losses are not a real run's). --profile adds the
 GPU ms of one step by kernel family (megassm.training.profiling) and the GPU's idle share (host-bound time).
+--cuda-graph replays each step's forward + backward from a CUDA graph (training/cuda_graph.py, as the trainer's
+train.cuda_graph=true): the eager step is host-bound at micro-batch 1 (docs/benchmarks.md); the gradient sync,
+clipping and the optimizer stay eager, as in the trainer.
 
 Dotted config overrides go FIRST (before the options: --configs / --tp take several values).
 
@@ -41,6 +44,7 @@ warnings.simplefilter("ignore")
 DEV = "cuda"  # --device cpu: a gloo smoke run of this script with tiny overrides (numbers meaningless)
 FAKE_WORLD = 0  # --fake-world K: one process as rank 0 of K, collectives that do nothing
 PROFILE = False
+CUDA_GRAPH = False  # --cuda-graph: forward + backward replayed from a CUDA graph (the trainer's GraphedMicroBatch)
 
 
 def _sync():
@@ -165,11 +169,28 @@ def run(cfg_path, tp, sp, micro, seq_len, steps, warmup, overrides) -> dict:
     vocab = cfg.model.vocab_size
     gen = torch.Generator(device=DEV).manual_seed(1234 + groups.dp_rank)  # same batch within a TP group
 
-    def step():
-        toks = torch.randint(0, vocab, (micro, seq_len + 1), device=DEV, generator=gen)
+    def fwd_bwd(batch):
+        toks = batch["tokens"]
         with torch.autocast(DEV, dtype=torch.bfloat16, enabled=DEV == "cuda"):
             loss = model(toks[:, :-1], labels=toks[:, 1:]).loss
         loss.backward()
+        return loss.detach()
+
+    graphed = None
+    if CUDA_GRAPH:
+        from megassm.training.cuda_graph import GraphedMicroBatch
+
+        model.capture_safe = True  # no host reads inside the captured forward (models/lm.py)
+        graphed = GraphedMicroBatch(list(model.parameters()), fwd_bwd, collectives=tp > 1 and not FAKE_WORLD)
+        row["cuda_graph"] = True
+
+    def step():
+        toks = torch.randint(0, vocab, (micro, seq_len + 1), device=DEV, generator=gen)
+        if graphed is not None:
+            graphed.begin_step()
+            graphed({"tokens": toks})
+        else:
+            fwd_bwd({"tokens": toks})
         if tp > 1:
             sync_tp_grads(model)
             clip_grad_norm_tp(model, 1.0)
@@ -197,6 +218,8 @@ def run(cfg_path, tp, sp, micro, seq_len, steps, warmup, overrides) -> dict:
             t_nocomm = t_step
         else:
             with _no_comm():
+                if graphed is not None:
+                    graphed.release()  # captured again with the no-op collectives
                 t_nocomm = timed()
         if PROFILE and DEV == "cuda":
             row.update(_profiled(step))
@@ -205,6 +228,8 @@ def run(cfg_path, tp, sp, micro, seq_len, steps, warmup, overrides) -> dict:
         return row
     finally:
         peak = torch.cuda.max_memory_allocated() / 2**30 if DEV == "cuda" else 0.0
+        if graphed is not None:
+            graphed.release()
     tokens = micro * seq_len
     n_layers = meta.n_layers
     t_ar = _time_collective(groups, (micro, seq_len, cfg.model.d_model), sp)
@@ -231,10 +256,14 @@ def main() -> None:
     ap.add_argument("--fake-world", type=int, default=0, metavar="K",
                     help="one process as rank 0 of K with no-op collectives: a TP rank's compute on one device")
     ap.add_argument("--profile", action="store_true", help="GPU ms of one step by kernel family")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="replay each step's forward + backward from a CUDA graph, as train.cuda_graph=true does")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    global DEV, FAKE_WORLD, PROFILE
-    DEV, FAKE_WORLD, PROFILE = args.device, args.fake_world, args.profile
+    global DEV, FAKE_WORLD, PROFILE, CUDA_GRAPH
+    DEV, FAKE_WORLD, PROFILE, CUDA_GRAPH = args.device, args.fake_world, args.profile, args.cuda_graph
+    if CUDA_GRAPH and DEV != "cuda":
+        ap.error("--cuda-graph: CUDA graphs need --device cuda")
     if FAKE_WORLD and (FAKE_WORLD < 1 or os.environ.get("WORLD_SIZE", "1") != "1"):
         ap.error(f"--fake-world {FAKE_WORLD}: needs K >= 1 and a single process (not under torchrun)")
     from megassm.parallel.state import destroy, init_distributed

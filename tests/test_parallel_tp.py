@@ -133,6 +133,9 @@ def test_tp_scaling_fake_world_runs_each_rank_alone():
                           "--device", "cpu"], capture_output=True, text=True, cwd=root, timeout=120,
                          env=dict(os.environ, WORLD_SIZE="2", OMP_NUM_THREADS="1"))
     assert bad.returncode == 2 and "--fake-world 2: needs K >= 1 and a single process" in bad.stderr
+    cpu_graph = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "tp_scaling.py"), "--cuda-graph",
+                                "--device", "cpu"], capture_output=True, text=True, cwd=root, timeout=120)
+    assert cpu_graph.returncode == 2 and "--cuda-graph: CUDA graphs need --device cuda" in cpu_graph.stderr
 
 
 def test_tp_rank_adds_no_copies_per_mamba2_layer():
