@@ -399,7 +399,7 @@ def _dt_grad_kernel(DCSI, DCSR, DDTS, DCSL, DDTD, DTP, A, DT, DT_BIAS, DDT, DAP,
     if SOFTPLUS:
         g = tl.where(dtb > 20.0, g, g * tsigmoid(dtb))
     g = tl.where(m, g, 0.0)
-    tl.store(DDT + b * sgb + pos[:, None] * sgl + h[None, :], g.to(DDT.dtype.element_ty), mask=m)
+    tl.store(DDT + b * sgb + pos.to(tl.int64)[:, None] * sgl + h[None, :], g.to(DDT.dtype.element_ty), mask=m)
     tl.store(DBP + (b * NC + c) * H + h, tsum(g, axis=0), mask=mh)
 
 
