@@ -110,12 +110,17 @@ class GradBlocks:
     concatenation (Mamba-2's in_proj output [z | xBC | dt]: the gated norm, the conv and the SSD each write
     theirs). A block is handed out once per backward pass (a piece read by two ops gets a fresh gradient the
     second time, and autograd sums the two as usual); the buffer is dropped once every block is handed out, and
-    the hand-outs are reset by split_last's backward. Whatever is not written here falls back to the cat."""
+    the hand-outs are reset by split_last's backward. Whatever is not written here falls back to the cat. The
+    buffer's rows are as wide in memory as the split tensor's (an AlignedLinear output's padded rows), so the
+    gradient reaches the matmul that produced it with the same aligned row stride."""
 
-    __slots__ = ("shape", "dtype", "device", "sizes", "buf", "taken")
+    __slots__ = ("shape", "dtype", "device", "sizes", "row", "buf", "taken")
 
     def __init__(self, x: Tensor, sizes):
         self.shape, self.dtype, self.device, self.sizes = x.shape, x.dtype, x.device, tuple(sizes)
+        # the buffer's rows as wide in memory as x's (x may be the first columns of padded rows:
+        # parallel/layers.py AlignedLinear), so the gradient reaches the matmul that made x with x's row stride
+        self.row = x.stride(-2) if _rows_of(x) else x.shape[-1]
         self.buf, self.taken = None, set()
 
     def tag(self, pieces) -> None:
@@ -129,7 +134,8 @@ class GradBlocks:
                 or piece.device != self.device:
             return None
         if self.buf is None:
-            self.buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            full = torch.empty((*self.shape[:-1], self.row), dtype=self.dtype, device=self.device)
+            self.buf = full if self.row == self.shape[-1] else full.narrow(-1, 0, self.shape[-1])
         block = self.buf.narrow(-1, off, n)
         self.taken.add(off)
         if len(self.taken) == len(self.sizes):
@@ -140,6 +146,14 @@ class GradBlocks:
         self.buf, self.taken = None, set()
 
 
+def _rows_of(x: Tensor) -> bool:
+    """Whether x [..., W] is rows of unit column stride, W or more apart, whose leading dims collapse (x.view(-1,
+    W) would work): e.g. the first W columns of a contiguous [..., W + pad]."""
+    if x.dim() < 2 or x.stride(-1) != 1 or x.stride(-2) < x.shape[-1]:
+        return False
+    return all(x.stride(i) == x.stride(i + 1) * x.shape[i + 1] for i in range(x.dim() - 2))
+
+
 def grad_block(piece: Optional[Tensor]) -> Optional[Tensor]:
     """The block of a GradBlocks buffer to write `piece`'s gradient into, or None (allocate as usual)."""
     tag = getattr(piece, "_megassm_grad_block", None) if piece is not None else None
@@ -147,19 +161,21 @@ def grad_block(piece: Optional[Tensor]) -> Optional[Tensor]:
 
 
 def _blocks_of_one(grads, shape, sizes) -> Tensor:
-    """The tensor of `shape` whose last-dim blocks of `sizes` the grads are: their common base when they are
-    exactly its consecutive blocks (no copy), else a cat (zeros for a missing gradient)."""
+    """The tensor of `shape` whose last-dim blocks of `sizes` the grads are: their common base (its first
+    columns, when its rows are wider: GradBlocks of a padded tensor) when they are exactly its consecutive
+    blocks from column 0 (no copy), else a cat (zeros for a missing gradient)."""
     base = grads[0]._base if grads[0] is not None else None
-    if base is not None and base.shape == shape and base.is_contiguous():
+    if base is not None and base.shape[:-1] == shape[:-1] and base.shape[-1] >= shape[-1] and base.is_contiguous():
+        full = base if base.shape[-1] == shape[-1] else base.narrow(-1, 0, shape[-1])
         off = 0
         for g, n in zip(grads, sizes):
-            want = base.narrow(-1, off, n)
+            want = full.narrow(-1, off, n)
             if g is None or g._base is not base or g.data_ptr() != want.data_ptr() or g.shape != want.shape \
                     or g.stride() != want.stride():
                 break
             off += n
         else:
-            return base
+            return full
     like = next(g for g in grads if g is not None)
     return torch.cat([g if g is not None else like.new_zeros((*shape[:-1], n)) for g, n in zip(grads, sizes)], -1)
 

@@ -757,6 +757,39 @@ def test_grad_blocks_hand_out_each_block_once():
         assert not hasattr(K.split_last(x, [2, 5, 3], share_grads=True)[0], "_megassm_grad_block")
 
 
+class _WritesItsBlock(torch.autograd.Function):
+    """y = 1 * piece, whose backward writes its gradient into the piece's GradBlocks block, as the Triton
+    backwards of the gated norm, the conv and the SSD do."""
+
+    @staticmethod
+    def forward(ctx, piece):
+        ctx.piece = piece
+        return piece * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        block = ops.grad_block(ctx.piece)
+        return g if block is None else block.copy_(g)
+
+
+def test_grad_blocks_of_padded_rows_keep_the_row_stride():
+    """A split tensor that is the first columns of wider rows (an AlignedLinear output) gets its gradient as the
+    same columns of a buffer with those rows: written by the ops, returned by split_last without a cat, so the
+    matmul's backward reads the aligned row stride."""
+    full = torch.randn(3, 4, 16, requires_grad=True)
+    x = full[..., :10]
+    seen = []
+    x.register_hook(lambda g: seen.append(g.stride()))
+    pieces = K.split_last(x, [2, 5, 3], share_grads=True)
+    outs = [_WritesItsBlock.apply(p) for p in pieces]
+    with _Cats() as cats:
+        sum((o * (i + 1)).sum() for i, o in enumerate(outs)).backward()
+    assert cats.n == 0 and seen == [(64, 16, 1)]
+    want = torch.cat([torch.full((3, 4, 2), 1.0), torch.full((3, 4, 5), 2.0), torch.full((3, 4, 3), 3.0),
+                      torch.zeros(3, 4, 6)], -1)
+    assert torch.equal(full.grad, want)
+
+
 def test_split_last_backward_fills_a_missing_gradient():
     x = torch.randn(3, 10, requires_grad=True)
     a, b, c = K.split_last(x, [2, 5, 3])

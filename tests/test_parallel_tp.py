@@ -3,17 +3,19 @@ Mamba-2 (ngroups divisible by TP, and TP > ngroups) and the M*M- hybrid. Against
 on the same canonical weights (every parameter, biases and norm weights included, moved off its init): logits,
 loss, every gradient (gathered to the canonical layout), the global grad norm, three clipped AdamW steps, with
 any non-finite value failing; and the collectives each layer's forward issues."""
+import copy
 import importlib.util
 import json
 
 import pytest
+import torch
 
 from megassm.config import load_config
 from megassm.config import ConfigError
 
 from conftest import use_megatron_groups
 from multiproc import spawn
-from parallel_cases import equivalence_worker, layer_collectives
+from parallel_cases import equivalence_worker, layer_collectives, tiny_model_config
 
 CASES = [
     dict(pattern="MM", ngroups=2),  # tp=2: ngroups % tp == 0 (fast path); tp=4: tp > ngroups > 1 (2 slots)
@@ -109,6 +111,60 @@ def test_megatron_groups_on_gloo_match_layout(tmp_path):
     assert rec["layouts"][4]["pp"] == [0, 2] and rec["layouts"][4]["emb"] == [0, 2]
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_aligned_linear_matches_linear(autocast):
+    """AlignedLinear (a TP-local width that is not a multiple of 8 features: output rows padded in memory) gives
+    nn.Linear's output and gradients, under bf16 autocast too, with a padded row stride; its backward reads a
+    gradient of either row stride (a split_last buffer keeps the padded one) to the same values."""
+    from megassm.parallel.layers import AlignedLinear, out_pad
+    from megassm.parallel.substitute import adopt
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(24, 13)
+    al = adopt(AlignedLinear, copy.deepcopy(lin), out_pad=out_pad(13))
+    assert al.out_pad == 3
+    x = torch.randn(2, 5, 24)
+    dy = torch.randn(2, 5, 13)
+    res = []
+    for m, strided in ((lin, False), (al, False), (al, True)):
+        m.zero_grad()
+        xi = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = m(xi)
+        if m is al:
+            assert y.stride() == (80, 16, 1) and y.shape == (2, 5, 13)
+        g = dy.to(y.dtype)
+        if strided:  # the gradient as the first 13 of 16-wide rows
+            g = torch.zeros(2, 5, 16, dtype=y.dtype)[..., :13].copy_(g)
+        y.backward(g)
+        res.append((y.detach(), xi.grad, m.weight.grad.clone(), m.bias.grad.clone()))
+    for other in res[1:]:
+        for u, v, name in zip(res[0], other, ("y", "dx", "dweight", "dbias")):
+            assert u.dtype == v.dtype and torch.allclose(u.float(), v.float(), rtol=1e-6, atol=1e-6), name
+
+
+def test_tp_pads_only_misaligned_in_proj(monkeypatch):
+    """The TP plan pads Mamba-2's in_proj output rows where the rank-local width is not a multiple of 8
+    features: the tiny model's 152 become 84 at TP 2 (padded to 88); with headdim 4 (16 heads) they become 88
+    and in_proj stays a plain Linear. The shapes alone, on the meta device, with a 2-rank group faked."""
+    import dataclasses
+
+    import megassm.parallel.comm as comm
+    from megassm.models import build_model
+    from megassm.parallel.layers import AlignedLinear
+    from megassm.parallel.tp import apply_tensor_parallel
+
+    group = object()
+    monkeypatch.setattr(comm, "world", lambda g: 2 if g is group else 1)
+    monkeypatch.setattr(comm, "rank", lambda g: 0)
+    cfg = tiny_model_config("M")
+    for mamba, width, pad in ((cfg.mamba, 84, 4), (dataclasses.replace(cfg.mamba, headdim=4), 88, 0)):
+        m = apply_tensor_parallel(build_model(dataclasses.replace(cfg, mamba=mamba), device="meta"), group)
+        ip = m.layers["0"].mixer.in_proj
+        assert ip.weight.shape[0] == width
+        assert (type(ip) is AlignedLinear and ip.out_pad == pad) if pad else type(ip) is torch.nn.Linear
+
+
 def test_tp_scaling_fake_world_runs_each_rank_alone():
     """benchmarks/tp_scaling.py --fake-world 4 on CPU: one process as rank 0 of 4 (torch's fake process group),
     TP 1 / 2 / 4 each build their rank-local model and train a step with no communication."""
@@ -142,7 +198,8 @@ def test_tp_rank_adds_no_copies_per_mamba2_layer():
     """What one TP rank runs per Mamba-2 layer beyond its share (benchmarks/tp_ops.py: the aten ops of the
     second layer's forward and backward, kernels counted as one op each as on the GPU), ngroups 1 like
     mamba2-2.7b so the norm groups span the ranks: against TP 1, no elementwise op and no copy, cast or fill
-    is added, except the clone of the input gradient before its in-place all-reduce (copy_to_tp's backward)
+    is added, except the clone of the input gradient before its in-place all-reduce (copy_to_tp's backward),
+    the zero fill of in_proj's padded weight rows (its local width is not a multiple of 8: AlignedLinear)
     and, under SP, gloo's copy in its reduce-scatter; the launches added are the collectives and the norm's
     two statistics kernels. The host reads of the step are TP 1's (the clip's one .item())."""
     import os
@@ -165,9 +222,11 @@ def test_tp_rank_adds_no_copies_per_mamba2_layer():
                     comm=n["comm"], launches=row["launches"])
 
     one = {ph: layer(1, False, ph) for ph in ("fwd", "bwd")}
-    # extra ops per layer on a TP 2 rank: (copy-like, kernels, collectives) forward / backward
-    extra = {False: {"fwd": (0, 1, 2), "bwd": (1, 1, 2)},  # sumsq / bwd_dot kernels; norm stats + out_proj
-             True: {"fwd": (1, 1, 3), "bwd": (1, 1, 3)}}  # + the SP all-gather; gloo's reduce-scatter copy
+    # extra ops per layer on a TP 2 rank: (copy-like, kernels, collectives) forward / backward. The forward's
+    # one copy-like op: in_proj's local width here is 164 features, so its output rows are padded to 168
+    # (AlignedLinear): the zero fill of the weight copy's 4 pad rows (its cast is autocast's own)
+    extra = {False: {"fwd": (1, 1, 2), "bwd": (1, 1, 2)},  # sumsq / bwd_dot kernels; norm stats + out_proj
+             True: {"fwd": (2, 1, 3), "bwd": (1, 1, 3)}}  # + the SP all-gather; gloo's reduce-scatter copy
     for sp in (False, True):
         for ph in ("fwd", "bwd"):
             got, base = layer(2, sp, ph), one[ph]

@@ -312,6 +312,7 @@ def mamba2_tp_layout(mixer: Mamba2Mixer, tp: int, sp: bool) -> TPLayout:
                  "in_proj_sizes": [dl, dl, gnl, gnl, hl], "conv_sizes": [dl, gnl, gnl], "norm.ngroups": g_local}
     lay.row_parallel = {"out_proj": sp}
     lay.entry = "in_proj"  # forward() and step() read u only through in_proj
+    lay.aligned_out = ("in_proj",)  # its pieces are read through split_last / torch.split views
     if spans:
         lay.variants[""] = ("mamba2_norm_spans_ranks", {"groups": G, "group_size": di // G, "sp": sp})
     return lay

@@ -77,6 +77,9 @@ class TPLayout:
                     overlaps the region's backward collective with its weight gradient
     fan_out         or: the variant (name, arguments) that, with parallel.tp_overlap, computes the mixer's
                     column projections (several Linears, the only readers of its input) in one such node
+    aligned_out     column-parallel Linears whose readers take strided rows: where their rank-local width is
+                    not a multiple of 8 features, their output rows are padded in memory (parallel/layers.py
+                    AlignedLinear: Hopper's matmul kernels need 16-byte-aligned rows)
     """
 
     params: dict = field(default_factory=dict)
@@ -86,6 +89,7 @@ class TPLayout:
     variants: dict = field(default_factory=dict)
     entry: str | None = None
     fan_out: tuple | None = None
+    aligned_out: tuple = ()
 
     def merge(self, other: "TPLayout", prefix: str) -> "TPLayout":
         """Add a submodule's layout (names under `prefix`, e.g. "ssm."); not its `entry` / `fan_out`, which

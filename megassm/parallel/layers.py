@@ -15,6 +15,9 @@ names and init rules stay those of the canonical model; parallel/substitute.py):
                             does the same for several projections reading one input (the MLP's w1 and w3)
     RowParallelLinear       nn.Linear holding columns [out, in/tp]; reduces (or reduce-scatters, SP) its
                             output before adding the (replicated) bias
+    AlignedLinear           nn.Linear whose output rows are laid out `out_pad` features wider in memory than
+                            its rank-local width, so every row starts on 16 bytes (see out_pad); also
+                            ColumnParallelLinear.out_pad
     VocabParallelEmbedding  nn.Embedding holding rows [V/tp, d]; tokens outside the shard give 0; summed
                             over the group (reduce-scattered along the sequence under SP)
     vocab_parallel_cross_entropy(logits_local, labels, vocab_start, group): per-token CE from vocab-sharded
@@ -31,9 +34,21 @@ from . import comm
 from .sp import SEQ_DIM, gather_from_sp, reduce_scatter_to_sp
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "region_in", "region_out", "matmul_weight", "column_parallel",
-           "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
+           "ColumnParallelLinear", "RowParallelLinear", "AlignedLinear", "out_pad", "VocabParallelEmbedding",
+           "vocab_parallel_cross_entropy"]
 
 IGNORE_INDEX = -100
+
+# Matmul outputs (and the gradients read back from them) whose rows are a multiple of this many features: 16
+# bytes in bf16. cuBLAS's Hopper kernels read and write rows through the TMA, which needs 16-byte-aligned row
+# strides; a rank-local width that is not (mamba2-2.7b's in_proj at TP 4: 2,836 features) falls back to
+# Ampere kernels (seen on an H100: `cutlass_80_tensorop_bf16_s16816gemm`, docs/benchmarks.md).
+ALIGN_FEATURES = 8
+
+
+def out_pad(n: int) -> int:
+    """Features to add to a row of n so that it is a multiple of ALIGN_FEATURES."""
+    return (-n) % ALIGN_FEATURES
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -97,18 +112,28 @@ class _ColumnParallel(torch.autograd.Function):
     gradients), so every gradient equals the region hook + separate Linears' bit for bit."""
 
     @staticmethod
-    def forward(ctx, x, group, sp, *params):  # params: w_1, b_1, w_2, b_2, ... (a bias may be None)
+    def forward(ctx, x, group, sp, pads, *params):  # params: w_1, b_1, w_2, b_2, ... (a bias may be None)
         dev = x.device.type
         ctx.group, ctx.sp, ctx.x_dtype = group, sp, x.dtype
         ctx.dtypes = [None if p is None else p.dtype for p in params]
         if sp:
             x = comm.all_gather_dim(x, SEQ_DIM, group)
-        if torch.is_autocast_enabled(dev):  # autocast's casts, made here so the backward sees the same tensors
-            dt = torch.get_autocast_dtype(dev)
-            x, params = x.to(dt), [None if p is None else p.to(dt) for p in params]
+        # autocast's casts, made here so the backward sees the same tensors (into padded rows where `pads` asks)
+        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        if dt is not None:
+            x = x.to(dt)
+        ys, weights = [], []
         with torch.autocast(dev, enabled=False):
-            ys = [F.linear(x, w, b) for w, b in zip(params[::2], params[1::2])]
-        ctx.save_for_backward(x, *params[::2])
+            for w, b, pad in zip(params[::2], params[1::2], pads):
+                if pad:
+                    w, b, y = _aligned(x, w, b, pad, dt or w.dtype)
+                else:
+                    if dt is not None:
+                        w, b = w.to(dt), None if b is None else b.to(dt)
+                    y = F.linear(x, w, b)
+                ys.append(y)
+                weights.append(w)
+        ctx.save_for_backward(x, *weights)
         return tuple(ys)
 
     @staticmethod
@@ -129,7 +154,50 @@ class _ColumnParallel(torch.autograd.Function):
             # vectorising: 26 ms per mamba2-2.7b TP 2 step on an H100)
             grads.append(g2.t().mm(x2).to(w_dtype))
             grads.append(None if b_dtype is None else g2.sum(0).to(b_dtype))
-        return comm.wait(dx, work), None, None, *grads
+        return comm.wait(dx, work), None, None, None, *grads
+
+
+def _aligned(x, w, b, pad, dtype):
+    """F.linear(x, w, b) in `dtype` computed into rows of n + pad features (w and b cast into zero-padded copies:
+    the cast autocast makes anyway) and returned as the first n of each row, so the output's row stride is a
+    multiple of ALIGN_FEATURES. Returns (w's rows of the copy, b's, the output view)."""
+    n, k = w.shape
+    wp = torch.empty((n + pad, k), dtype=dtype, device=w.device)
+    wp[:n].copy_(w)
+    wp[n:].zero_()
+    bp = None
+    if b is not None:
+        bp = torch.empty(n + pad, dtype=dtype, device=b.device)
+        bp[:n].copy_(b)
+        bp[n:].zero_()
+    return wp[:n], None if bp is None else bp[:n], F.linear(x.to(dtype), wp, bp).narrow(-1, 0, n)
+
+
+class _AlignedLinear(torch.autograd.Function):
+    """F.linear(x, w, b) under the caller's autocast with its output rows padded in memory (_aligned). The
+    backward forms autocast's F.linear products (g w and g^T x, then the casts back), reading g with whatever
+    row stride it comes in: a split_last(share_grads=True) gradient buffer keeps the output's padded one."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, pad):
+        dev = x.device.type
+        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else w.dtype
+        ctx.dtypes = (x.dtype, w.dtype, None if b is None else b.dtype)
+        with torch.autocast(dev, enabled=False):
+            wd, _, y = _aligned(x, w, b, pad, dt)
+        ctx.save_for_backward(x.to(dt), wd)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        g2 = g.reshape(-1, g.shape[-1])  # a view when the rows collapse, whatever their stride
+        need = ctx.needs_input_grad
+        dx = g2.mm(w).view(x.shape).to(x_dtype) if need[0] else None
+        dw = g2.t().mm(x.reshape(-1, x.shape[-1])).to(w_dtype) if need[1] else None
+        db = g2.sum(0).to(b_dtype) if need[2] and b_dtype is not None else None
+        return dx, dw, db, None
 
 
 def column_parallel(x: torch.Tensor, linears, group, sp: bool) -> list[torch.Tensor]:
@@ -138,7 +206,8 @@ def column_parallel(x: torch.Tensor, linears, group, sp: bool) -> list[torch.Ten
     if comm.world(group) == 1:
         return [F.linear(x, matmul_weight(m), m.bias) for m in linears]
     params = [t for m in linears for t in (matmul_weight(m), m.bias)]
-    return list(_ColumnParallel.apply(x, group, sp and x.dim() == 3, *params))
+    pads = tuple(getattr(m, "out_pad", 0) for m in linears)
+    return list(_ColumnParallel.apply(x, group, sp and x.dim() == 3, pads, *params))
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -148,6 +217,7 @@ class ColumnParallelLinear(nn.Linear):
 
     tp_group = None
     sp = False
+    out_pad = 0  # output rows padded in memory by this many features (AlignedLinear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return column_parallel(x, [self], self.tp_group, self.sp)[0]
@@ -155,6 +225,21 @@ class ColumnParallelLinear(nn.Linear):
     def extra_repr(self) -> str:
         return (f"in={self.weight.shape[1]}, out_local={self.weight.shape[0]}, bias={self.bias is not None}, "
                 f"sp={self.sp}, overlap=True")
+
+
+class AlignedLinear(nn.Linear):
+    """nn.Linear whose output rows are `out_pad` features wider in memory than its width (the returned tensor is
+    a view of the first out_features of each row), for a rank-local width that is not a multiple of
+    ALIGN_FEATURES (parallel/tp.py, a TPLayout's `aligned_out`): the matmuls of the forward and backward then
+    run cuBLAS's Hopper kernels. Its readers must take strided rows (Mamba-2's in_proj: split_last)."""
+
+    out_pad = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = matmul_weight(self)
+        if not self.out_pad:
+            return F.linear(x, w, self.bias)
+        return _AlignedLinear.apply(x, w, self.bias, self.out_pad)
 
 
 class RowParallelLinear(nn.Linear):

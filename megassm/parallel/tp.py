@@ -59,8 +59,8 @@ from megassm.models.mlp import GatedMLP
 from megassm.models.registry import Replicate, Split, TPLayout, block_kind
 
 from . import comm
-from .layers import (ColumnParallelLinear, RowParallelLinear, matmul_weight, VocabParallelEmbedding, column_parallel,
-                     copy_to_tp, reduce_from_tp, region_in, vocab_parallel_cross_entropy)
+from .layers import (AlignedLinear, ColumnParallelLinear, RowParallelLinear, matmul_weight, VocabParallelEmbedding,
+                     column_parallel, copy_to_tp, out_pad, reduce_from_tp, region_in, vocab_parallel_cross_entropy)
 from .sp import split_to_sp
 from .substitute import substitute
 
@@ -340,7 +340,26 @@ def apply_layout(block: nn.Module, layout: TPLayout, pre: str, plan: TPPlan, ove
             raise ValueError(f"tensor parallelism: no parallel variant named {name!r}")
         cls, attrs = TP_VARIANTS[name](mixer.get_submodule(path), plan, **args)
         substitute(block, "mixer." + path if path else "mixer", cls, **attrs)
+    _align_outputs(block.mixer, layout, tp)
     return not entered
+
+
+def _align_outputs(mixer: nn.Module, layout: TPLayout, tp: int) -> None:
+    """The layout's `aligned_out` Linears whose rank-local width is not a multiple of 8 features compute into
+    padded rows (AlignedLinear, or ColumnParallelLinear.out_pad under parallel.tp_overlap)."""
+    for path in layout.aligned_out:
+        cut = layout.params[path + ".weight"]
+        local = sum(pc.size // pc.nparts for pc in (_piece(p, tp) for p in cut.pieces))
+        pad = out_pad(local)
+        if not pad:
+            continue
+        lin = mixer.get_submodule(path)
+        if isinstance(lin, ColumnParallelLinear):
+            lin.out_pad = pad
+        elif type(lin) is nn.Linear:
+            substitute(mixer, path, AlignedLinear, out_pad=pad)
+        else:
+            raise ValueError(f"tensor parallelism: cannot pad the output rows of {type(lin).__name__} '{path}'")
 
 
 @torch.no_grad()

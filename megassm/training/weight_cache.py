@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megassm.parallel.layers import ColumnParallelLinear, RowParallelLinear, matmul_weight
+from megassm.parallel.layers import AlignedLinear, ColumnParallelLinear, RowParallelLinear, matmul_weight
 from megassm.parallel.substitute import substitute
 from megassm.parallel.tp import ReplicatedRowLinear
 
@@ -34,7 +34,7 @@ __all__ = ["CachedLinear", "WeightCache"]
 
 log = logging.getLogger("megassm.train")
 
-_READS_CACHE = (ColumnParallelLinear, RowParallelLinear, ReplicatedRowLinear)  # forwards that read `weight_cache`
+_READS_CACHE = (ColumnParallelLinear, RowParallelLinear, ReplicatedRowLinear, AlignedLinear)  # read `weight_cache`
 
 
 class CachedLinear(nn.Linear):
