@@ -183,9 +183,10 @@ class _AlignedLinear(torch.autograd.Function):
         dev = x.device.type
         dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else w.dtype
         ctx.dtypes = (x.dtype, w.dtype, None if b is None else b.dtype)
+        x = x.to(dt)  # autocast's cast of the input, once: _aligned's is then a no-op
         with torch.autocast(dev, enabled=False):
             wd, _, y = _aligned(x, w, b, pad, dt)
-        ctx.save_for_backward(x.to(dt), wd)
+        ctx.save_for_backward(x, wd)
         return y
 
     @staticmethod
