@@ -23,7 +23,8 @@ HAS_CONV_STEP = True
 
 # what ops.py and kernels/fp8.py reach through triton_kernels()
 __all__ = ["swiglu_bwd", "swiglu_fwd", "coffee_scan_bwd", "coffee_scan_fwd", "causal_conv1d_bwd", "causal_conv1d_fwd",
-           "cross_entropy_bwd", "cross_entropy_fwd", "selective_scan_bwd", "selective_scan_fwd", "selective_scan_step_fwd", "add_rmsnorm_bwd", "add_rmsnorm_fwd",
-           "gated_rmsnorm_bwd", "gated_rmsnorm_fwd", "gated_rmsnorm_apply", "gated_rmsnorm_bwd_apply",
-           "gated_rmsnorm_bwd_dot", "gated_rmsnorm_sumsq", "ssd_fwd", "ssd_bwd", "ssd_supported", "ssd_kept_state_shape",
-           "causal_conv1d_step_fwd", "ssd_step_fwd", "fp8", "HAS_SSD_BWD", "HAS_SSD_STEP", "HAS_CONV_STEP"]
+           "cross_entropy_bwd", "cross_entropy_fwd", "selective_scan_bwd", "selective_scan_fwd",
+           "selective_scan_step_fwd", "add_rmsnorm_bwd", "add_rmsnorm_fwd", "gated_rmsnorm_bwd", "gated_rmsnorm_fwd",
+           "gated_rmsnorm_apply", "gated_rmsnorm_bwd_apply", "gated_rmsnorm_bwd_dot", "gated_rmsnorm_sumsq", "ssd_fwd",
+           "ssd_bwd", "ssd_supported", "ssd_kept_state_shape", "causal_conv1d_step_fwd", "ssd_step_fwd", "fp8",
+           "HAS_SSD_BWD", "HAS_SSD_STEP", "HAS_CONV_STEP"]

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from .. import env
 from ._lang import tcumsum, tsigmoid, tsum  # noqa: F401
+from ._out import out_or_empty
 
 
 @triton.jit
@@ -405,7 +406,8 @@ def causal_conv1d_fwd(x, weight, bias, initial_state, seq_idx, silu, return_fina
     return y, fin
 
 
-def causal_conv1d_bwd(x, weight, bias, initial_state, seq_idx, silu, dy, dfinal, tiles=None, mode=None, out_dx=None):
+def causal_conv1d_bwd(x, weight, bias, initial_state, seq_idx, silu, dy, dfinal, tiles=None, mode=None,
+                      out_dx=None):
     """mode: "two_pass" (_conv_dpre_kernel, then _conv_dx_kernel), "two_pass_defer" (the same, pass 1 summing
     the dweight / dbias products over its blocks before one reduction; widths above 4 sum per block as two_pass)
     or "fused" (_conv_bwd_kernel); None reads MEGASSM_CONV_BWD (default two_pass_defer). tiles=(BL, BC, num_warps)
@@ -421,11 +423,7 @@ def causal_conv1d_bwd(x, weight, bias, initial_state, seq_idx, silu, dy, dfinal,
         raise ValueError(f"causal_conv1d_bwd tiles={tiles!r}: a pair of tiles is for the two_pass modes only")
     bsz, seqlen, channels = x.shape
     width = weight.shape[-1]
-    if out_dx is not None:
-        if out_dx.shape != x.shape or out_dx.dtype != x.dtype or out_dx.stride(-1) != 1:
-            raise ValueError(f"causal_conv1d_bwd out_dx {tuple(out_dx.shape)} {out_dx.dtype} stride "
-                             f"{out_dx.stride()}: expected x's shape {tuple(x.shape)} and dtype, unit channel stride")
-    dx = out_dx if out_dx is not None else torch.empty(bsz, seqlen, channels, dtype=x.dtype, device=x.device)
+    dx = out_or_empty(out_dx, x, "causal_conv1d_bwd out_dx")
     dinit = (torch.zeros(bsz, channels, width - 1, dtype=torch.float32, device=x.device)
              if initial_state is not None else None)
     npos = seqlen + width - 1  # input positions -(W-1) .. L-1

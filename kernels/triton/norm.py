@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ._lang import tcumsum, tsigmoid, tsum  # noqa: F401
+from ._out import out_or_empty
 
 
 @triton.jit
@@ -329,14 +330,10 @@ def _gated_bwd(dout, x, z, weight, ngroups, eps, norm_before_gate, mode, ss=None
         dx = dz = None
     else:
         dx = torch.empty(m, d, dtype=x.dtype, device=x.device)
-        dz = torch.empty(m, d, dtype=z.dtype, device=z.device) if z2 is not None and out_dz is None else None
-        if out_dz is not None and z2 is not None:
-            if out_dz.shape != z.shape or out_dz.dtype != z.dtype or out_dz.stride(-1) != 1:
-                raise ValueError(f"gated_rmsnorm_bwd out_dz {tuple(out_dz.shape)} {out_dz.dtype} stride "
-                                 f"{out_dz.stride()}: expected z's shape {tuple(z.shape)} and dtype, unit last stride")
-            dz = _strided_rows(out_dz)
-            if dz.data_ptr() != out_dz.data_ptr():  # _strided_rows copied: its rows do not collapse
-                raise ValueError(f"gated_rmsnorm_bwd out_dz stride {out_dz.stride()}: its rows must collapse")
+        dz_out = out_or_empty(out_dz, z, "gated_rmsnorm_bwd out_dz") if z2 is not None else None
+        dz = _strided_rows(dz_out) if dz_out is not None else None
+        if dz is not None and dz.data_ptr() != dz_out.data_ptr():  # copied: the kernel takes a single row stride
+            raise ValueError(f"gated_rmsnorm_bwd out_dz stride {dz_out.stride()}: its rows must collapse")
         if mode == 2:
             dot = _stats_rows(dot, ngroups)
     narrow = max(t.element_size() for t in (x2, do2, z2) if t is not None) <= 2
@@ -361,9 +358,7 @@ def _gated_bwd(dout, x, z, weight, ngroups, eps, norm_before_gate, mode, ss=None
     dw = None
     if want_dw:
         dw = (dw_part[:nprog].sum(0) if m > 0 else torch.zeros(d, device=x.device)).to(weight.dtype)
-    if dz is not None:
-        dz = out_dz if out_dz is not None else dz.view(z.shape)
-    return dx.view(shape), dz, dw
+    return dx.view(shape), dz_out, dw
 
 
 def gated_rmsnorm_bwd(dout, x, z, weight, ngroups, eps, norm_before_gate, out_dz=None):

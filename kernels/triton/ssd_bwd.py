@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ._lang import tcumsum, trevcumsum, tsigmoid, tsum
+from ._out import out_or_empty
 from .. import env
 from .ssd import _prep, _scan
 from .ssd_common import (
@@ -527,10 +528,7 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
         dC.copy_(part.sum(0))
     # the cs gradients -> the a = dt * A gradients -> ddt, dA, ddt_bias, fused (_dt_grad_kernel)
     BH = min(16, triton.next_power_of_2(nheads))
-    if out_ddt is not None and (out_ddt.shape != dt.shape or out_ddt.dtype != dt.dtype or out_ddt.stride(-1) != 1):
-        raise ValueError(f"ssd_bwd out_ddt {tuple(out_ddt.shape)} {out_ddt.dtype} stride {out_ddt.stride()}: "
-                         f"expected dt's shape {tuple(dt.shape)} and dtype, unit head stride")
-    ddt = out_ddt if out_ddt is not None else torch.empty(bsz, seqlen, nheads, dtype=dt.dtype, device=dev)
+    ddt = out_or_empty(out_ddt, dt, "ssd_bwd out_ddt")
     dap = torch.empty(bsz, nc, nheads, dtype=torch.float32, device=dev)
     dbp = torch.empty_like(dap)
     lo, hi = (float(dt_limit[0]), float(dt_limit[1])) if dt_limit is not None else (0.0, 0.0)
