@@ -96,21 +96,12 @@ def _no_comm():
 
 
 def _profiled(step) -> dict:
-    """One more step under torch.profiler: GPU ms by kernel family, the idle share, the top kernels."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    """One more step under the trainer's StepProfiler: GPU ms by kernel family, the idle share, the top kernels."""
+    from megassm.training.profiling import StepProfiler
 
-    from megassm.training.profiling import summarize_kernels
-
-    _sync()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t = time.perf_counter()
+    with StepProfiler(run_dir="", step=0, rank=0) as sp:
         step()
-        _sync()
-        span = time.perf_counter() - t
-    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-               if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
-    summ = summarize_kernels(kernels, span * 1e3)
+    summ = sp.summary()
     return {"profiled_step_ms": summ["step_ms"], "gpu_busy_ms": summ["gpu_busy_ms"], "idle_share": summ["idle_share"],
             "families_ms": summ["families"], "kernels": summ["kernels"], "top_kernels": summ["top"][:12]}
 

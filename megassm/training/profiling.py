@@ -111,7 +111,8 @@ def summarize_kernels(kernels: list[tuple[str, float, float]], step_ms: float) -
 
 class StepProfiler:
     """Profile one optimizer step: `with StepProfiler(run_dir, step, rank, trace) as sp: ...`, then
-    `sp.write(step_seconds)`. CUDA runs only (on CPU it records nothing and writes nothing)."""
+    `sp.write(step_seconds)` (or `sp.summary()` alone, as benchmarks/tp_scaling.py takes it). CUDA runs only
+    (on CPU it records nothing and writes nothing)."""
 
     def __init__(self, run_dir: str, step: int, rank: int, trace: bool = False):
         self.run_dir, self.step, self.rank, self.trace = run_dir, step, rank, trace
@@ -135,9 +136,10 @@ class StepProfiler:
             self.prof.__exit__(*exc)
         return False
 
-    def write(self, step_s: float | None = None) -> dict | None:
-        """The summary file; `step_s` defaults to the profiled span (from the synchronize before the step to the
-        one after it: the trainer's own step time leaves the optimizer's kernels to the next step)."""
+    def summary(self, step_s: float | None = None) -> dict | None:
+        """summarize_kernels of the profiled step (None off CUDA); `step_s` defaults to the profiled span (from
+        the synchronize before the step to the one after it: the trainer's own step time leaves the optimizer's
+        kernels to the next step)."""
         if self.prof is None:
             return None
         step_s = self.span_s if step_s is None else step_s
@@ -145,7 +147,13 @@ class StepProfiler:
 
         kernels = [(e.name, e.time_range.start, e.time_range.end) for e in self.prof.events()
                    if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
-        summary = {"step": self.step, "rank": self.rank, **summarize_kernels(kernels, step_s * 1e3)}
+        return {"step": self.step, "rank": self.rank, **summarize_kernels(kernels, step_s * 1e3)}
+
+    def write(self, step_s: float | None = None) -> dict | None:
+        """The summary (see `summary`) written to run_dir/profile/, and returned."""
+        summary = self.summary(step_s)
+        if summary is None:
+            return None
         out = os.path.join(self.run_dir, "profile")
         os.makedirs(out, exist_ok=True)
         base = os.path.join(out, f"step_{self.step:08d}_rank_{self.rank:04d}")
