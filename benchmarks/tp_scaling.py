@@ -44,6 +44,7 @@ warnings.simplefilter("ignore")
 DEV = "cuda"  # --device cpu: a gloo smoke run of this script with tiny overrides (numbers meaningless)
 FAKE_WORLD = 0  # --fake-world K: one process as rank 0 of K, collectives that do nothing
 PROFILE = False
+TOP = 12  # --top: kernels listed by --profile
 CUDA_GRAPH = False  # --cuda-graph: forward + backward replayed from a CUDA graph (the trainer's GraphedMicroBatch)
 
 
@@ -101,9 +102,9 @@ def _profiled(step) -> dict:
 
     with StepProfiler(run_dir="", step=0, rank=0) as sp:
         step()
-    summ = sp.summary()
+    summ = sp.summary(top=TOP)
     return {"profiled_step_ms": summ["step_ms"], "gpu_busy_ms": summ["gpu_busy_ms"], "idle_share": summ["idle_share"],
-            "families_ms": summ["families"], "kernels": summ["kernels"], "top_kernels": summ["top"][:12]}
+            "families_ms": summ["families"], "kernels": summ["kernels"], "top_kernels": summ["top"]}
 
 
 def _time_collective(groups, shape, sp: bool, iters: int = 20) -> float:
@@ -247,12 +248,13 @@ def main() -> None:
     ap.add_argument("--fake-world", type=int, default=0, metavar="K",
                     help="one process as rank 0 of K with no-op collectives: a TP rank's compute on one device")
     ap.add_argument("--profile", action="store_true", help="GPU ms of one step by kernel family")
+    ap.add_argument("--top", type=int, default=12, help="--profile: list this many kernels by GPU time")
     ap.add_argument("--cuda-graph", action="store_true",
                     help="replay each step's forward + backward from a CUDA graph, as train.cuda_graph=true does")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    global DEV, FAKE_WORLD, PROFILE, CUDA_GRAPH
-    DEV, FAKE_WORLD, PROFILE, CUDA_GRAPH = args.device, args.fake_world, args.profile, args.cuda_graph
+    global DEV, FAKE_WORLD, PROFILE, CUDA_GRAPH, TOP
+    DEV, FAKE_WORLD, PROFILE, CUDA_GRAPH, TOP = args.device, args.fake_world, args.profile, args.cuda_graph, args.top
     if CUDA_GRAPH and DEV != "cuda":
         ap.error("--cuda-graph: CUDA graphs need --device cuda")
     if FAKE_WORLD and (FAKE_WORLD < 1 or os.environ.get("WORLD_SIZE", "1") != "1"):

@@ -103,6 +103,9 @@ class SplitLast(torch.autograd.Function):
         return out, None, None
 
 
+PAD_ZEROED = "_megassm_pad_zeroed"  # attribute of a GradBlocks buffer whose rows' padding is zeros
+
+
 class GradBlocks:
     """One gradient buffer for the pieces of a tensor split along its last dim (split_last(share_grads=True)):
     the backward of an op reading a piece writes that piece's gradient into the piece's column block of one
@@ -112,7 +115,8 @@ class GradBlocks:
     second time, and autograd sums the two as usual); the buffer is dropped once every block is handed out, and
     the hand-outs are reset by split_last's backward. Whatever is not written here falls back to the cat. The
     buffer's rows are as wide in memory as the split tensor's (an AlignedLinear output's padded rows), so the
-    gradient reaches the matmul that produced it with the same aligned row stride."""
+    gradient reaches the matmul that produced it with the same aligned row stride; the padding columns are
+    zeroed (PAD_ZEROED), so that matmul may read whole rows (parallel/layers.py _padded_grad)."""
 
     __slots__ = ("shape", "dtype", "device", "sizes", "row", "buf", "taken")
 
@@ -135,6 +139,9 @@ class GradBlocks:
             return None
         if self.buf is None:
             full = torch.empty((*self.shape[:-1], self.row), dtype=self.dtype, device=self.device)
+            if self.row > self.shape[-1]:  # padding zeroed: the matmul below reads whole rows (_padded_grad)
+                full.narrow(-1, self.shape[-1], self.row - self.shape[-1]).zero_()
+                setattr(full, PAD_ZEROED, True)
             self.buf = full if self.row == self.shape[-1] else full.narrow(-1, 0, self.shape[-1])
         block = self.buf.narrow(-1, off, n)
         self.taken.add(off)

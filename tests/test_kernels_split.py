@@ -112,6 +112,55 @@ def test_mamba2_in_proj_split_backward_writes_one_buffer(triton_mode, monkeypatc
         assert shared[k] is not None and torch.equal(shared[k], separate[k]), k
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mamba2_padded_in_proj_reads_its_gradient_buffer_whole(triton_mode, monkeypatch, dtype):
+    """in_proj as an AlignedLinear (its width, 196 features, padded to 200 rows in memory as a TP rank's is): the
+    model's loss and gradients equal the plain Linear's, and the in_proj backward multiplies the GradBlocks
+    buffer's whole padded rows (its padding zeroed), not a copy. bf16: in_proj under autocast."""
+    from megassm.config import MambaConfig, ModelConfig
+    from megassm.models import build_model
+    from megassm.parallel import layers
+    from megassm.parallel.substitute import substitute
+
+    cfg = ModelConfig(pattern="MM", d_model=32, mamba=MambaConfig(d_state=16, headdim=16, chunk_size=16, ngroups=2))
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(0)).to(DEV)
+    sid = torch.zeros(2, 24, dtype=torch.int32, device=DEV)
+    sid[1, 9:] = 1
+    in_place = []
+    real = layers._padded_grad
+
+    def watched(g2, pad):
+        out = real(g2, pad)
+        in_place.append(out.data_ptr() == g2.data_ptr())
+        return out
+
+    monkeypatch.setattr(layers, "_padded_grad", watched)
+
+    def run(padded):
+        m = build_model(cfg, vocab_size=97)
+        m.init_weights(0)
+        if padded:
+            for layer in m.layers.values():
+                assert layer.mixer.in_proj.out_features == 196
+                substitute(layer.mixer, "in_proj", layers.AlignedLinear, out_pad=layers.out_pad(196))
+        m = m.to(DEV).train()
+        with torch.autocast(DEV, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            loss = m(ids, seq_idx=sid).logits.float().pow(2).mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in m.named_parameters()}
+
+    loss0, plain = run(False)
+    loss1, padded = run(True)
+    assert in_place == [True, True]  # both layers' in_proj backward: the buffer itself
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(loss0, loss1, rtol=tol, atol=0)
+    assert plain.keys() == padded.keys()
+    for k in plain:
+        a, b = plain[k].float(), padded[k].float()
+        assert (a - b).norm() <= tol * a.norm() + 1e-12, k
+
+
 def test_grad_blocks_hand_out_each_block_once():
     """GradBlocks: a block goes to the first op that asks in a backward pass (a second reader of the same piece
     gets None: a fresh gradient that autograd sums), a mismatched piece gets None, split_last's backward resets

@@ -143,6 +143,25 @@ def test_aligned_linear_matches_linear(autocast):
             assert u.dtype == v.dtype and torch.allclose(u.float(), v.float(), rtol=1e-6, atol=1e-6), name
 
 
+def test_padded_grad_reads_a_zeroed_buffer_in_place_and_copies_anything_else():
+    """The backward of a padded Linear multiplies whole padded rows: a split_last gradient buffer whose padding
+    GradBlocks zeroed is used as it is (no copy); any other gradient, strided or not, is copied into zero-padded
+    rows (its padding may hold anything: here NaNs, which must not reach the product)."""
+    from megassm.kernels.ops import PAD_ZEROED
+    from megassm.parallel.layers import _padded_grad
+
+    base = torch.zeros(2, 5, 16)
+    setattr(base, PAD_ZEROED, True)
+    g = base[..., :13]
+    g.copy_(torch.randn(2, 5, 13))
+    full = _padded_grad(g.reshape(-1, 13), 3)
+    assert full.data_ptr() == base.data_ptr() and full.shape == (10, 16)
+    for other in (torch.full((2, 5, 16), float("nan"))[..., :13].copy_(g), g.clone()):
+        full = _padded_grad(other.reshape(-1, 13), 3)
+        assert full.data_ptr() != other.data_ptr() and full.shape == (10, 16)
+        assert torch.equal(full[:, :13], g.reshape(-1, 13)) and not full[:, 13:].any()
+
+
 def test_tp_pads_only_misaligned_in_proj(monkeypatch):
     """The TP plan pads Mamba-2's in_proj output rows where the rank-local width is not a multiple of 8
     features: the tiny model's 152 become 84 at TP 2 (padded to 88); with headdim 4 (16 heads) they become 88
@@ -199,8 +218,8 @@ def test_tp_rank_adds_no_copies_per_mamba2_layer():
     second layer's forward and backward, kernels counted as one op each as on the GPU), ngroups 1 like
     mamba2-2.7b so the norm groups span the ranks: against TP 1, no elementwise op and no copy, cast or fill
     is added, except the clone of the input gradient before its in-place all-reduce (copy_to_tp's backward),
-    the zero fill of in_proj's padded weight rows (its local width is not a multiple of 8: AlignedLinear)
-    and, under SP, gloo's copy in its reduce-scatter; the launches added are the collectives and the norm's
+    the zero fill of in_proj's padded weight rows and of its gradient buffer's padding (its local width is not a
+    multiple of 8: AlignedLinear) and, under SP, gloo's copy in its reduce-scatter; the launches added are the collectives and the norm's
     two statistics kernels. The host reads of the step are TP 1's (the clip's one .item())."""
     import os
     import subprocess
@@ -224,9 +243,11 @@ def test_tp_rank_adds_no_copies_per_mamba2_layer():
     one = {ph: layer(1, False, ph) for ph in ("fwd", "bwd")}
     # extra ops per layer on a TP 2 rank: (copy-like, kernels, collectives) forward / backward. The forward's
     # one copy-like op: in_proj's local width here is 164 features, so its output rows are padded to 168
-    # (AlignedLinear): the zero fill of the weight copy's 4 pad rows (its cast is autocast's own)
-    extra = {False: {"fwd": (1, 1, 2), "bwd": (1, 1, 2)},  # sumsq / bwd_dot kernels; norm stats + out_proj
-             True: {"fwd": (2, 1, 3), "bwd": (1, 1, 3)}}  # + the SP all-gather; gloo's reduce-scatter copy
+    # (AlignedLinear): the zero fill of the weight copy's 4 pad rows (its cast is autocast's own); the backward's
+    # two: in_proj's output gradient into zero-padded rows (a fill and a copy: without the Triton backwards,
+    # split_last's gradient is a cat; on the GPU it is the GradBlocks buffer, its padding zeroed by one fill)
+    extra = {False: {"fwd": (1, 1, 2), "bwd": (3, 1, 2)},  # sumsq / bwd_dot kernels; norm stats + out_proj
+             True: {"fwd": (2, 1, 3), "bwd": (3, 1, 3)}}  # + the SP all-gather; gloo's reduce-scatter copy
     for sp in (False, True):
         for ph in ("fwd", "bwd"):
             got, base = layer(2, sp, ph), one[ph]

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megassm.kernels.ops import PAD_ZEROED
+
 from . import comm
 from .sp import SEQ_DIM, gather_from_sp, reduce_scatter_to_sp
 
@@ -114,7 +116,7 @@ class _ColumnParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, sp, pads, *params):  # params: w_1, b_1, w_2, b_2, ... (a bias may be None)
         dev = x.device.type
-        ctx.group, ctx.sp, ctx.x_dtype = group, sp, x.dtype
+        ctx.group, ctx.sp, ctx.x_dtype, ctx.pads = group, sp, x.dtype, pads
         ctx.dtypes = [None if p is None else p.dtype for p in params]
         if sp:
             x = comm.all_gather_dim(x, SEQ_DIM, group)
@@ -126,7 +128,7 @@ class _ColumnParallel(torch.autograd.Function):
         with torch.autocast(dev, enabled=False):
             for w, b, pad in zip(params[::2], params[1::2], pads):
                 if pad:
-                    w, b, y = _aligned(x, w, b, pad, dt or w.dtype)
+                    w, y = _aligned(x, w, b, pad, dt or w.dtype)
                 else:
                     if dt is not None:
                         w, b = w.to(dt), None if b is None else b.to(dt)
@@ -140,19 +142,21 @@ class _ColumnParallel(torch.autograd.Function):
     def backward(ctx, *gs):
         x, *weights = ctx.saved_tensors
         x2 = x.reshape(-1, x.shape[-1])
+        # a padded projection's gradient over its padded width (_padded_grad; its weight copy's pad rows are 0)
         g2s = [g.reshape(-1, g.shape[-1]) for g in gs]
+        gps = [_padded_grad(g2, pad) if pad else g2 for g2, pad in zip(g2s, ctx.pads)]
         dx = None
-        for g2, w in zip(g2s, weights):
-            part = g2.mm(w).view(x.shape).to(ctx.x_dtype)
+        for gp, w in zip(gps, weights):
+            part = gp.mm(w).view(x.shape).to(ctx.x_dtype)
             dx = part if dx is None else dx + part
         dx, work = (comm.reduce_scatter_dim_start(dx, SEQ_DIM, ctx.group) if ctx.sp
                     else comm.all_reduce_start(dx, ctx.group))
         grads = []  # beside the collective
-        for g2, w_dtype, b_dtype in zip(g2s, ctx.dtypes[::2], ctx.dtypes[1::2]):
+        for g2, gp, w_dtype, b_dtype in zip(g2s, gps, ctx.dtypes[::2], ctx.dtypes[1::2]):
             # g^T x, as autograd's mm backward forms it for a column-major weight view: a contiguous [out, in]
             # gradient (x^T g transposed is a strided one, which AccumulateGrad adds elementwise without
             # vectorising: 26 ms per mamba2-2.7b TP 2 step on an H100)
-            grads.append(g2.t().mm(x2).to(w_dtype))
+            grads.append(gp.t().mm(x2)[:g2.shape[1]].to(w_dtype))
             grads.append(None if b_dtype is None else g2.sum(0).to(b_dtype))
         return comm.wait(dx, work), None, None, None, *grads
 
@@ -160,7 +164,7 @@ class _ColumnParallel(torch.autograd.Function):
 def _aligned(x, w, b, pad, dtype):
     """F.linear(x, w, b) in `dtype` computed into rows of n + pad features (w and b cast into zero-padded copies:
     the cast autocast makes anyway) and returned as the first n of each row, so the output's row stride is a
-    multiple of ALIGN_FEATURES. Returns (w's rows of the copy, b's, the output view)."""
+    multiple of ALIGN_FEATURES. Returns (the weight's padded copy [n + pad, k], the output view)."""
     n, k = w.shape
     wp = torch.empty((n + pad, k), dtype=dtype, device=w.device)
     wp[:n].copy_(w)
@@ -170,33 +174,54 @@ def _aligned(x, w, b, pad, dtype):
         bp = torch.empty(n + pad, dtype=dtype, device=b.device)
         bp[:n].copy_(b)
         bp[n:].zero_()
-    return wp[:n], None if bp is None else bp[:n], F.linear(x.to(dtype), wp, bp).narrow(-1, 0, n)
+    return wp, F.linear(x.to(dtype), wp, bp).narrow(-1, 0, n)
+
+
+def _padded_grad(g2: torch.Tensor, pad: int) -> torch.Tensor:
+    """The output gradient g2 [M, n] as [M, n + pad] rows whose last pad columns are zeros, for the backward
+    matmuls of a padded Linear: cuBLAS runs its Hopper kernels only when the reduced width (dgrad) and the
+    rows (wgrad) are multiples of ALIGN_FEATURES; a view of [M, n] rows n + pad apart is not enough (H100,
+    n 2,836: 0.27 ms dgrad on an Ampere kernel vs 0.08). The gradient buffer of split_last(share_grads=True)
+    is such rows with the pad zeroed (kernels/ops.py GradBlocks): used as it is; anything else is copied in."""
+    m, n = g2.shape
+    base = g2._base
+    if (base is not None and getattr(base, PAD_ZEROED, False) and base.is_contiguous() and base.shape[-1] == n + pad
+            and base.numel() == m * (n + pad) and g2.data_ptr() == base.data_ptr() and g2.stride() == (n + pad, 1)):
+        return base.view(m, n + pad)
+    full = g2.new_empty((m, n + pad))
+    full[:, n:].zero_()
+    full[:, :n].copy_(g2)
+    return full
 
 
 class _AlignedLinear(torch.autograd.Function):
     """F.linear(x, w, b) under the caller's autocast with its output rows padded in memory (_aligned). The
-    backward forms autocast's F.linear products (g w and g^T x, then the casts back), reading g with whatever
-    row stride it comes in: a split_last(share_grads=True) gradient buffer keeps the output's padded one."""
+    backward forms autocast's F.linear products (g w and g^T x, then the casts back) over the padded width
+    (_padded_grad; the weight copy's pad rows are zeros, so the input gradient is the same sum), and returns
+    the weight gradient's first n rows."""
 
     @staticmethod
     def forward(ctx, x, w, b, pad):
         dev = x.device.type
         dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else w.dtype
         ctx.dtypes = (x.dtype, w.dtype, None if b is None else b.dtype)
+        ctx.pad = pad
         x = x.to(dt)  # autocast's cast of the input, once: _aligned's is then a no-op
         with torch.autocast(dev, enabled=False):
-            wd, _, y = _aligned(x, w, b, pad, dt)
-        ctx.save_for_backward(x, wd)
+            wp, y = _aligned(x, w, b, pad, dt)
+        ctx.save_for_backward(x, wp)
         return y
 
     @staticmethod
     def backward(ctx, g):
-        x, w = ctx.saved_tensors
+        x, wp = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes
-        g2 = g.reshape(-1, g.shape[-1])  # a view when the rows collapse, whatever their stride
+        n = g.shape[-1]
+        g2 = g.reshape(-1, n)  # a view when the rows collapse, whatever their stride
         need = ctx.needs_input_grad
-        dx = g2.mm(w).view(x.shape).to(x_dtype) if need[0] else None
-        dw = g2.t().mm(x.reshape(-1, x.shape[-1])).to(w_dtype) if need[1] else None
+        gp = _padded_grad(g2, ctx.pad) if need[0] or need[1] else None
+        dx = gp.mm(wp).view(x.shape).to(x_dtype) if need[0] else None
+        dw = gp.t().mm(x.reshape(-1, x.shape[-1]))[:n].to(w_dtype) if need[1] else None
         db = g2.sum(0).to(b_dtype) if need[2] and b_dtype is not None else None
         return dx, dw, db, None
 

@@ -80,8 +80,9 @@ def _intersect(x, y) -> list[tuple[float, float]]:
     return out
 
 
-def summarize_kernels(kernels: list[tuple[str, float, float]], step_ms: float) -> dict:
-    """kernels: (name, start_us, end_us) of every GPU kernel of the step -> the summary (module docstring)."""
+def summarize_kernels(kernels: list[tuple[str, float, float]], step_ms: float, top: int = TOP_KERNELS) -> dict:
+    """kernels: (name, start_us, end_us) of every GPU kernel of the step -> the summary (module docstring), with
+    the `top` kernels by GPU time."""
     comm = _union([(a, b) for n, a, b in kernels if family_of(n) == "nccl"])
     compute = _union([(a, b) for n, a, b in kernels if family_of(n) != "nccl"])
     busy = _union(comm + compute)
@@ -93,7 +94,7 @@ def summarize_kernels(kernels: list[tuple[str, float, float]], step_ms: float) -
         rec = per_name.setdefault(n, [0.0, 0])
         rec[0] += (b - a) / 1e3
         rec[1] += 1
-    top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
+    top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]
     comm_ms = _length(comm) / 1e3
     exposed_ms = comm_ms - _length(_intersect(comm, compute)) / 1e3
     busy_ms = _length(busy) / 1e3
@@ -136,7 +137,7 @@ class StepProfiler:
             self.prof.__exit__(*exc)
         return False
 
-    def summary(self, step_s: float | None = None) -> dict | None:
+    def summary(self, step_s: float | None = None, top: int = TOP_KERNELS) -> dict | None:
         """summarize_kernels of the profiled step (None off CUDA); `step_s` defaults to the profiled span (from
         the synchronize before the step to the one after it: the trainer's own step time leaves the optimizer's
         kernels to the next step)."""
@@ -147,7 +148,7 @@ class StepProfiler:
 
         kernels = [(e.name, e.time_range.start, e.time_range.end) for e in self.prof.events()
                    if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
-        return {"step": self.step, "rank": self.rank, **summarize_kernels(kernels, step_s * 1e3)}
+        return {"step": self.step, "rank": self.rank, **summarize_kernels(kernels, step_s * 1e3, top)}
 
     def write(self, step_s: float | None = None) -> dict | None:
         """The summary (see `summary`) written to run_dir/profile/, and returned."""
