@@ -78,22 +78,27 @@ def _device_init(model) -> None:
 @contextlib.contextmanager
 def _no_comm():
     from megassm.parallel import comm
+    from megassm.parallel.sp import tokens_of_rank
 
-    saved = (comm.all_reduce, comm.all_reduce_max, comm.all_gather_dim, comm.reduce_scatter_dim)
+    names = ("all_reduce", "all_reduce_max", "all_reduce_start", "all_gather_dim", "reduce_scatter_dim",
+             "all_gather_tokens", "reduce_scatter_tokens", "reduce_scatter_tokens_start")
+    saved = {n: getattr(comm, n) for n in names}
 
-    def gather(x, dim, group):
-        return torch.cat([x] * comm.world(group), dim=dim)
+    def scatter(x, group):
+        return tokens_of_rank(x, comm.world(group), comm.rank(group))
 
-    def scatter(x, dim, group):
-        return x.chunk(comm.world(group), dim=dim)[comm.rank(group)].contiguous()
-
-    comm.all_reduce = lambda x, g: x
-    comm.all_reduce_max = lambda x, g: x
-    comm.all_gather_dim, comm.reduce_scatter_dim = gather, scatter
+    comm.all_reduce = comm.all_reduce_max = lambda x, g: x
+    comm.all_reduce_start = lambda x, g: (x, None)
+    comm.all_gather_dim = lambda x, dim, g: torch.cat([x] * comm.world(g), dim=dim)
+    comm.reduce_scatter_dim = lambda x, dim, g: x.chunk(comm.world(g), dim=dim)[comm.rank(g)].contiguous()
+    comm.all_gather_tokens = lambda x, g: torch.cat([x] * comm.world(g), dim=1)
+    comm.reduce_scatter_tokens = scatter
+    comm.reduce_scatter_tokens_start = lambda x, g: (scatter(x, g), None)
     try:
         yield
     finally:
-        comm.all_reduce, comm.all_reduce_max, comm.all_gather_dim, comm.reduce_scatter_dim = saved
+        for n, f in saved.items():
+            setattr(comm, n, f)
 
 
 def _profiled(step) -> dict:
@@ -116,8 +121,8 @@ def _time_collective(groups, shape, sp: bool, iters: int = 20) -> float:
 
     def once():
         if sp:
-            comm.reduce_scatter_dim(comm.all_gather_dim(x.chunk(groups.tp, 1)[0], 1, groups.tp_group), 1,
-                                    groups.tp_group)
+            comm.reduce_scatter_tokens(comm.all_gather_tokens(x.chunk(groups.tp, 1)[0], groups.tp_group),
+                                       groups.tp_group)
         else:
             comm.all_reduce(x, groups.tp_group)
 

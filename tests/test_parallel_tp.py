@@ -162,6 +162,20 @@ def test_padded_grad_reads_a_zeroed_buffer_in_place_and_copies_anything_else():
         assert torch.equal(full[:, :13], g.reshape(-1, 13)) and not full[:, 13:].any()
 
 
+def test_sp_pieces_are_runs_of_tokens():
+    """A rank's SP piece of [B, L, d] is the rank-th 1/n of the B * L tokens in memory order, shaped [B, L/n, d]
+    (for B = 1 the sequence's piece): the pieces in rank order are the tensor's memory; L must divide by n."""
+    from megassm.parallel.sp import tokens_of_rank
+
+    x = torch.randn(3, 8, 5)
+    pieces = [tokens_of_rank(x, 4, r) for r in range(4)]
+    assert all(p.shape == (3, 2, 5) for p in pieces)
+    assert torch.equal(torch.cat([p.reshape(-1) for p in pieces]), x.reshape(-1))
+    assert torch.equal(tokens_of_rank(x[:1], 4, 2), x[:1, 4:6])
+    with pytest.raises(ValueError, match="sequence length 6 not divisible by 4 ranks"):
+        tokens_of_rank(x[:, :6], 4, 0)
+
+
 def test_tp_pads_only_misaligned_in_proj(monkeypatch):
     """The TP plan pads Mamba-2's in_proj output rows where the rank-local width is not a multiple of 8
     features: the tiny model's 152 become 84 at TP 2 (padded to 88); with headdim 4 (16 heads) they become 88
@@ -226,8 +240,8 @@ def test_tp_rank_adds_no_copies_per_mamba2_layer():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    args = ["--patterns", "MM", "--tp", "1", "2", "--sp", "off", "on", "--d-model", "64", "--d-state", "16",
-            "--headdim", "16", "--chunk-size", "32", "--seq-len", "64", "--vocab", "128", "--ngroups", "1"]
+    args = ["--patterns", "MM", "--tp", "1", "2", "--sp", "off", "on", "--batch", "2", "--d-model", "64",
+            "--d-state", "16", "--headdim", "16", "--chunk-size", "32", "--seq-len", "64", "--vocab", "128", "--ngroups", "1"]
     r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "tp_ops.py"), *args], capture_output=True,
                        text=True, cwd=root, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stderr[-3000:]

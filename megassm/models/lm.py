@@ -278,11 +278,12 @@ class LanguageModel(nn.Module):
             return self.loss_fn(self._head(normed), labels)
         step = max(1, chunk // B)
         sp = self._sp_ways()
-        # under SP the head all-gathers the sequence rank-major: rank r's positions c0:c1 of its piece
-        lab = labels.reshape(B, sp, L)
+        # under SP rank r holds the r-th 1/sp of the B * sp * L tokens as B rows of L (parallel/sp.py), and the head
+        # all-gathers columns c0:c1 of those rows rank after rank: the same columns of the tokens' rows of L, in order
+        lab = labels.reshape(B * sp, L)
         total = normed.new_zeros((), dtype=torch.float32)
         for c0, h in zip(range(0, L, step), torch.split(normed, step, dim=1)):
-            lc = lab[:, :, c0:c0 + h.shape[1]].reshape(B, -1)
+            lc = lab[:, c0:c0 + h.shape[1]].reshape(B, -1)
             total = total + checkpoint(self._chunk_loss_sum, h, lc, use_reentrant=False)
         return self.finish_loss(total, (labels.reshape(-1) != IGNORE_INDEX).sum())
 

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["COUNTS", "reset_counts", "all_reduce", "all_reduce_start", "wait", "all_reduce_max", "all_gather_dim",
-           "reduce_scatter_dim", "reduce_scatter_dim_start", "world", "rank", "gather_dim_autograd",
+           "reduce_scatter_dim", "reduce_scatter_dim_start", "all_gather_tokens", "reduce_scatter_tokens",
+           "reduce_scatter_tokens_start", "world", "rank", "gather_dim_autograd",
            "sum_fwd_identity_bwd"]
 
 COUNTS: Counter = Counter()
@@ -110,6 +111,46 @@ def _reduce_scatter_dim(x: torch.Tensor, dim: int, group, async_op: bool):
         xs = x.unflatten(dim, (n, x.shape[dim] // n)).movedim(dim, 0).contiguous()
     out = x.new_empty((*x.shape[:dim], x.shape[dim] // n, *x.shape[dim + 1:]))
     return out, dist.reduce_scatter_tensor(out.view(1, -1), xs.view(n, -1), group=group, async_op=async_op)
+
+
+# ----------------------------------------------------------------------------------------------------
+# token-flat collectives (sequence parallelism, sp.py): a rank's piece of [B, L, ...] is the rank-th 1/n of its
+# B * L tokens in memory order, shaped [B, L / n, ...], so neither collective reorders anything for any B
+# ----------------------------------------------------------------------------------------------------
+def all_gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
+    """The ranks' x [B, l, ...] concatenated as one run of B * l * n tokens in rank order, shaped [B, l * n, ...]
+    (the inverse of reduce_scatter_tokens' split; for B = 1 the sequence concatenated)."""
+    n = world(group)
+    if n == 1:
+        return x
+    x = x.contiguous()
+    COUNTS["all_gather"] += 1
+    out = x.new_empty((x.shape[0], x.shape[1] * n, *x.shape[2:]))
+    dist.all_gather_into_tensor(out.view(n, -1), x.view(1, -1), group=group)
+    return out
+
+
+def reduce_scatter_tokens(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum over the ranks of x [B, L, ...]; each rank keeps its 1/n of the B * L tokens in memory order, shaped
+    [B, L / n, ...]."""
+    return _reduce_scatter_tokens(x, group, async_op=False)[0]
+
+
+def reduce_scatter_tokens_start(x: torch.Tensor, group):
+    """reduce_scatter_tokens begun, not waited on: (out, work), as all_reduce_start."""
+    return _reduce_scatter_tokens(x, group, async_op=True)
+
+
+def _reduce_scatter_tokens(x: torch.Tensor, group, async_op: bool):
+    n = world(group)
+    if n == 1:
+        return x, None
+    if x.shape[1] % n:
+        raise ValueError(f"reduce_scatter: sequence length {x.shape[1]} not divisible by {n} ranks")
+    x = x.contiguous()
+    COUNTS["reduce_scatter"] += 1
+    out = x.new_empty((x.shape[0], x.shape[1] // n, *x.shape[2:]))
+    return out, dist.reduce_scatter_tensor(out.view(1, -1), x.view(n, -1), group=group, async_op=async_op)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from torch import nn
 from megassm.kernels.ops import PAD_ZEROED
 
 from . import comm
-from .sp import SEQ_DIM, gather_from_sp, reduce_scatter_to_sp
+from .sp import gather_from_sp, reduce_scatter_to_sp
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "region_in", "region_out", "matmul_weight", "column_parallel",
            "ColumnParallelLinear", "RowParallelLinear", "AlignedLinear", "out_pad", "VocabParallelEmbedding",
@@ -119,7 +119,7 @@ class _ColumnParallel(torch.autograd.Function):
         ctx.group, ctx.sp, ctx.x_dtype, ctx.pads = group, sp, x.dtype, pads
         ctx.dtypes = [None if p is None else p.dtype for p in params]
         if sp:
-            x = comm.all_gather_dim(x, SEQ_DIM, group)
+            x = comm.all_gather_tokens(x, group)
         # autocast's casts, made here so the backward sees the same tensors (into padded rows where `pads` asks)
         dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
         if dt is not None:
@@ -149,7 +149,7 @@ class _ColumnParallel(torch.autograd.Function):
         for gp, w in zip(gps, weights):
             part = gp.mm(w).view(x.shape).to(ctx.x_dtype)
             dx = part if dx is None else dx + part
-        dx, work = (comm.reduce_scatter_dim_start(dx, SEQ_DIM, ctx.group) if ctx.sp
+        dx, work = (comm.reduce_scatter_tokens_start(dx, ctx.group) if ctx.sp
                     else comm.all_reduce_start(dx, ctx.group))
         grads = []  # beside the collective
         for g2, gp, w_dtype, b_dtype in zip(g2s, gps, ctx.dtypes[::2], ctx.dtypes[1::2]):
