@@ -8,6 +8,7 @@ run on stdout (rank 0), then a summary object.
     torchrun --nproc_per_node 4 benchmarks/cp_scaling.py --comm-share                     # + exposed comm
     torchrun --nproc_per_node 4 benchmarks/cp_scaling.py train.loss_chunk_tokens=8192 --lengths 524288 \
         --checkpointing on                                  # 512K: the head + loss in 8K-token chunks
+    python3 benchmarks/cp_scaling.py --fake-world 4 --profile --lengths 65536   # one GPU: a CP rank alone
     torchrun --nproc_per_node 2 benchmarks/cp_scaling.py model.d_model=64 model.pattern=MM \\
         model.vocab_size=256 model.mamba.d_state=16 model.mamba.headdim=16 --device cpu --cp 2 \\
         --lengths 256 512 --steps 1 --warmup 0                                            # smoke run (gloo)
@@ -27,6 +28,11 @@ Weights are random (the same on every rank), not the canonical init. CP rows als
 the CP gradient sum alone (every parameter's fp32 gradient, `allreduce_cp_grads`), timed apart, once per step
 whatever the length: the part of a CP step that a CP 1 baseline never pays (in a job with data parallelism it
 merges into the DP gradient reduction, amortised over the step's micro-batches).
+
+--fake-world K: one process is the LAST rank of K under torch's "fake" process group (collectives move no
+data), the rank that receives every predecessor's states and so does the whole fix-up: one GPU runs what a
+CP rank computes, beside the CP 1 baseline at 1/K of the length, with no communication. --profile adds GPU ms
+by kernel family, the GPU's busy and idle time of one more step (the trainer's StepProfiler).
 
 Bytes per Mamba-2 layer and rank, forward (the backward moves the same again), B = micro-batch,
 R = cp, L_r = L / R tokens per rank, activations in bf16 (2 bytes), states fp32:
@@ -51,6 +57,7 @@ import torch.distributed as dist
 
 warnings.simplefilter("ignore")
 DEV = "cuda"
+PROFILE = False  # --profile
 
 
 def _sync():
@@ -191,18 +198,15 @@ def run(cfg_path, cp, seq_len, micro, steps, warmup, ckpt, comm_share, overrides
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         t_step = timed()
-        if os.environ.get("CP_PROFILE") and cp > 1:  # GPU time by kernel on rank 0 (diagnosis, not a figure)
-            from torch.profiler import ProfilerActivity, profile
+        if PROFILE and DEV == "cuda":  # one more step: GPU ms by kernel family, busy / idle, the top kernels
+            from megassm.training.profiling import StepProfiler
 
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with StepProfiler(run_dir="", step=0, rank=dist.get_rank()) as prof:
                 step()
-                _sync()
-            if dist.get_rank() == 0:
-                ev = sorted((e for e in prof.key_averages() if e.device_time_total > 0),
-                            key=lambda e: -e.device_time_total)[:18]
-                for e in ev:
-                    print(json.dumps({"kernel": e.key[:80], "ms": round(e.device_time_total / 1e3, 1),
-                                      "calls": e.count}), flush=True)
+            summ = prof.summary(top=20)
+            row.update(profiled_step_ms=summ["step_ms"], gpu_busy_ms=summ["gpu_busy_ms"],
+                       idle_share=summ["idle_share"], comm_ms=summ["comm_ms"], families_ms=summ["families"],
+                       kernels=summ["kernels"], top_kernels=summ["top"])
         row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if DEV == "cuda" else 0.0
         if cp > 1:
             row["grad_allreduce_s"] = allreduce_s()
@@ -251,19 +255,28 @@ def main() -> None:
     ap.add_argument("--checkpointing", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--comm-share", action="store_true", help="also time the step with collectives removed")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--fake-world", type=int, default=0, metavar="K",
+                    help="one process as the last rank of K with no-op collectives: a CP rank's compute on one device")
+    ap.add_argument("--profile", action="store_true", help="GPU ms of one step by kernel family")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    global DEV
-    DEV = args.device
+    global DEV, PROFILE
+    DEV, PROFILE = args.device, args.profile
+    if args.fake_world and (args.fake_world < 2 or os.environ.get("WORLD_SIZE", "1") != "1"):
+        ap.error(f"--fake-world {args.fake_world}: needs K >= 2 and a single process (not under torchrun)")
     from megassm.parallel.state import destroy, init_distributed
 
     if DEV == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if not init_distributed(DEV):
+    if args.fake_world:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=args.fake_world - 1, world_size=args.fake_world)
+    elif not init_distributed(DEV):
         raise SystemExit("run under torchrun with --nproc_per_node = a multiple of --cp (see the docstring)")
     if dist.get_world_size() % args.cp:
         raise SystemExit(f"world size {dist.get_world_size()} is not a multiple of --cp {args.cp}")
-    rank = dist.get_rank()
+    rank = 0 if args.fake_world else dist.get_rank()  # a fake world's one process reports
     summary = []
     for L in args.lengths:
         par = run_auto(args, args.cp, L)

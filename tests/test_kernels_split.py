@@ -51,12 +51,14 @@ def _xbc_case(seed=0, dtype=torch.float32):
     return (bsz, seqlen, nh, hd, ng, ds), xbc, dt, A, dout, seq
 
 
-def _xbc_grads(split, xbc, dt, A, dout, seq, dims):
+def _xbc_grads(split, xbc, dt, A, dout, seq, dims, c_read_twice=False):
     bsz, seqlen, nh, hd, ng, ds = dims
     leaf = xbc.clone().requires_grad_(True)
     x, B, C = split(leaf, [nh * hd, ng * ds, ng * ds])
     y = K.ssd(x.reshape(bsz, seqlen, nh, hd), dt, A, B.reshape(bsz, seqlen, ng, ds), C.reshape(bsz, seqlen, ng, ds),
               seq_idx=seq, chunk_size=16)
+    if c_read_twice:  # C read by a second op too (CP's state read-out): its gradient is a sum, not the SSD's block
+        y = y + C.float().sum(-1)[..., None, None].to(y.dtype)
     y.backward(dout)
     return leaf.grad
 
@@ -76,6 +78,18 @@ def test_ssd_xbc_split_backward_writes_one_buffer(triton_mode, dtype):
         ref_split = _xbc_grads(K.split_last, xbc, dt, A, dout, seq, dims)
         ref_torch = _xbc_grads(lambda t, s: torch.split(t, s, dim=-1), xbc, dt, A, dout, seq, dims)
     assert torch.equal(ref_split, ref_torch)
+
+
+@needs_triton
+def test_ssd_xbc_split_fills_the_block_of_a_piece_read_twice(triton_mode):
+    """C read by the SSD and by a second op (CP's read-out): autograd sums C's two gradients into a new tensor,
+    which split_last's backward copies into C's block of the SSD's buffer instead of concatenating all three."""
+    dims, xbc, dt, A, dout, seq = _xbc_case()
+    want = _xbc_grads(lambda t, s: torch.split(t, s, dim=-1), xbc, dt, A, dout, seq, dims, c_read_twice=True)
+    with _Cats() as cats:
+        got = _xbc_grads(K.split_last, xbc, dt, A, dout, seq, dims, c_read_twice=True)
+    assert cats.n == 0
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 @needs_triton
@@ -161,6 +175,53 @@ def test_mamba2_padded_in_proj_reads_its_gradient_buffer_whole(triton_mode, monk
         assert (a - b).norm() <= tol * a.norm() + 1e-12, k
 
 
+@needs_triton
+def test_in_proj_split_writes_one_buffer_under_activation_checkpointing(triton_mode):
+    """Under activation checkpointing the backward reads recomputed pieces (detached views, without the tag):
+    the ops find their blocks by the pieces' memory, so the split needs no cat there either, and the gradients
+    equal the run without checkpointing."""
+    from megassm.config import MambaConfig, ModelConfig
+    from megassm.models import build_model
+    from megassm.parallel.checkpointing import apply_activation_checkpointing
+
+    cfg = ModelConfig(pattern="MM", d_model=32, mamba=MambaConfig(d_state=16, headdim=16, chunk_size=16, ngroups=2))
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(0)).to(DEV)
+
+    def grads(ckpt):
+        m = build_model(cfg, vocab_size=97)
+        m.init_weights(0)
+        m = m.to(DEV).train()
+        if ckpt:
+            apply_activation_checkpointing(m)
+        loss = m(ids).logits.float().pow(2).mean()
+        with _Cats() as cats:
+            loss.backward()
+        return {n: p.grad for n, p in m.named_parameters()}, cats.n
+
+    ops._BY_STORAGE.clear()  # forwards of earlier tests that never ran a backward
+    plain, n_plain = grads(False)
+    ckpt, n_ckpt = grads(True)
+    assert n_plain == n_ckpt == 0
+    for k in plain:
+        torch.testing.assert_close(ckpt[k], plain[k], rtol=1e-6, atol=1e-7, msg=k)
+    assert not ops._BY_STORAGE  # every split's backward released its blocks (and the recomputation's)
+
+
+def test_grad_blocks_found_by_memory():
+    """A detached view of a piece (what checkpointing hands the backward) finds the piece's block by where it
+    lies; a view elsewhere in that memory, or of another shape, finds none."""
+    ops._BY_STORAGE.clear()
+    x = torch.randn(3, 4, 10, requires_grad=True)
+    a, b, c = K.split_last(x, [2, 5, 3], share_grads=True)
+    got = ops.grad_block(b.detach())
+    assert got is not None and got.shape == b.shape and got.stride() == (40, 10, 1)
+    assert ops.grad_block(b.detach()) is None  # handed out once
+    assert ops.grad_block(x.detach()[..., 1:3]) is None  # not at a block's first column
+    assert ops.grad_block(x.detach()[..., 7:10].contiguous()) is None  # other memory
+    a.sum().backward()
+    assert not ops._BY_STORAGE
+
+
 def test_grad_blocks_hand_out_each_block_once():
     """GradBlocks: a block goes to the first op that asks in a backward pass (a second reader of the same piece
     gets None: a fresh gradient that autograd sums), a mismatched piece gets None, split_last's backward resets
@@ -212,6 +273,21 @@ def test_grad_blocks_of_padded_rows_keep_the_row_stride():
     want = torch.cat([torch.full((3, 4, 2), 1.0), torch.full((3, 4, 5), 2.0), torch.full((3, 4, 3), 3.0),
                       torch.zeros(3, 4, 6)], -1)
     assert torch.equal(full.grad, want)
+
+
+def test_a_piece_read_twice_is_copied_into_its_block_not_catted():
+    """A piece whose block one op writes while a second op reads it too (CP's halo and decay reads): autograd sums
+    the two into a new tensor, which split_last's backward copies into the piece's block (a missing piece's block
+    is zeroed), returning the buffer with no cat; the gradients are torch.split's."""
+    x = torch.randn(3, 4, 10, requires_grad=True)
+    a, b, c = K.split_last(x, [2, 5, 3], share_grads=True)
+    outs = [_WritesItsBlock.apply(a), _WritesItsBlock.apply(b)]
+    with _Cats() as cats:
+        ((outs[0] * 2).sum() + (outs[1] * 3).sum() + (b[..., :2] * 5).sum()).backward()  # c unused
+    assert cats.n == 0
+    want_b = torch.full((3, 4, 5), 3.0)
+    want_b[..., :2] += 5
+    assert torch.equal(x.grad, torch.cat([torch.full((3, 4, 2), 2.0), want_b, torch.zeros(3, 4, 3)], -1))
 
 
 def test_split_last_backward_fills_a_missing_gradient():

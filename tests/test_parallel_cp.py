@@ -251,3 +251,26 @@ def test_state_readout_gradcheck_and_bf16():
         outs.append(out.detach())
     assert Cbf.grad.dtype == torch.bfloat16 and h32.grad.dtype == torch.float32
     assert torch.allclose(outs[0], outs[1], rtol=3e-2, atol=3e-2)
+
+
+def test_cp_scaling_fake_world_runs_the_last_rank_alone():
+    """benchmarks/cp_scaling.py --fake-world 4 on CPU: one process as the last CP rank of 4 (torch's fake process
+    group: it receives every predecessor's states, so it runs the whole fix-up) beside the CP 1 baseline at a
+    quarter of the length; under torchrun a fake world is refused."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "benchmarks", "cp_scaling.py")
+    args = ["model.d_model=64", "model.pattern=MM", "model.vocab_size=256", "model.mamba.d_state=16",
+            "model.mamba.headdim=16", "--device", "cpu", "--fake-world", "4", "--cp", "4", "--lengths", "512",
+            "--steps", "1", "--warmup", "0"]
+    r = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, cwd=root, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [(x["cp"], x["seq_len"], x["status"]) for x in rows[:2]] == [(4, 512, "ok"), (1, 128, "ok")]
+    assert rows[2]["summary"][0]["weak_scaling_efficiency"] > 0
+    bad = subprocess.run([sys.executable, script, "--fake-world", "2", "--device", "cpu"], capture_output=True,
+                         text=True, cwd=root, timeout=120, env=dict(os.environ, WORLD_SIZE="2", OMP_NUM_THREADS="1"))
+    assert bad.returncode == 2 and "--fake-world 2: needs K >= 2 and a single process" in bad.stderr
