@@ -145,6 +145,14 @@ def run_cases():
     tk.ssd_bwd(rn(1, 512, 64, 64, dtype=torch.bfloat16), None, x, dt, -torch.rand(64, generator=g), Bm, Cm, rn(64),
                None, rn(64), True, None, None, torch.zeros(1, 512, dtype=torch.int32), 256)
     os.environ.pop("MEGASSM_SSD_DBC_SPLIT", None)
+    # CP state read-out (mamba2-1.3b's shape: 64 heads of 64, one group of 128; and 2 groups in fp32)
+    for dtype, H, G in ((torch.bfloat16, 64, 1), (torch.float32, 8, 2)):
+        xbc = rn(1, 300, 4352, dtype=dtype)
+        C = xbc[..., 4096 + 128 * (G - 1) // G:][..., :G * 128].unflatten(-1, (G, 128)) if G == 1 else \
+            rn(1, 300, G, 128, dtype=dtype)
+        y, h, w = rn(1, 300, H, 64, dtype=dtype), rn(1, H, 64, 128), rn(1, 300, H)
+        tk.readout_fwd(y, C, h, w)
+        tk.readout_bwd(rn(1, 300, H, 64, dtype=dtype), C, h, w)
     # decode steps
     tk.ssd_step_fwd(rn(2, 64, 64, 128), rn(2, 64, 64, dtype=torch.bfloat16), rn(2, 64, dtype=torch.bfloat16),
                     -torch.rand(64), rn(2, 1, 128, dtype=torch.bfloat16), rn(2, 1, 128, dtype=torch.bfloat16),

@@ -15,11 +15,13 @@ from __future__ import annotations
 import torch
 
 from . import ops, reference
+from .readout import state_readout_add
 from .reference.scan import check_scan_args as _check_scan_args
 from .reference.ssd import _check_shapes as _check_ssd_shapes
 
 __all__ = [
     "backend",
+    "state_readout_add",
     "ssd",
     "ssd_sequential",
     "ssd_step",

@@ -224,29 +224,34 @@ def test_activation_checkpointing_same_gradients(n_blocks):
 
 
 def test_state_readout_gradcheck_and_bf16():
-    """The correction's autograd function (recomputing C . h in its backward): exact gradients in fp64
-    (gradcheck, 2 groups of 2 heads, a reset inside the slice), and under bf16 C the same values and
-    gradients as the fp32 computation up to bf16 rounding."""
-    from megassm.parallel.cp import _StateReadout
+    """The correction y + w (C . h), w = exp(cs) on the slice's first document (kernels.state_readout_add, as
+    cp.py calls it; its torch path here): exact gradients in fp64 (gradcheck, 2 groups of 2 heads, a reset
+    inside the slice), and under bf16 C the same values and gradients as the fp32 computation up to bf16
+    rounding. (The Triton kernels against this path: tests/test_kernels_readout.py.)"""
+    from megassm import kernels
+
+    def corrected(y, C, h, cs, alive):
+        return kernels.state_readout_add(y, C, h, torch.where(alive[..., None], torch.exp(cs), torch.zeros_like(cs)))
 
     g = torch.Generator().manual_seed(0)
     Bz, L, G, N, H, P = 2, 5, 2, 3, 4, 2
     C = torch.randn(Bz, L, G, N, generator=g, dtype=torch.float64, requires_grad=True)
     h = torch.randn(Bz, H, P, N, generator=g, dtype=torch.float64, requires_grad=True)
     cs = (-torch.rand(Bz, L, H, generator=g, dtype=torch.float64)).cumsum(1).requires_grad_()
+    y = torch.randn(Bz, L, H, P, generator=g, dtype=torch.float64, requires_grad=True)
     alive = torch.ones(Bz, L, dtype=torch.bool)
     alive[0, 3:] = False
-    assert torch.autograd.gradcheck(lambda c, s, x: _StateReadout.apply(c, s, x, alive, torch.float64), (C, h, cs))
+    assert torch.autograd.gradcheck(lambda a, c, s, x: corrected(a, c, s, x, alive), (y, C, h, cs))
     # the forward against the formula
     ref = torch.einsum("blgn,bgrpn->blgrp", C, h.view(Bz, G, H // G, P, N)).reshape(Bz, L, H, P)
-    ref = ref * (torch.exp(cs) * alive[..., None])[..., None]
-    assert torch.allclose(_StateReadout.apply(C, h, cs, alive, torch.float64), ref)
+    ref = y + ref * (torch.exp(cs) * alive[..., None])[..., None]
+    assert torch.allclose(corrected(y, C, h, cs, alive), ref)
 
     C32, h32, cs32 = (t.detach().float().requires_grad_() for t in (C, h, cs))
     Cbf = C32.detach().bfloat16().requires_grad_()
     outs = []
     for c in (C32, Cbf):
-        out = _StateReadout.apply(c, h32, cs32, alive, torch.float32)
+        out = corrected(torch.zeros(Bz, L, H, P), c, h32, cs32, alive)
         out.square().sum().backward()
         outs.append(out.detach())
     assert Cbf.grad.dtype == torch.bfloat16 and h32.grad.dtype == torch.float32

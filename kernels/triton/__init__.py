@@ -10,6 +10,8 @@ from .scan import selective_scan_bwd, selective_scan_fwd, selective_scan_step_fw
 from .norm import add_rmsnorm_bwd, add_rmsnorm_fwd, gated_rmsnorm_bwd, gated_rmsnorm_fwd  # noqa: E402
 from .norm import (gated_rmsnorm_apply, gated_rmsnorm_bwd_apply, gated_rmsnorm_bwd_dot,  # noqa: E402
                    gated_rmsnorm_sumsq)
+from .readout import readout_bwd, readout_fwd  # noqa: E402
+from .readout import supported as readout_supported  # noqa: E402
 from .ssd import ssd_fwd  # noqa: E402
 from .ssd_bwd import ssd_bwd  # noqa: E402
 from .ssd import supported as ssd_supported  # noqa: E402
@@ -25,6 +27,7 @@ HAS_CONV_STEP = True
 __all__ = ["swiglu_bwd", "swiglu_fwd", "coffee_scan_bwd", "coffee_scan_fwd", "causal_conv1d_bwd", "causal_conv1d_fwd",
            "cross_entropy_bwd", "cross_entropy_fwd", "selective_scan_bwd", "selective_scan_fwd",
            "selective_scan_step_fwd", "add_rmsnorm_bwd", "add_rmsnorm_fwd", "gated_rmsnorm_bwd", "gated_rmsnorm_fwd",
-           "gated_rmsnorm_apply", "gated_rmsnorm_bwd_apply", "gated_rmsnorm_bwd_dot", "gated_rmsnorm_sumsq", "ssd_fwd",
+           "gated_rmsnorm_apply", "gated_rmsnorm_bwd_apply", "gated_rmsnorm_bwd_dot", "gated_rmsnorm_sumsq",
+           "readout_bwd", "readout_fwd", "readout_supported", "ssd_fwd",
            "ssd_bwd", "ssd_supported", "ssd_kept_state_shape", "causal_conv1d_step_fwd", "ssd_step_fwd", "fp8",
            "HAS_SSD_BWD", "HAS_SSD_STEP", "HAS_CONV_STEP"]

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megassm import kernels
 from megassm.models.attention import Attention, doc_positions, rope_rotate
 from megassm.models.lm import IGNORE_INDEX, LanguageModel
 from megassm.models.mamba2 import Mamba2Mixer
@@ -145,49 +146,6 @@ def incoming_state(S_all: torch.Tensor, g_all: torch.Tensor, last: torch.Tensor,
     return (w[..., None, None] * S_all).sum(dim=0)
 
 
-def _readout(C: torch.Tensor, h: torch.Tensor, mm: torch.dtype) -> torch.Tensor:
-    """C_t . h per head, [B, L, H, P] in fp32 at least: head h reads B/C group h // (H/G). The product runs
-    in `mm`."""
-    bsz, L, G, N = C.shape
-    H, P = h.shape[1], h.shape[2]
-    Cg = C.to(mm).permute(0, 2, 1, 3)  # [B, G, L, N]
-    hg = h.to(mm).reshape(bsz, G, (H // G) * P, N).transpose(-1, -2)  # [B, G, N, rep*P]
-    out = torch.matmul(Cg, hg).to(torch.promote_types(mm, torch.float32))  # [B, G, L, rep*P]
-    return out.view(bsz, G, L, H // G, P).permute(0, 2, 1, 3, 4).reshape(bsz, L, H, P)
-
-
-class _StateReadout(torch.autograd.Function):
-    """out[b, t, h, p] = w[b, t, h] * sum_n C[b, t, g(h), n] h[b, h, p, n] with w = alive * exp(cs): the
-    incoming state read out by the tokens of the slice's first document, in y's dtype. The backward
-    recomputes the product instead of saving it, so nothing of activation size is kept beyond C (which
-    the SSD keeps anyway)."""
-
-    @staticmethod
-    def forward(ctx, C, h, cs, alive, out_dtype):
-        mm = C.dtype if C.dtype in (torch.bfloat16, torch.float16) else torch.promote_types(C.dtype, torch.float32)
-        w = torch.where(alive[..., None], torch.exp(cs), torch.zeros_like(cs))  # [B, L, H]
-        ctx.save_for_backward(C, h, cs, alive)
-        ctx.mm = mm
-        return (_readout(C, h, mm) * w[..., None]).to(out_dtype)
-
-    @staticmethod
-    def backward(ctx, dout):
-        C, h, cs, alive = ctx.saved_tensors
-        mm = ctx.mm
-        bsz, L, G, N = C.shape
-        H, P = h.shape[1], h.shape[2]
-        w = torch.where(alive[..., None], torch.exp(cs), torch.zeros_like(cs))
-        cdt = cs.dtype
-        dw_out = dout.to(cdt) * w[..., None]  # [B, L, H, P]: gradient of the product C . h
-        dcs = (dout.to(cdt) * _readout(C, h, mm)).sum(-1) * w  # d/dcs of w = w
-        dg = dw_out.to(mm).view(bsz, L, G, (H // G) * P).permute(0, 2, 1, 3)  # [B, G, L, rep*P]
-        dh = torch.matmul(dg.transpose(-1, -2), C.to(mm).permute(0, 2, 1, 3))  # [B, G, rep*P, N]
-        dh = dh.reshape(bsz, H, P, N).to(h.dtype)
-        hg = h.to(mm).reshape(bsz, G, (H // G) * P, N)
-        dC = torch.matmul(dg, hg).permute(0, 2, 1, 3).to(C.dtype)  # [B, L, G, N]
-        return dC, dh, dcs.to(cs.dtype), None, None
-
-
 class _CPMamba2:
     """Mixin over Mamba2Mixer (or its TP variants): the conv halo and the chunk-state hand-off."""
 
@@ -231,7 +189,9 @@ class _CPMamba2:
             g_all = allb[..., H * P * N:]
             h = incoming_state(S_all, g_all, ctx.last, ctx.first[r], r)  # [B, H, P, N]
             alive = seq_idx == ctx.first[r][:, None]  # [B, L]: tokens before the slice's first reset
-            y = y + _StateReadout.apply(C, h, cs, alive, y.dtype)
+            w = torch.where(alive[..., None], torch.exp(cs), torch.zeros_like(cs))  # [B, L, H]
+            # y + w * (C . h): one pass over y forward and over its gradient backward (kernels/readout.py)
+            y = kernels.state_readout_add(y, C, h, w)
             final = incoming_state(S_all, g_all, ctx.last, ctx.last[R - 1], R) if return_state else None
         return y, final
 
