@@ -189,6 +189,9 @@ def _rows_of(x: Tensor) -> bool:
 def _tag_by_memory(piece: Tensor):
     """(blocks, offset, width) of a piece found by where it lies: in the memory of the latest split tensor at its
     storage, at one of that split's column blocks, with the split tensor's strides; else None."""
+    # a tensor subclass (fake / functional ones in torch.compile's tracing) has no memory of its own to look up
+    if not _BY_STORAGE or type(piece) is not torch.Tensor or torch.compiler.is_compiling():
+        return None
     blocks = _BY_STORAGE.get(piece.untyped_storage().data_ptr())
     if blocks is None or piece.stride() != blocks.strides or piece.shape[:-1] != blocks.shape[:-1]:
         return None

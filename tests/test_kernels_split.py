@@ -218,6 +218,10 @@ def test_grad_blocks_found_by_memory():
     assert ops.grad_block(b.detach()) is None  # handed out once
     assert ops.grad_block(x.detach()[..., 1:3]) is None  # not at a block's first column
     assert ops.grad_block(x.detach()[..., 7:10].contiguous()) is None  # other memory
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():  # torch.compile's tracing: no memory to look up, no warning about fake data pointers
+        assert ops.grad_block(torch.empty(3, 4, 5)) is None
     a.sum().backward()
     assert not ops._BY_STORAGE
 
