@@ -10,7 +10,9 @@ and the one-all-reduce-per-layer estimate. One JSON object per (model, tp) on st
 --fake-world K: one process stands for rank 0 of K (torch's "fake" process group: every collective returns at
 once without moving data), so one GPU runs exactly what a TP rank computes, with no communication at all: the
 per-GPU compute of TP 1 / 2 / 4 side by side on one GPU (the losses are not a real run's). --profile adds the
-GPU ms of one step by kernel family (megassm.training.profiling) and the GPU's idle share (host-bound time).
+GPU ms of one step by kernel family (megassm.training.profiling), the GPU's idle share (host-bound time) and the
+--top N kernels (12). Under --sp the fake group copies each all-gather's input into the output's blocks (the
+memcpy kernels of those rows stand where NCCL's would run).
 --cuda-graph replays each step's forward + backward from a CUDA graph (training/cuda_graph.py, as the trainer's
 train.cuda_graph=true): the eager step is host-bound at micro-batch 1 (docs/benchmarks.md); the gradient sync,
 clipping and the optimizer stay eager, as in the trainer.
