@@ -131,14 +131,15 @@ class GradBlocks:
     gradient reaches the matmul that produced it with the same aligned row stride; the padding columns are
     zeroed (PAD_ZEROED), so that matmul may read whole rows (parallel/layers.py _padded_grad)."""
 
-    __slots__ = ("shape", "dtype", "device", "sizes", "row", "buf", "taken", "start", "strides", "key", "__weakref__")
+    __slots__ = ("shape", "dtype", "device", "sizes", "row", "buf", "taken", "start", "strides", "key", "__weakref__",
+                 "handed")
 
     def __init__(self, x: Tensor, sizes):
         self.shape, self.dtype, self.device, self.sizes = x.shape, x.dtype, x.device, tuple(sizes)
         # the buffer's rows as wide in memory as x's (x may be the first columns of padded rows:
         # parallel/layers.py AlignedLinear), so the gradient reaches the matmul that made x with x's row stride
         self.row = x.stride(-2) if _rows_of(x) else x.shape[-1]
-        self.buf, self.taken = None, set()
+        self.buf, self.taken, self.handed = None, set(), {}
         # found again by the pieces' memory too: activation checkpointing hands the backward the recomputed
         # pieces as new tensor objects (detached views of the recomputed x) without the tag, and nothing else
         # keeps the recomputation's GradBlocks: the registry does, until a split's backward releases it
@@ -168,12 +169,13 @@ class GradBlocks:
             self.buf = full if self.row == self.shape[-1] else full.narrow(-1, 0, self.shape[-1])
         block = self.buf.narrow(-1, off, n)
         self.taken.add(off)
+        self.handed[off] = block
         if len(self.taken) == len(self.sizes):
             self.buf = None  # the blocks keep it alive for as long as autograd holds them
         return block
 
     def release(self) -> None:
-        self.buf, self.taken = None, set()
+        self.buf, self.taken, self.handed = None, set(), {}
         if _BY_STORAGE.get(self.key) is self:
             del _BY_STORAGE[self.key]
 
@@ -201,6 +203,12 @@ def _tag_by_memory(piece: Tensor):
             return (blocks, off, n) if n == piece.shape[-1] else None
         off += n
     return None
+
+
+def handed_block(piece: Tensor) -> Optional[Tensor]:
+    """The block already handed out for `piece` in this backward pass (the gradient an op wrote there), or None."""
+    tag = getattr(piece, "_megassm_grad_block", None) or _tag_by_memory(piece)
+    return None if tag is None else tag[0].handed.get(tag[1])
 
 
 def grad_block(piece: Optional[Tensor]) -> Optional[Tensor]:

@@ -110,7 +110,8 @@ def _tensors(states: list, grads: bool = False) -> dict:
     return out
 
 
-def cp_equivalence_worker(rank, world, cp, tp, cases, out_path, device="cpu", tol=1e-5, seqlen=28, sp=False):
+def cp_equivalence_worker(rank, world, cp, tp, cases, out_path, device="cpu", tol=1e-5, seqlen=28, sp=False,
+                          checkpointing=False):
     """For each case (tiny_model_config kwargs, plus `window` for the attention's sliding window): the
     checks in the module docstring. Rank 0 writes a JSON report; any mismatch raises on the rank that
     sees it."""
@@ -133,6 +134,10 @@ def cp_equivalence_worker(rank, world, cp, tp, cases, out_path, device="cpu", to
         ref, par = twin_models(mcfg, dev)
         apply_tensor_parallel(par, groups.tp_group, sp=sp)
         apply_context_parallel(par, cpg)
+        if checkpointing:  # the backward reads recomputed pieces (the gradient blocks are found by memory)
+            from megassm.parallel.checkpointing import apply_activation_checkpointing
+
+            apply_activation_checkpointing(par)
         V = mcfg.vocab_size
 
         # carried states from a prefix through the reference: the initial states of window 1

@@ -73,13 +73,17 @@ def test_tp2_x_cp2_matches_single_device(tmp_path, sp):
 
 
 @pytest.mark.slow
-def test_cp2_with_triton_kernels_interpreted(tmp_path, monkeypatch):
-    """The Triton SSD / conv kernels (Triton's CPU interpreter) under CP: the local SSD without an initial
-    state, its final state and that state's gradient, seq_idx with global ids. One Mamba layer: ~45 s."""
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+def test_cp2_with_triton_kernels_interpreted(tmp_path, monkeypatch, checkpointing):
+    """The Triton SSD / conv / read-out kernels (Triton's CPU interpreter) under CP: the local SSD without an
+    initial state, its final state and that state's gradient, seq_idx with global ids, the halo's gradient added
+    into the conv's gradient block; with activation checkpointing the blocks are found by the recomputed pieces'
+    memory. One Mamba layer: ~25 s each."""
     monkeypatch.setenv("MEGASSM_KERNELS", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     out = tmp_path / "report.json"
-    spawn(cp_equivalence_worker, 2, 2, 1, [dict(pattern="M", ngroups=2)], str(out))
+    spawn(cp_equivalence_worker, 2, 2, 1, [dict(pattern="M", ngroups=2)], str(out), "cpu", 1e-5, 28, False,
+          checkpointing)
     assert json.loads(out.read_text())[0]["worst_grad_rel"] <= 1e-5
 
 

@@ -146,6 +146,33 @@ def incoming_state(S_all: torch.Tensor, g_all: torch.Tensor, last: torch.Tensor,
     return (w[..., None, None] * S_all).sum(dim=0)
 
 
+class _HaloTap(torch.autograd.Function):
+    """xBC's last k rows, which the next rank's conv reads. Their gradient arrives through the halo exchange,
+    i.e. after this rank's conv backward has written xBC's gradient; where that gradient is a block of the
+    in_proj split's buffer (kernels.split_last(share_grads=True)), the k rows are added into it in place and
+    no gradient is returned, instead of autograd's full-size zeros + rows and a full-size sum (3 passes of
+    [B, L, conv_dim] per layer). Valid because the conv and this tap are xBC's only readers. Elsewhere (the
+    reference backend): the usual gradient."""
+
+    @staticmethod
+    def forward(ctx, x, k):
+        ctx.k = k
+        ctx.save_for_backward(x)  # the conv keeps x anyway; under checkpointing, the recomputed piece
+        return x[:, x.shape[1] - k:].clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        L, k = x.shape[1], ctx.k
+        block = kernels.ops.handed_block(x)
+        if block is not None:
+            block[:, L - k:].add_(g)
+            return None, None
+        dx = torch.zeros_like(x)
+        dx[:, L - k:] = g
+        return dx, None
+
+
 class _CPMamba2:
     """Mixin over Mamba2Mixer (or its TP variants): the conv halo and the chunk-state hand-off."""
 
@@ -154,7 +181,7 @@ class _CPMamba2:
         R, r, k = ctx.plan.world, ctx.plan.rank, self.d_conv - 1
         bsz, L, _ = xBC.shape
         cdt = torch.promote_types(xBC.dtype, torch.float32)
-        halos = comm.gather_dim_autograd(xBC[:, L - k:][None], 0, ctx.plan.group)  # [R, B, k, C]
+        halos = comm.gather_dim_autograd(_HaloTap.apply(xBC, k)[None], 0, ctx.plan.group)  # [R, B, k, C]
         prev = (r - 1) % R  # rank 0 reads nothing from the last rank (all masked) but keeps the graph uniform
         keep = (ctx.halo_ids[prev] == ctx.first[r][:, None]) & (r > 0)  # [B, k]: same document as our first token
         init = torch.where(keep[..., None], halos[prev], torch.zeros_like(halos[prev])).transpose(1, 2).to(cdt)
