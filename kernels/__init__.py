@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import ops, reference
+from . import grad_blocks, ops, reference
 from .readout import state_readout_add
 from .reference.scan import check_scan_args as _check_scan_args
 from .reference.ssd import _check_shapes as _check_ssd_shapes
@@ -107,13 +107,13 @@ def split_last(x, sizes, share_grads=False):
     """torch.split(x, sizes, dim=-1), whose backward takes the blocks' gradients without a copy when the ops
     after it wrote them as blocks of one buffer (the Triton SSD backward does for x, B, C split from the
     Mamba-2 conv output); otherwise it concatenates them, as torch.split's backward does. share_grads: the
-    pieces carry one gradient buffer (ops.GradBlocks) that the Triton backwards of the ops reading them (the
+    pieces carry one gradient buffer (grad_blocks.GradBlocks) that the Triton backwards of the ops reading them (the
     gated norm's z, the conv's x, the SSD's dt) write into: Mamba-2's [z | xBC | dt] split from in_proj."""
     sizes = list(sizes)
     blocks = None
     if share_grads and x.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        blocks = ops.GradBlocks(x, sizes)
-    pieces = ops.SplitLast.apply(x, sizes, blocks)
+        blocks = grad_blocks.GradBlocks(x, sizes)
+    pieces = grad_blocks.SplitLast.apply(x, sizes, blocks)
     if blocks is not None:
         blocks.tag(pieces)
     return pieces
@@ -227,11 +227,11 @@ def gated_rmsnorm_bwd_apply(dout, x, z, weight, sumsq, dot, group_size, eps=1e-5
                             dz_to_block=False):
     """Backward, second stage: (dx, dz, dweight) of gated_rmsnorm_apply with the summed `dot`. dz_to_block: dz is
     z's own gradient, so on the Triton path it goes into z's block of a split_last(share_grads=True) buffer
-    (ops.grad_block) when z is such a piece."""
+    (grad_blocks.grad_block) when z is such a piece."""
     if _staged(x):
         return ops.triton_kernels().gated_rmsnorm_bwd_apply(
             dout, x, z, weight, sumsq, dot, int(group_size), float(eps), bool(norm_before_gate),
-            out_dz=ops.grad_block(z) if dz_to_block else None)
+            out_dz=grad_blocks.grad_block(z) if dz_to_block else None)
     return reference.gated_rmsnorm_bwd_apply(dout, x, z, weight, sumsq, dot, group_size, eps, norm_before_gate)
 
 

@@ -107,7 +107,7 @@ def test_gated_rmsnorm_bwd_writes_dz_into_a_split_block(triton_mode, mode):
     the TP plan whose norm groups span ranks): the same bits as a fresh dz, written through the block's row
     stride, and the block is what comes back."""
     from megassm import kernels as K
-    from megassm.kernels import ops
+    from megassm.kernels import grad_blocks
     from megassm.kernels.triton import norm as tn
 
     G, dtype, nbg = 2, torch.bfloat16, False
@@ -119,7 +119,7 @@ def test_gated_rmsnorm_bwd_writes_dz_into_a_split_block(triton_mode, mode):
     dot = tn._gated_bwd(do, x, z, w, G, 1e-5, nbg, 1, ss, None, dg) if mode == 2 else None
     args = (ss, dot, dg) if mode == 2 else ()
     want = tn._gated_bwd(do, x, z, w, G, 1e-5, nbg, mode, *args)
-    block = ops.grad_block(zp)
+    block = grad_blocks.grad_block(zp)
     got = tn._gated_bwd(do, x, zp, w, G, 1e-5, nbg, mode, *args, out_dz=block)
     assert got[1] is block and block.stride()[-2] == D + 40
     for u, v in zip(got, want):

@@ -1,6 +1,6 @@
 """kernels.split_last and the gradient buffers shared by the ops reading its pieces: the x, B, C split of the
 Mamba-2 conv output (the SSD backward writes their gradients as the blocks of one buffer), the [z | xBC | dt]
-split of in_proj (ops.GradBlocks: the gated norm, conv and SSD backwards each write their block), padded rows
+split of in_proj (grad_blocks.GradBlocks: the gated norm, conv and SSD backwards each write their block), padded rows
 (an AlignedLinear output) and the cat fallback. The Triton tests run in the CPU interpreter on CI, natively on
 a machine with CUDA.
 """
@@ -8,8 +8,9 @@ import pytest
 import torch
 
 # kernel_cases sets TRITON_INTERPRET before kernels/triton is first imported
-from kernel_cases import DEV, TRITON_WARNINGS, K, needs_triton, ops
+from kernel_cases import DEV, TRITON_WARNINGS, K, needs_triton
 from kernel_cases import triton_mode  # noqa: F401  (fixture)
+from megassm.kernels import grad_blocks as gb
 
 pytestmark = TRITON_WARNINGS
 
@@ -118,7 +119,7 @@ def test_mamba2_in_proj_split_backward_writes_one_buffer(triton_mode, monkeypatc
         return {n: p.grad for n, p in m.named_parameters()}, cats.n
 
     shared, n_shared = grads()
-    monkeypatch.setattr(ops.GradBlocks, "take", lambda self, off, n, piece: None)
+    monkeypatch.setattr(gb.GradBlocks, "take", lambda self, off, n, piece: None)
     separate, n_separate = grads()
     assert n_separate - n_shared == 2  # one cat fewer per Mamba-2 layer
     assert shared.keys() == separate.keys()
@@ -198,32 +199,32 @@ def test_in_proj_split_writes_one_buffer_under_activation_checkpointing(triton_m
             loss.backward()
         return {n: p.grad for n, p in m.named_parameters()}, cats.n
 
-    ops._BY_STORAGE.clear()  # forwards of earlier tests that never ran a backward
+    gb._BY_STORAGE.clear()  # forwards of earlier tests that never ran a backward
     plain, n_plain = grads(False)
     ckpt, n_ckpt = grads(True)
     assert n_plain == n_ckpt == 0
     for k in plain:
         torch.testing.assert_close(ckpt[k], plain[k], rtol=1e-6, atol=1e-7, msg=k)
-    assert not ops._BY_STORAGE  # every split's backward released its blocks (and the recomputation's)
+    assert not gb._BY_STORAGE  # every split's backward released its blocks (and the recomputation's)
 
 
 def test_grad_blocks_found_by_memory():
     """A detached view of a piece (what checkpointing hands the backward) finds the piece's block by where it
     lies; a view elsewhere in that memory, or of another shape, finds none."""
-    ops._BY_STORAGE.clear()
+    gb._BY_STORAGE.clear()
     x = torch.randn(3, 4, 10, requires_grad=True)
     a, b, c = K.split_last(x, [2, 5, 3], share_grads=True)
-    got = ops.grad_block(b.detach())
+    got = gb.grad_block(b.detach())
     assert got is not None and got.shape == b.shape and got.stride() == (40, 10, 1)
-    assert ops.grad_block(b.detach()) is None  # handed out once
-    assert ops.grad_block(x.detach()[..., 1:3]) is None  # not at a block's first column
-    assert ops.grad_block(x.detach()[..., 7:10].contiguous()) is None  # other memory
+    assert gb.grad_block(b.detach()) is None  # handed out once
+    assert gb.grad_block(x.detach()[..., 1:3]) is None  # not at a block's first column
+    assert gb.grad_block(x.detach()[..., 7:10].contiguous()) is None  # other memory
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():  # torch.compile's tracing: no memory to look up, no warning about fake data pointers
-        assert ops.grad_block(torch.empty(3, 4, 5)) is None
+        assert gb.grad_block(torch.empty(3, 4, 5)) is None
     a.sum().backward()
-    assert not ops._BY_STORAGE
+    assert not gb._BY_STORAGE
 
 
 def test_grad_blocks_hand_out_each_block_once():
@@ -233,15 +234,15 @@ def test_grad_blocks_hand_out_each_block_once():
     x = torch.randn(3, 4, 10, requires_grad=True)
     a, b, c = K.split_last(x, [2, 5, 3], share_grads=True)
     blocks = a._megassm_grad_block[0]
-    got = ops.grad_block(a)
+    got = gb.grad_block(a)
     assert got is not None and got.shape == a.shape and got._base is blocks.buf
-    assert ops.grad_block(a) is None  # handed out once
+    assert gb.grad_block(a) is None  # handed out once
     assert blocks.take(2, 5, b.float().double()) is None  # dtype differs from the split tensor's
     assert blocks.take(2, 5, b[..., :4]) is None  # not the block's shape
     ((a * 2).sum() + (c * 3).sum()).backward()  # plain autograd (no op writes a block): the cat fallback
     want = torch.cat([torch.full((3, 4, 2), 2.0), torch.zeros(3, 4, 5), torch.full((3, 4, 3), 3.0)], -1)
     assert torch.equal(x.grad, want)
-    assert blocks.buf is None and not blocks.taken  # reset by split_last's backward
+    assert blocks.buf is None and not blocks.handed  # reset by split_last's backward
     with torch.no_grad():
         assert not hasattr(K.split_last(x, [2, 5, 3], share_grads=True)[0], "_megassm_grad_block")
 
@@ -257,7 +258,7 @@ class _WritesItsBlock(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        block = ops.grad_block(ctx.piece)
+        block = gb.grad_block(ctx.piece)
         return g if block is None else block.copy_(g)
 
 

@@ -147,7 +147,7 @@ def test_padded_grad_reads_a_zeroed_buffer_in_place_and_copies_anything_else():
     """The backward of a padded Linear multiplies whole padded rows: a split_last gradient buffer whose padding
     GradBlocks zeroed is used as it is (no copy); any other gradient, strided or not, is copied into zero-padded
     rows (its padding may hold anything: here NaNs, which must not reach the product)."""
-    from megassm.kernels.ops import PAD_ZEROED
+    from megassm.kernels.grad_blocks import PAD_ZEROED
     from megassm.parallel.layers import _padded_grad
 
     base = torch.zeros(2, 5, 16)

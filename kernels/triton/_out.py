@@ -5,7 +5,7 @@ import torch
 
 
 def out_or_empty(out: torch.Tensor | None, like: torch.Tensor, what: str) -> torch.Tensor:
-    """`out` when given (a block of the caller's buffer, e.g. of Mamba-2's in_proj gradient, ops.GradBlocks: like's
+    """`out` when given (a block of the caller's buffer, e.g. of Mamba-2's in_proj gradient, grad_blocks.GradBlocks: like's
     shape, dtype and device, unit last stride, any row strides), else a fresh contiguous tensor shaped like
     `like`. The kernel writing it must take its row strides."""
     if out is None:

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["COUNTS", "reset_counts", "all_reduce", "all_reduce_start", "wait", "all_reduce_max", "all_gather_dim",
-           "reduce_scatter_dim", "reduce_scatter_dim_start", "all_gather_tokens", "reduce_scatter_tokens",
+           "reduce_scatter_dim", "all_gather_tokens", "reduce_scatter_tokens",
            "reduce_scatter_tokens_start", "world", "rank", "gather_dim_autograd",
            "sum_fwd_identity_bwd"]
 
@@ -35,8 +35,8 @@ def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
 
 def all_reduce_start(x: torch.Tensor, group):
     """all_reduce begun, not waited on (async_op): (x, work); `wait(x, work)` before x is read. Meanwhile the
-    stream may run other work beside the collective (NCCL runs it on its own stream). all_reduce and
-    reduce_scatter_dim stay synchronous: only the paths that overlap (parallel.tp_overlap) begin collectives."""
+    stream may run other work beside the collective (NCCL runs it on its own stream). all_reduce and the other
+    collectives stay synchronous: only the paths that overlap (parallel.tp_overlap) begin collectives."""
     return _all_reduce(x, group, async_op=True)
 
 
@@ -89,18 +89,9 @@ def all_gather_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 def reduce_scatter_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Sum over the ranks, each rank keeps its 1/n slice along `dim` (a contiguous tensor; when dims before
     `dim` are larger than 1 the input is reordered rank-major by one copy first)."""
-    return _reduce_scatter_dim(x, dim, group, async_op=False)[0]
-
-
-def reduce_scatter_dim_start(x: torch.Tensor, dim: int, group):
-    """reduce_scatter_dim begun, not waited on: (out, work), as all_reduce_start."""
-    return _reduce_scatter_dim(x, dim, group, async_op=True)
-
-
-def _reduce_scatter_dim(x: torch.Tensor, dim: int, group, async_op: bool):
     n = world(group)
     if n == 1:
-        return x, None
+        return x
     dim = dim % x.dim()
     if x.shape[dim] % n:
         raise ValueError(f"reduce_scatter: size {x.shape[dim]} of dim {dim} not divisible by {n} ranks")
@@ -110,7 +101,8 @@ def _reduce_scatter_dim(x: torch.Tensor, dim: int, group, async_op: bool):
     else:
         xs = x.unflatten(dim, (n, x.shape[dim] // n)).movedim(dim, 0).contiguous()
     out = x.new_empty((*x.shape[:dim], x.shape[dim] // n, *x.shape[dim + 1:]))
-    return out, dist.reduce_scatter_tensor(out.view(1, -1), xs.view(n, -1), group=group, async_op=async_op)
+    dist.reduce_scatter_tensor(out.view(1, -1), xs.view(n, -1), group=group)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------
