@@ -36,8 +36,15 @@ def _run(y, C, h, w, dout):
 
 
 @needs_triton
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "partial-sums"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_readout_kernels_match_the_torch_path(triton_mode, monkeypatch, dtype):
+def test_readout_kernels_match_the_torch_path(triton_mode, monkeypatch, dtype, split):
+    """split: one head and one token block per backward program, so dC and dh are sums of partial results."""
+    if split:
+        from megassm.kernels.triton import readout as tr
+
+        monkeypatch.setattr(tr, "HEADS_PER_PROGRAM", 1)
+        monkeypatch.setattr(tr, "BLOCKS_PER_PROGRAM", 1)
     case = _case(dtype)
     got = _run(*case)
     monkeypatch.setenv("MEGASSM_KERNELS", "torch")

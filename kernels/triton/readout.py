@@ -30,7 +30,8 @@ def supported(y: torch.Tensor, C: torch.Tensor) -> bool:
 
 
 def _prec(C: torch.Tensor) -> str:
-    return "bf16" if C.dtype == torch.bfloat16 else "ieee"
+    # bf16: h rounded to bf16 for the products, as the torch path does (one tensor-core product, not hi + lo)
+    return "bf16fast" if C.dtype == torch.bfloat16 else "ieee"
 
 
 @triton.jit
@@ -54,12 +55,13 @@ def _readout_fwd_kernel(Y, C, HS, W, OUT, L, H, HPG,
 
 
 @triton.jit
-def _readout_dc_kernel(DO, C, HS, W, DC, DW, L, H, G, HPG,
+def _readout_dc_kernel(DO, C, HS, W, DC, DW, L, H, G, HPG, HPS,
                        s_db, s_dl, s_dh, s_cb, s_cl, s_cg, s_hb, s_hh, s_hp, s_wb, s_wl, s_wh,
-                       s_gb, s_gl, s_gg,
+                       s_gs, s_gb, s_gl, s_gg,
                        P: tl.constexpr, N: tl.constexpr, BL: tl.constexpr, PREC: tl.constexpr):
-    """dC [BL, N] of one group (a sum over its heads) and, per head, dw = sum_p dout * (C . h)."""
-    pid_l, bg = tl.program_id(0), tl.program_id(1)
+    """One group's dC [BL, N] summed over HPS of its heads (partial sums: program_id(2) picks the heads) and,
+    per head, dw = sum_p dout * (C . h)."""
+    pid_l, bg, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, g = bg // G, bg % G
     t = pid_l * BL + tl.arange(0, BL)
     mt = t < L
@@ -67,7 +69,7 @@ def _readout_dc_kernel(DO, C, HS, W, DC, DW, L, H, G, HPG,
     b64, t64 = b.to(tl.int64), t.to(tl.int64)
     c = tl.load(C + b64 * s_cb + t64[:, None] * s_cl + g * s_cg + n[None, :], mask=mt[:, None], other=0.0)
     dc = tl.full((BL, N), 0.0, tl.float32)
-    for j in range(HPG):
+    for j in range(sp * HPS, tl.minimum(sp * HPS + HPS, HPG)):
         hh = g * HPG + j
         hs = tl.load(HS + b64 * s_hb + hh * s_hh + p[:, None] * s_hp + n[None, :])  # [P, N] fp32
         w = tl.load(W + b64 * s_wb + t64 * s_wl + hh * s_wh, mask=mt, other=0.0)
@@ -76,26 +78,26 @@ def _readout_dc_kernel(DO, C, HS, W, DC, DW, L, H, G, HPG,
         r = tl.trans(_mm_af(hs, tl.trans(c), PREC))  # [BL, P]
         tl.store(DW + b64 * s_wb + t64 * s_wl + hh * s_wh, tsum(do * r, 1), mask=mt)
         dw = do * w[:, None]
-        if PREC == "bf16":  # rounded as the torch path rounds it (the interpreter's own cast truncates)
+        if PREC != "ieee":  # rounded as the torch path rounds it (the interpreter's own cast truncates)
             dw = _bf16(dw)
         # dC += (w dout) . h: h is the derived operand; as [N, P] x [P, BL] -> dC^T
         dc += tl.trans(_mm_af(tl.trans(hs), tl.trans(dw), PREC))
-    tl.store(DC + b64 * s_gb + t64[:, None] * s_gl + g * s_gg + n[None, :], dc.to(DC.dtype.element_ty),
-             mask=mt[:, None])
+    tl.store(DC + sp * s_gs + b64 * s_gb + t64[:, None] * s_gl + g * s_gg + n[None, :], dc, mask=mt[:, None])
 
 
 @triton.jit
-def _readout_dh_kernel(DO, C, W, DH, L, H, HPG,
-                       s_db, s_dl, s_dh, s_cb, s_cl, s_cg, s_wb, s_wl, s_wh, s_hb, s_hh, s_hp,
+def _readout_dh_kernel(DO, C, W, DH, L, H, HPG, BPS,
+                       s_db, s_dl, s_dh, s_cb, s_cl, s_cg, s_wb, s_wl, s_wh, s_hs, s_hb, s_hh, s_hp,
                        P: tl.constexpr, N: tl.constexpr, BL: tl.constexpr, PREC: tl.constexpr):
-    """dh [P, N] of one head: sum over the slice's tokens of (w dout)^T C."""
-    bh = tl.program_id(0)
+    """One head's dh [P, N] over BPS token blocks (partial sums: program_id(1) picks the blocks): sum over the
+    tokens of (w dout)^T C."""
+    bh, sp = tl.program_id(0), tl.program_id(1)
     b, hh = bh // H, bh % H
     g = hh // HPG
     p, n = tl.arange(0, P), tl.arange(0, N)
     b64 = b.to(tl.int64)
     acc = tl.full((P, N), 0.0, tl.float32)
-    for l0 in range(0, L, BL):
+    for l0 in range(sp * BPS * BL, tl.minimum(sp * BPS * BL + BPS * BL, L), BL):
         t = l0 + tl.arange(0, BL)
         mt = t < L
         t64 = t.to(tl.int64)
@@ -104,7 +106,7 @@ def _readout_dh_kernel(DO, C, W, DH, L, H, HPG,
                      other=0.0).to(tl.float32)
         c = tl.load(C + b64 * s_cb + t64[:, None] * s_cl + g * s_cg + n[None, :], mask=mt[:, None], other=0.0)
         acc += _mm_af(tl.trans(do * w[:, None]), c, PREC)  # [P, BL] x [BL, N]
-    tl.store(DH + b64 * s_hb + hh * s_hh + p[:, None] * s_hp + n[None, :], acc)
+    tl.store(DH + sp * s_hs + b64 * s_hb + hh * s_hh + p[:, None] * s_hp + n[None, :], acc)
 
 
 def _check(y, C, h, w):
@@ -128,24 +130,34 @@ def readout_fwd(y: torch.Tensor, C: torch.Tensor, h: torch.Tensor, w: torch.Tens
     return out
 
 
+HEADS_PER_PROGRAM = 8  # dC: a group's heads split over programs (partial sums), for a grid that fills the GPU
+BLOCKS_PER_PROGRAM = 16  # dh: a head's token blocks split over programs (partial sums)
+
+
 def readout_bwd(dout: torch.Tensor, C: torch.Tensor, h: torch.Tensor, w: torch.Tensor):
-    """(dC [B, L, G, N] in C's dtype, dh [B, H, P, N] fp32, dw [B, L, H] fp32) of out = y + w * (C . h)."""
+    """(dC [B, L, G, N] in C's dtype, dh [B, H, P, N] fp32, dw [B, L, H] fp32) of out = y + w * (C . h). The
+    partial sums are summed in a fixed order (deterministic)."""
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     _check(dout, C, h, w)
     B, L, H, P = dout.shape
     G, N = C.shape[2], C.shape[3]
-    dC = torch.empty((B, L, G, N), dtype=C.dtype, device=C.device)
-    dh = torch.empty_like(h)
+    hpg = H // G
+    hs = triton.cdiv(hpg, HEADS_PER_PROGRAM)
+    nb = triton.cdiv(L, BL)
+    ls = triton.cdiv(nb, BLOCKS_PER_PROGRAM)
+    dCp = torch.empty((hs, B, L, G, N), dtype=torch.float32, device=C.device)
+    dhp = torch.empty((ls, *h.shape), dtype=torch.float32, device=h.device)
     dw = torch.empty((B, L, H), dtype=torch.float32, device=w.device)
     if w.stride() != dw.stride():
         w = w.contiguous()
     if B * L * H:
-        _readout_dc_kernel[(triton.cdiv(L, BL), B * G)](
-            dout, C, h, w, dC, dw, L, H, G, H // G, *dout.stride()[:3], *C.stride()[:3], *h.stride()[:3],
-            *w.stride(), *dC.stride()[:3], P=P, N=N, BL=BL, PREC=_prec(C), num_warps=8)
-        _readout_dh_kernel[(B * H,)](
-            dout, C, w, dh, L, H, H // G, *dout.stride()[:3], *C.stride()[:3], *w.stride(), *h.stride()[:3],
-            P=P, N=N, BL=BL, PREC=_prec(C), num_warps=8)
+        _readout_dc_kernel[(nb, B * G, hs)](
+            dout, C, h, w, dCp, dw, L, H, G, hpg, HEADS_PER_PROGRAM, *dout.stride()[:3], *C.stride()[:3],
+            *h.stride()[:3], *w.stride(), *dCp.stride()[:4], P=P, N=N, BL=BL, PREC=_prec(C), num_warps=4)
+        _readout_dh_kernel[(B * H, ls)](
+            dout, C, w, dhp, L, H, hpg, BLOCKS_PER_PROGRAM, *dout.stride()[:3], *C.stride()[:3], *w.stride(),
+            *dhp.stride()[:4], P=P, N=N, BL=BL, PREC=_prec(C), num_warps=8)
+        dC, dh = dCp.sum(0).to(C.dtype), dhp.sum(0)
     else:
-        dh.zero_()
+        dC, dh = torch.zeros((B, L, G, N), dtype=C.dtype, device=C.device), torch.zeros_like(h)
     return dC, dh, dw
