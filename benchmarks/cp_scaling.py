@@ -9,6 +9,8 @@ run on stdout (rank 0), then a summary object.
     torchrun --nproc_per_node 4 benchmarks/cp_scaling.py train.loss_chunk_tokens=8192 --lengths 524288 \
         --checkpointing on                                  # 512K: the head + loss in 8K-token chunks
     python3 benchmarks/cp_scaling.py --fake-world 4 --profile --lengths 65536   # one GPU: a CP rank alone
+    python3 benchmarks/cp_scaling.py --fake-world 4 --profile --cuda-graph --lengths 65536 131072 \
+        --checkpointing on                           # the same replayed from CUDA graphs (train.cuda_graph)
     torchrun --nproc_per_node 2 benchmarks/cp_scaling.py model.d_model=64 model.pattern=MM \\
         model.vocab_size=256 model.mamba.d_state=16 model.mamba.headdim=16 --device cpu --cp 2 \\
         --lengths 256 512 --steps 1 --warmup 0                                            # smoke run (gloo)
@@ -33,6 +35,9 @@ merges into the DP gradient reduction, amortised over the step's micro-batches).
 data), the rank that receives every predecessor's states and so does the whole fix-up: one GPU runs what a
 CP rank computes, beside the CP 1 baseline at 1/K of the length, with no communication. --profile adds GPU ms
 by kernel family, the GPU's busy and idle time of one more step (the trainer's StepProfiler).
+--cuda-graph: each step's forward + backward is one CUDA graph replay (the trainer's GraphedMicroBatch, as with
+train.cuda_graph=true; CP's collectives inside the graph, its gradient sum after): the eager CP step launches
+~3x CP 1's kernels and is host-bound at 64K. The graph is released before the eager gradient-sum timing.
 
 Bytes per Mamba-2 layer and rank, forward (the backward moves the same again), B = micro-batch,
 R = cp, L_r = L / R tokens per rank, activations in bf16 (2 bytes), states fp32:
@@ -58,6 +63,8 @@ import torch.distributed as dist
 warnings.simplefilter("ignore")
 DEV = "cuda"
 PROFILE = False  # --profile
+FAKE_WORLD = 0  # --fake-world
+CUDA_GRAPH = False  # --cuda-graph: forward + backward replayed from a CUDA graph (the trainer's GraphedMicroBatch)
 
 
 def _sync():
@@ -156,12 +163,30 @@ def run(cfg_path, cp, seq_len, micro, steps, warmup, ckpt, comm_share, overrides
     gen = torch.Generator(device=DEV).manual_seed(1234 + groups.dp_rank)
     sid = torch.zeros(micro, seq_len // cp, dtype=torch.int32, device=DEV)
 
+    def fwd_bwd(batch):
+        with torch.autocast(DEV, dtype=torch.bfloat16, enabled=DEV == "cuda"):
+            loss = model(batch["x"], seq_idx=batch["sid"], labels=batch["y"]).loss
+        loss.backward()
+        return loss.detach()
+
+    graphed = None
+    if CUDA_GRAPH:
+        from megassm.training.cuda_graph import GraphedMicroBatch
+
+        model.capture_safe = True  # no host reads inside the captured forward (models/lm.py)
+        graphed = GraphedMicroBatch(list(model.parameters()), fwd_bwd,
+                                    collectives=cp > 1 and not FAKE_WORLD)
+        row["cuda_graph"] = True
+
     def step():
         toks = torch.randint(0, vocab, (micro, seq_len + 1), device=DEV, generator=gen)
         x, y = local_slice(toks[:, :-1], groups.cp_group), local_slice(toks[:, 1:], groups.cp_group)
-        with torch.autocast(DEV, dtype=torch.bfloat16, enabled=DEV == "cuda"):
-            loss = model(x, seq_idx=sid, labels=y).loss
-        loss.backward()
+        batch = {"x": x.contiguous(), "y": y.contiguous(), "sid": sid}
+        if graphed is not None:
+            graphed.begin_step()
+            graphed(batch)
+        else:
+            fwd_bwd(batch)
         allreduce_cp_grads(list(model.parameters()), groups.cp_group)
         clip_grad_norm(model.parameters(), 1.0)
         opt.step()
@@ -208,9 +233,12 @@ def run(cfg_path, cp, seq_len, micro, steps, warmup, ckpt, comm_share, overrides
                        idle_share=summ["idle_share"], comm_ms=summ["comm_ms"], families_ms=summ["families"],
                        kernels=summ["kernels"], top_kernels=summ["top"])
         row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if DEV == "cuda" else 0.0
+        if graphed is not None:  # its pool holds a whole step's memory: the eager passes below need it
+            graphed.release()
+            torch.cuda.empty_cache()
         if cp > 1:
             row["grad_allreduce_s"] = allreduce_s()
-        if comm_share and cp > 1:
+        if comm_share and cp > 1:  # a graph is captured again without the collectives
             with _no_comm():
                 t_nocomm = timed()
             row.update(step_s_no_comm=t_nocomm, comm_share=max(0.0, 1 - t_nocomm / t_step))
@@ -218,7 +246,9 @@ def run(cfg_path, cp, seq_len, micro, steps, warmup, ckpt, comm_share, overrides
         row["status"] = "oom"
         return row
     finally:
-        model = opt = None  # free the memory before the next length (the closures above are done)
+        if graphed is not None:
+            graphed.release()
+        model = opt = graphed = None  # free the memory before the next length (the closures above are done)
         if DEV == "cuda":
             torch.cuda.empty_cache()
     row.update(status="ok", step_s=t_step, tokens_per_s_per_gpu=micro * seq_len / cp / t_step)
@@ -258,10 +288,14 @@ def main() -> None:
     ap.add_argument("--fake-world", type=int, default=0, metavar="K",
                     help="one process as the last rank of K with no-op collectives: a CP rank's compute on one device")
     ap.add_argument("--profile", action="store_true", help="GPU ms of one step by kernel family")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="replay each step's forward + backward from a CUDA graph, as train.cuda_graph=true does")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    global DEV, PROFILE
-    DEV, PROFILE = args.device, args.profile
+    global DEV, PROFILE, CUDA_GRAPH, FAKE_WORLD
+    DEV, PROFILE, CUDA_GRAPH, FAKE_WORLD = args.device, args.profile, args.cuda_graph, args.fake_world
+    if CUDA_GRAPH and DEV != "cuda":
+        ap.error("--cuda-graph: CUDA graphs need --device cuda")
     if args.fake_world and (args.fake_world < 2 or os.environ.get("WORLD_SIZE", "1") != "1"):
         ap.error(f"--fake-world {args.fake_world}: needs K >= 2 and a single process (not under torchrun)")
     from megassm.parallel.state import destroy, init_distributed

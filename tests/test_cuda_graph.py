@@ -39,7 +39,6 @@ def _cfg(run_dir, *extra, pattern="M-M-"):
     ((), "M*C-", r"has block\(s\) 'C': .*COFFEE"),
     ((), "BC*-", r"has block\(s\) 'B', 'C'"),
     (("train.bptt=true",), "M-M-", "train.bptt"),
-    (("train.activation_checkpointing=true",), "M-M-", "train.activation_checkpointing"),
 ])
 def test_cuda_graph_refuses_what_a_capture_cannot_hold(tmp_path, extra, pattern, match):
     cfg = _cfg(tmp_path, "train.cuda_graph=true", *extra, pattern=pattern)
@@ -65,15 +64,18 @@ def test_cuda_graph_takes_the_hybrid_recipe(tmp_path):
     check_supported(cfg)
 
 
-def test_cuda_graph_refuses_model_parallel_and_sharding_engines(tmp_path, monkeypatch):
+def test_cuda_graph_takes_activation_checkpointing(tmp_path):
+    """The recomputation runs inside the captured backward (checkpointing without RNG state: no dropout)."""
+    check_supported(_cfg(tmp_path, "train.cuda_graph=true", "train.activation_checkpointing=true", pattern="M*M-"))
+
+
+def test_cuda_graph_refuses_pipeline_parallelism_and_sharding_engines(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match=r"train.cuda_graph=true: parallel.cp=2: context parallelism"):
-        check_supported(_cfg(tmp_path, "train.cuda_graph=true", "parallel.cp=2"))
     with pytest.raises(ConfigError, match=r"train.cuda_graph=true: parallel.pp=2: the pipeline schedule"):
         check_supported(_cfg(tmp_path, "train.cuda_graph=true", "parallel.pp=2"))
     with pytest.raises(ConfigError, match=r"train.cuda_graph=true: parallel.engine=fsdp2"):
         check_supported(_cfg(tmp_path, "train.cuda_graph=true", "parallel.world_size=2", "parallel.engine=fsdp2"))
-    check_supported(_cfg(tmp_path, "train.cuda_graph=true", "parallel.world_size=2"))  # DDP: flat all-reduce after replays
+    check_supported(_cfg(tmp_path, "train.cuda_graph=true", "parallel.world_size=2"))  # DDP: all-reduce after replays
 
 
 @pytest.mark.parametrize("world, extra", [
@@ -81,6 +83,7 @@ def test_cuda_graph_refuses_model_parallel_and_sharding_engines(tmp_path, monkey
     (2, ("parallel.tp=2", "parallel.sp=true")),
     (4, ("parallel.tp=2",)),  # TP 2 x DP 2: the DP all-reduce after the replays, as at TP 1
     (4, ("parallel.tp=2", "parallel.sp=true", "parallel.zero_stage=1")),
+    (2, ("parallel.tp=2", "train.activation_checkpointing=true")),
 ])
 @pytest.mark.parametrize("pattern", ["M-M-", "M*M-", "MSL-"])
 def test_cuda_graph_takes_tensor_parallelism(tmp_path, monkeypatch, world, extra, pattern):
@@ -91,11 +94,26 @@ def test_cuda_graph_takes_tensor_parallelism(tmp_path, monkeypatch, world, extra
     check_supported(_cfg(tmp_path, "train.cuda_graph=true", *extra, pattern=pattern))
 
 
+@pytest.mark.parametrize("world, extra", [
+    (2, ("parallel.cp=2",)),
+    (2, ("parallel.cp=2", "train.activation_checkpointing=true")),
+    (4, ("parallel.tp=2", "parallel.cp=2", "parallel.sp=true")),
+    (4, ("parallel.cp=2",)),  # CP 2 x DP 2
+])
+@pytest.mark.parametrize("pattern", ["M-M-", "M*M-"])
+def test_cuda_graph_takes_context_parallelism(tmp_path, monkeypatch, world, extra, pattern):
+    """CP (x TP, x DP): the halo / state / K/V exchanges and the loss's all-reduce are captured in the graph, the
+    CP gradient sum runs after the replays (training/cuda_graph.py)."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    for name in ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT"):
+        monkeypatch.delenv(name, raising=False)
+    check_supported(_cfg(tmp_path, "train.cuda_graph=true", *extra, pattern=pattern))
+
+
 @pytest.mark.parametrize("world, extra, match", [
-    (4, ("parallel.tp=2", "parallel.cp=2"), r"parallel.cp=2: context parallelism"),
     (4, ("parallel.tp=2", "parallel.pp=2"), r"parallel.pp=2: the pipeline schedule"),
     (2, ("parallel.tp=2", "train.bptt=true"), r"train.bptt=true"),
-    (2, ("parallel.tp=2", "train.activation_checkpointing=true"), r"train.activation_checkpointing=true"),
+    (2, ("parallel.cp=2", "train.bptt=true"), r"train.bptt=true"),
 ])
 def test_cuda_graph_with_tensor_parallelism_keeps_the_other_refusals(tmp_path, monkeypatch, world, extra, match):
     monkeypatch.setenv("WORLD_SIZE", str(world))
@@ -118,6 +136,8 @@ def test_cuda_graph_with_tensor_parallelism_refuses_nccl_blocking_wait(tmp_path,
     monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError, match=rf"train.cuda_graph=true: {name}={value} with parallel.tp=2"):
         check_supported(_cfg(tmp_path, "train.cuda_graph=true", "parallel.tp=2"))
+    with pytest.raises(ConfigError, match=rf"train.cuda_graph=true: {name}={value} with parallel.cp=2"):
+        check_supported(_cfg(tmp_path, "train.cuda_graph=true", "parallel.cp=2"))
     check_supported(_cfg(tmp_path, "train.cuda_graph=true", "parallel.world_size=2"))
     monkeypatch.setenv(name, "0")
     check_supported(_cfg(tmp_path, "train.cuda_graph=true", "parallel.tp=2"))
@@ -273,6 +293,66 @@ def test_capture_safe_tensor_parallel_forward_reads_nothing_on_the_host(sp):
         assert want <= set(ops), ops
 
 
+def _cp_capture_safe_worker(rank, world, pattern, tp, ckpt):
+    """One rank of CP 2 (x TP 2 with SP: world 4) over gloo: the capture-safe forward + backward of its slice of
+    rows with document resets in every slice (also one across the slice boundary), under _NoHostReads, with
+    or without activation checkpointing. Returns the c10d collectives seen."""
+    from megassm.parallel.checkpointing import apply_activation_checkpointing
+    from megassm.parallel.cp import apply_context_parallel, local_slice
+    from megassm.parallel.state import build_groups
+    from megassm.parallel.tp import apply_tensor_parallel
+
+    groups = build_groups(tp=tp, cp=world // tp)
+    model = _tiny_hybrid(pattern)
+    if tp > 1:
+        apply_tensor_parallel(model, groups.tp_group, sp=True)
+    apply_context_parallel(model, groups.cp_group)
+    if ckpt:
+        apply_activation_checkpointing(model)
+    tok = torch.randint(0, 61, (2, 32), generator=torch.Generator().manual_seed(0))
+    sid = torch.zeros(2, 32, dtype=torch.int32)
+    sid[0, 5:] += 1
+    sid[0, 16:] += 1  # a document starting at the second slice's first token
+    sid[1, 9:] += 1
+    sid[1, 20:] += 1
+    tok, sid = local_slice(tok, groups.cp_group), local_slice(sid, groups.cp_group)
+    seen = []
+
+    class Mode(_NoHostReads):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.overloadpacket.__name__)
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    # live here too: without capture_safe the single-document hint is read on the host (every rank, same point)
+    with pytest.raises(AssertionError, match="host read"):
+        with pytest.MonkeyPatch.context() as m:
+            _forbid_host_reads(m)
+            with Mode():
+                model(tok, seq_idx=sid, labels=tok)
+    model.capture_safe = True
+    seen.clear()
+    with pytest.MonkeyPatch.context() as m:
+        _forbid_host_reads(m)
+        with Mode():
+            out = model(tok, seq_idx=sid, labels=tok)
+            out.loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    return sorted({n for n in seen if n in _C10D_OPS})
+
+
+@pytest.mark.parametrize("world, tp, ckpt", [(2, 1, False), (2, 1, True), (4, 2, True)],
+                         ids=["cp2", "cp2-ckpt", "tp2-sp-cp2-ckpt"])
+def test_capture_safe_context_parallel_forward_reads_nothing_on_the_host(world, tp, ckpt):
+    """CP 2 over gloo (CPU; x TP 2 + SP), Mamba-2 and attention with document resets, with and without activation
+    checkpointing: the halo / state / K/V all-gathers, the document boundaries' gather, the loss all-reduce and
+    their backward reduce-scatters run no op that reads a value on the host, as a capture needs."""
+    from multiproc import spawn
+
+    seen = spawn(_cp_capture_safe_worker, world, "M*M-", tp, ckpt)
+    for ops in seen:
+        assert {"allreduce_", "_allgather_base_", "_reduce_scatter_base_"} <= set(ops), ops
+
+
 # ----------------------------------------------------------------------------------------------------
 # on the device
 # ----------------------------------------------------------------------------------------------------
@@ -283,6 +363,18 @@ def test_cuda_graph_trains_like_the_eager_loop(tmp_path, pattern):
         pytest.skip("needs a CUDA GPU")
     _graph_trains_like_eager_and_resumes(tmp_path, ("train.steps=6", "train.precision=fp32", "run.save_interval=3"),
                                          pattern)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pattern", ["M-M-", "M*M-"])
+def test_cuda_graph_with_activation_checkpointing_trains_like_the_eager_loop(tmp_path, pattern):
+    """The blocks' recomputation captured inside the backward: the same losses, weights and resume as the eager
+    loop with checkpointing (and as the graph without it, which computes the same)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    common = ("train.steps=6", "train.precision=fp32", "run.save_interval=3", "train.activation_checkpointing=true",
+              *(HYBRID if "*" in pattern else ()))
+    _graph_trains_like_eager_and_resumes(tmp_path, common, pattern)
 
 
 def _graph_trains_like_eager_and_resumes(tmp_path, common, pattern):
@@ -419,7 +511,7 @@ def test_capture_safe_attention_on_the_gpu_as_accurate_as_the_causal_kernel(dtyp
 
 
 # ----------------------------------------------------------------------------------------------------
-# tensor parallelism under the graph: 2 and 4 GPUs, torchrun over NCCL (device kinds nvidia-h200-x2 / -x4)
+# tensor and context parallelism under the graph: 2 and 4 GPUs, torchrun over NCCL (device kinds -x2 / -x4)
 # ----------------------------------------------------------------------------------------------------
 # configs/tiny.yaml (d_model 128, ngroups 1: at TP 2 the Mamba-2 B/C are replicated and the norm group spans
 # the ranks; attention 4 heads, 2 KV heads: split), four micro-batches of 2 x 256 tokens a step (accumulation
@@ -432,8 +524,13 @@ TP_LAYOUTS = {"tp2": (2, ["parallel.tp=2"]), "tp2-sp": (2, ["parallel.tp=2", "pa
               "tp2-dp2": (4, ["parallel.tp=2"]),
               # the region's backward collective begun (async_op) before in_proj's weight gradient, in the capture
               "tp2-overlap": (2, ["parallel.tp=2", "parallel.tp_overlap=true"]),
-              "tp2-sp-overlap": (2, ["parallel.tp=2", "parallel.sp=true", "parallel.tp_overlap=true"])}
-CAPTURED_TP = "with its tensor-parallel collectives"  # GraphedMicroBatch's log line (rank 0)
+              "tp2-sp-overlap": (2, ["parallel.tp=2", "parallel.sp=true", "parallel.tp_overlap=true"]),
+              # context parallelism: halo / state / K/V exchanges and the loss all-reduce inside the graphs
+              "cp2": (2, ["parallel.cp=2"]),
+              "cp2-ckpt": (2, ["parallel.cp=2", "train.activation_checkpointing=true"]),
+              "tp2-sp-cp2": (4, ["parallel.tp=2", "parallel.sp=true", "parallel.cp=2"]),
+              "cp2-dp2": (4, ["parallel.cp=2"])}
+CAPTURED_TP = "with its TP / CP collectives"  # GraphedMicroBatch's log line (rank 0)
 
 
 def _need_gpus(n):
@@ -478,8 +575,9 @@ def _tp_data(tmp_path, pattern) -> list[str]:
 @pytest.mark.parametrize("layout", list(TP_LAYOUTS))
 @pytest.mark.parametrize("pattern", ["MM", "M*M-"])
 def test_cuda_graph_with_tensor_parallelism_trains_like_eager(tmp_path, layout, pattern):
-    """TP 2 (+ SP; x DP 2 on 4 GPUs) with train.cuda_graph=true: the TP collectives replayed inside the graphs,
-    the replicated gradients' sum and the DP all-reduce after them. Losses equal to the same layout's eager
+    """TP 2 (+ SP; x DP 2 on 4 GPUs) and CP 2 (+ checkpointing; x TP 2, x DP 2) with train.cuda_graph=true: the
+    TP / CP collectives replayed inside the graphs, the replicated gradients' sum, the CP gradient sum and the DP
+    all-reduce after them. Losses equal to the same layout's eager
     loop (the one-GPU graph test's tolerance) and to one GPU's eager loop (the TP tests' 1e-4)."""
     n, extra = TP_LAYOUTS[layout]
     _need_gpus(n)

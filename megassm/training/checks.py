@@ -134,34 +134,30 @@ def _env_flag(name: str) -> bool:
 
 
 def _check_cuda_graph(cfg: Config) -> None:
-    """train.cuda_graph=true: refuse what a captured micro-batch cannot hold (training/cuda_graph.py): context and
-    pipeline parallelism, sharding engines' backward hooks, BPTT, activation checkpointing, blocks whose forward
-    reads values on the host (COFFEE, B'MOJO with the packed batches' document resets), and NCCL's blocking
-    wait under TP. Tensor parallelism (+ SP) is taken: its collectives are captured in the graph, its
-    replicated gradients' sum and the DP all-reduce run after the replays. Attention is taken: under the graph
-    it builds its document mask on the device for every batch."""
+    """train.cuda_graph=true: refuse what a captured micro-batch cannot hold (training/cuda_graph.py): pipeline
+    parallelism, sharding engines' backward hooks, BPTT, blocks whose forward reads values on the host (COFFEE,
+    B'MOJO with the packed batches' document resets), and NCCL's blocking wait under TP or CP. Tensor (+ SP) and
+    context parallelism are taken: their collectives are captured in the graph; TP's replicated gradients' sum,
+    CP's gradient sum and the DP all-reduce run after the replays. Activation checkpointing is taken (the
+    recomputation is captured with the backward). Attention is taken: under the graph it builds its document
+    mask on the device for every batch."""
     from megassm.config import blocks_of
     from megassm.training.cuda_graph import GRAPH_SAFE_LETTERS
 
     p, t = cfg.parallel, cfg.train
     why = None
-    if p.cp > 1:
-        why = (f"parallel.cp={p.cp}: context parallelism's exchanges (halo and state all-gathers, the gathered "
-               "document ids) are not examined under a capture; tensor parallelism (+ SP) and data parallelism "
-               "(parallel.engine=ddp) combine with it")
-    elif p.pp > 1:
+    if p.pp > 1:
         why = (f"parallel.pp={p.pp}: the pipeline schedule runs each micro-batch's forward and backward itself, "
                "with point-to-point sends between stages, not as the one call a graph captures; tensor "
-               "parallelism (+ SP) and data parallelism (parallel.engine=ddp) combine with it")
+               "parallelism (+ SP), context parallelism and data parallelism (parallel.engine=ddp) combine with it")
     elif p.engine != "ddp" and data_parallel_size(cfg) > 1:
         why = f"parallel.engine={p.engine}: FSDP2 and DeepSpeed hook the backward; use parallel.engine=ddp"
     elif t.bptt:
         why = "train.bptt=true: the carried state changes between windows"
-    elif t.activation_checkpointing:
-        why = "train.activation_checkpointing=true: recomputation under a capture is not tested"
-    elif p.tp > 1 and any(_env_flag(v) for v in _BLOCKING_WAIT):
+    elif (p.tp > 1 or p.cp > 1) and any(_env_flag(v) for v in _BLOCKING_WAIT):
         name = next(v for v in _BLOCKING_WAIT if _env_flag(v))
-        why = (f"{name}={os.environ[name]} with parallel.tp={p.tp}: every collective would wait for its "
+        which = " ".join(f"parallel.{k}={v}" for k, v in (("tp", p.tp), ("cp", p.cp)) if v > 1)
+        why = (f"{name}={os.environ[name]} with {which}: every collective would wait for its "
                "completion on the host, which a capture cannot do (unset it; parallel.timeout_s still bounds "
                "the eager collectives after the replays)")
     else:

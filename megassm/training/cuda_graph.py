@@ -50,21 +50,25 @@ collective launch over the TP group, so every TP rank captures and replays the s
 - release() resets the graphs; the process groups' teardown (parallel/state.py destroy) calls it first,
   because NCCL >= 2.26 waits in a communicator's destruction until no graph references it (a hang at exit
   otherwise).
-Only the TP communicator is in the graphs. TP's sum of the replicated components' partial gradients
-(sync_tp_grads: SP norms, replicated B/C, K/V) and the data-parallel average (bucketed all-reduces, engine ddp,
-also with ZeRO-1) run eagerly after the step's replays, like clipping and the optimizer step. Not run on GPUs
-yet: the TP graph tests (tests/test_cuda_graph.py, `pytest -m gpu -k tensor_parallelism`, 2 and 4 GPUs) were
-written without a multi-GPU machine; on CPU the refusals are tested, and that the TP forward + backward,
-collectives included, reads no value on the host (gloo). docs/parallelism.md has the caveats in full.
+Context parallelism (`parallel.cp > 1`) is captured the same way: its exchanges (the document boundaries, each
+Mamba-2 layer's halo and states, attention's K/V, the loss's all-reduce, and their backward reduce-scatters) are
+collectives on the CP communicator with async_op=False, and nothing in the CP forward reads a value on the host
+(every boundary test is a torch.where on the device). TP's sum of the replicated components' partial gradients
+(sync_tp_grads: SP norms, replicated B/C, K/V), CP's gradient sum and the data-parallel average (bucketed
+all-reduces, engine ddp, also with ZeRO-1) run eagerly after the step's replays, like clipping and the optimizer
+step. Activation checkpointing is captured too: the blocks draw no random numbers (the checkpoint keeps no RNG
+state), and the recomputation is part of the captured backward. The TP graph tests ran on 4 x H100
+(`pytest -m gpu -k tensor_parallelism`); the CP ones (`-k cp2`) were written without a multi-GPU machine; on CPU
+the refusals are tested, and that the TP and CP forward + backward, collectives included, read no value on the
+host (gloo). docs/parallelism.md has the caveats in full (TP x CP puts two communicators in one graph).
 
 What cannot be captured is refused by the config check (trainer.check_supported): host syncs inside the
 forward (COFFEE's DEER solver tests values on the host, and B'MOJO counts its memory groups on the host when
-a batch has document resets); context and pipeline parallelism (CP's exchanges are not examined under a
-capture; the pipeline schedule runs the micro-batches' forward and backward itself, with point-to-point sends
-between stages); DDP's backward hooks (data parallelism instead averages the accumulated gradients after the
-replays with bucketed all-reduces) and FSDP2 / DeepSpeed at DP > 1, which hook the backward; BPTT's carried
-state and activation checkpointing (untested under capture). A CUDA graph needs a CUDA device, so NCCL: the
-gloo backend never meets it (the trainer refuses it should a process group of another backend hold TP).
+a batch has document resets); pipeline parallelism (the schedule runs the micro-batches' forward and backward
+itself, with point-to-point sends between stages); DDP's backward hooks (data parallelism instead averages the
+accumulated gradients after the replays with bucketed all-reduces) and FSDP2 / DeepSpeed at DP > 1, which hook
+the backward; BPTT's carried state. A CUDA graph needs a CUDA device, so NCCL: the gloo backend never meets it
+(the trainer refuses it should a process group of another backend hold TP or CP).
 """
 from __future__ import annotations
 
@@ -93,7 +97,7 @@ GRAPH_SAFE_WITHOUT_RESETS = {k.letter: f"{k.name} (without document resets)" for
 class GraphedMicroBatch:
     def __init__(self, params: list[torch.nn.Parameter], fwd_bwd: Callable[[dict], torch.Tensor],
                  warmup: int = 2, collectives: bool = False):
-        """`collectives`: fwd_bwd runs NCCL collectives (tensor parallelism): the capture then takes
+        """`collectives`: fwd_bwd runs NCCL collectives (tensor or context parallelism): the capture then takes
         capture_error_mode="thread_local", and release() runs before the process groups are destroyed."""
         self.params = [p for p in params if p.requires_grad]
         self.fwd_bwd = fwd_bwd
@@ -162,7 +166,7 @@ class GraphedMicroBatch:
         """Warm up (autotuning; with collectives, also the NCCL communicator's creation) on a side stream, then
         capture the first-micro-batch graph: with no gradient present, the captured backward hands its own
         output tensors to the parameters as their .grad, so each replay writes fresh gradients there (no
-        zeroing, no add: the eager loop's first micro-batch). Every rank of a TP group gets here at the same
+        zeroing, no add: the eager loop's first micro-batch). Every rank of a TP or CP group gets here at the same
         micro-batch, so the collectives pair up in the warm-up and in the capture."""
         if any(p.grad is not None for p in self.params):
             raise RuntimeError("train.cuda_graph: gradients must be empty at the capture (a step's first micro-batch)")
@@ -186,7 +190,7 @@ class GraphedMicroBatch:
         # a parameter the forward never reaches keeps no gradient, as in the eager loop
         self.grads = [(p, p.grad) for p in self.params if p.grad is not None]
         log.info("train.cuda_graph: forward + backward of one micro-batch captured (%d gradient tensors%s)",
-                 len(self.grads), ", with its tensor-parallel collectives" if self.collectives else "")
+                 len(self.grads), ", with its TP / CP collectives" if self.collectives else "")
 
     def _capture_accumulating(self) -> None:
         """The graph of the step's later micro-batches: captured with the gradients present, so its backward adds

@@ -79,10 +79,11 @@ class Trainer:
         self.amp_dtype = autocast_dtype(cfg, self.device)
         if cfg.train.cuda_graph and self.device.type != "cuda":  # the layout was checked above; this run's device
             raise ConfigError(f"train.cuda_graph=true needs a CUDA device; this run uses {self.device}")
-        if cfg.train.cuda_graph and self.groups.tp > 1 and prt.backend(self.groups.tp_group) != "nccl":
-            raise ConfigError(f"train.cuda_graph=true with parallel.tp={self.groups.tp} captures the tensor-parallel "
-                              f"collectives, which needs NCCL; the TP group's backend is "
-                              f"{prt.backend(self.groups.tp_group)}")
+        g = self.groups
+        for name, size, group in (("tp", g.tp, g.tp_group), ("cp", g.cp, g.cp_group)):
+            if cfg.train.cuda_graph and size > 1 and prt.backend(group) != "nccl":
+                raise ConfigError(f"train.cuda_graph=true with parallel.{name}={size} captures the {name.upper()} "
+                                  f"group's collectives, which needs NCCL; its backend is {prt.backend(group)}")
         self.run_dir = cfg.run.dir
         self.dp = data_parallel_size(cfg)
         self.accum = cfg.train.global_batch // (cfg.train.micro_batch * self.dp)
@@ -161,9 +162,9 @@ class Trainer:
             # no host reads in the forward: attention builds its document mask on the device for every batch
             # (models/lm.py); evaluation, eager, takes the same path
             self.model.capture_safe = True
-            # TP: its collectives are captured with the rest of the micro-batch (training/cuda_graph.py)
+            # TP / CP: their collectives are captured with the rest of the micro-batch (training/cuda_graph.py)
             self.graphed = GraphedMicroBatch(list(self.model.parameters()), self._forward_backward,
-                                             collectives=self.groups.tp > 1)
+                                             collectives=self.groups.tp > 1 or self.groups.cp > 1)
         self.carrier = None  # BPTT: the rows' recurrent states between windows (training/bptt.py)
         if cfg.train.bptt:
             from megassm.training.bptt import StateCarrier
