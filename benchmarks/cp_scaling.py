@@ -11,6 +11,8 @@ run on stdout (rank 0), then a summary object.
     python3 benchmarks/cp_scaling.py --fake-world 4 --profile --lengths 65536   # one GPU: a CP rank alone
     python3 benchmarks/cp_scaling.py --fake-world 4 --profile --cuda-graph --lengths 65536 131072 \
         --checkpointing on                           # the same replayed from CUDA graphs (train.cuda_graph)
+    python3 benchmarks/cp_scaling.py train.activation_checkpointing_keep=sum train.loss_chunk_tokens=8192 \
+        --fake-world 4 --cuda-graph --zero1 --lengths 524288 --checkpointing on      # 512K on an 80 GB card
     torchrun --nproc_per_node 2 benchmarks/cp_scaling.py model.d_model=64 model.pattern=MM \\
         model.vocab_size=256 model.mamba.d_state=16 model.mamba.headdim=16 --device cpu --cp 2 \\
         --lengths 256 512 --steps 1 --warmup 0                                            # smoke run (gloo)
@@ -38,6 +40,9 @@ by kernel family, the GPU's busy and idle time of one more step (the trainer's S
 --cuda-graph: each step's forward + backward is one CUDA graph replay (the trainer's GraphedMicroBatch, as with
 train.cuda_graph=true; CP's collectives inside the graph, its gradient sum after): the eager CP step launches
 ~3x CP 1's kernels and is host-bound at 64K. The graph is released before the eager gradient-sum timing.
+--zero1: the AdamW states sharded as parallel.zero_stage=1 shards them (parallel/zero.py): a CP row over its CP
+group (the DP x CP group of a run without DP), the CP 1 baseline over the world, as ZeRO-1 over DP would (its
+ranks' gradients are not averaged here: the row measures time and memory, not training).
 
 Bytes per Mamba-2 layer and rank, forward (the backward moves the same again), B = micro-batch,
 R = cp, L_r = L / R tokens per rank, activations in bf16 (2 bytes), states fp32:
@@ -64,6 +69,7 @@ warnings.simplefilter("ignore")
 DEV = "cuda"
 PROFILE = False  # --profile
 FAKE_WORLD = 0  # --fake-world
+ZERO1 = False  # --zero1
 CUDA_GRAPH = False  # --cuda-graph: forward + backward replayed from a CUDA graph (the trainer's GraphedMicroBatch)
 
 
@@ -156,8 +162,15 @@ def run(cfg_path, cp, seq_len, micro, steps, warmup, ckpt, comm_share, overrides
     apply_context_parallel(model, groups.cp_group)
     model.loss_chunk_tokens = cfg.train.loss_chunk_tokens  # override train.loss_chunk_tokens=N: chunked head + loss
     if ckpt:
-        apply_activation_checkpointing(model)
-    opt = build_optimizer(model.param_groups(0.1), cfg.optim, DEV)
+        apply_activation_checkpointing(model, keep=cfg.train.activation_checkpointing_keep)
+    if ZERO1:  # the AdamW states over the ranks holding the same parameters (parallel/zero.py)
+        from megassm.parallel.zero import FlatParams, ShardedAdamW
+
+        flat = FlatParams(model.parameters(), groups.cp_group if cp > 1 else groups.dp_group)
+        opt = ShardedAdamW(build_optimizer(model.param_groups(0.1), cfg.optim, DEV), flat)
+        row["zero1_ranks"] = flat.dp
+    else:
+        opt = build_optimizer(model.param_groups(0.1), cfg.optim, DEV)
     vocab = cfg.model.vocab_size
     # the same sequence on the ranks of a CP group (seeded by the group's index), another per group
     gen = torch.Generator(device=DEV).manual_seed(1234 + groups.dp_rank)
@@ -288,12 +301,15 @@ def main() -> None:
     ap.add_argument("--fake-world", type=int, default=0, metavar="K",
                     help="one process as the last rank of K with no-op collectives: a CP rank's compute on one device")
     ap.add_argument("--profile", action="store_true", help="GPU ms of one step by kernel family")
+    ap.add_argument("--zero1", action="store_true",
+                    help="AdamW states sharded over the CP group (CP 1: over the world), as parallel.zero_stage=1")
     ap.add_argument("--cuda-graph", action="store_true",
                     help="replay each step's forward + backward from a CUDA graph, as train.cuda_graph=true does")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    global DEV, PROFILE, CUDA_GRAPH, FAKE_WORLD
-    DEV, PROFILE, CUDA_GRAPH, FAKE_WORLD = args.device, args.profile, args.cuda_graph, args.fake_world
+    global DEV, PROFILE, CUDA_GRAPH, FAKE_WORLD, ZERO1
+    DEV, PROFILE, CUDA_GRAPH, ZERO1 = args.device, args.profile, args.cuda_graph, args.zero1
+    FAKE_WORLD = args.fake_world
     if CUDA_GRAPH and DEV != "cuda":
         ap.error("--cuda-graph: CUDA graphs need --device cuda")
     if args.fake_world and (args.fake_world < 2 or os.environ.get("WORLD_SIZE", "1") != "1"):

@@ -145,11 +145,14 @@ def causal_conv1d_step(state, x, weight, bias=None, activation="silu"):
     return ops.causal_conv1d_step_op(state, x, weight, bias, activation)
 
 
-def rmsnorm(x, weight, eps=1e-5):
-    """x / rms(x) * weight over the last dim (fp32 statistics)."""
+def rmsnorm(x, weight, eps=1e-5, out_dtype=None):
+    """x / rms(x) * weight over the last dim (fp32 statistics); the output in out_dtype (default x.dtype), e.g.
+    an fp32 residual normed straight into bf16 (the gradient comes back in x.dtype)."""
+    if out_dtype == x.dtype:
+        out_dtype = None
     if _eager_reference(x):
-        return reference.rmsnorm(x, weight, eps)
-    return ops.rmsnorm_call(x, weight, float(eps))
+        return reference.rmsnorm(x, weight, eps, out_dtype)
+    return ops.rmsnorm_call(x, weight, float(eps), out_dtype)
 
 
 def gated_rmsnorm(x, z, weight, ngroups=1, eps=1e-5, norm_before_gate=False):

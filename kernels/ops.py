@@ -404,29 +404,29 @@ def _gated_bwd(ctx, gout):
 gated_rmsnorm_op.register_autograd(_gated_bwd, setup_context=_norm_setup)
 
 
-def _rmsnorm_ref(x, weight, eps):
-    return reference.rmsnorm(x, weight, eps)
+def _rmsnorm_ref(x, weight, eps, out_dtype):
+    return reference.rmsnorm(x, weight, eps, out_dtype)
 
 
 @torch.library.custom_op("megassm::rmsnorm", mutates_args=())
-def rmsnorm_op(x: Tensor, weight: Optional[Tensor], eps: float) -> Tensor:
+def rmsnorm_op(x: Tensor, weight: Optional[Tensor], eps: float, out_dtype: Optional[torch.dtype] = None) -> Tensor:
     if _pick(x):
-        return triton_kernels().gated_rmsnorm_fwd(x, None, weight, 1, eps, False)
-    out = _rmsnorm_ref(x, weight, eps)
+        return triton_kernels().gated_rmsnorm_fwd(x, None, weight, 1, eps, False, out_dtype=out_dtype)
+    out = _rmsnorm_ref(x, weight, eps, out_dtype)
     return _fresh(out.clone() if out is x else out)
 
 
 @rmsnorm_op.register_fake
-def _(x, weight, eps):
-    return x.new_empty(x.shape)
+def _(x, weight, eps, out_dtype=None):
+    return x.new_empty(x.shape, dtype=x.dtype if out_dtype is None else out_dtype)
 
 
 def _rmsnorm_bwd(ctx, gout):
     args, _ = _restore(ctx)
-    x, weight, eps = args
-    if use_triton(x):
+    x, weight, eps, out_dtype = args
+    if use_triton(x):  # the kernel reads gout in its own dtype and writes dx in x's
         dx, _, dw = triton_kernels().gated_rmsnorm_bwd(gout, x, None, weight, 1, eps, False)
-        return dx, dw, None
+        return dx, dw, None, None
     return _reference_backward(_rmsnorm_ref, ctx, args, (gout,))
 
 

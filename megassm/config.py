@@ -176,6 +176,7 @@ class TrainConfig:
     bptt_windows: int = 1
     activation_checkpointing: bool = False  # recompute each block's activations in the backward
     activation_checkpointing_blocks: int = 0  # > 0: recompute only the first N blocks (of each pipeline stage); 0: all
+    activation_checkpointing_keep: str = "pair"  # pair: a block keeps (hidden, fp32 residual); sum: their fp32 sum
     cuda_graph: bool = False  # capture each micro-batch's forward + backward in a CUDA graph (training/cuda_graph.py)
     cast_weights_once: bool = False  # bf16: Linears compute with bf16 weight copies cast once per step (training/weight_cache.py)
     fp8: bool = False  # the blocks' Linears compute in FP8, per-tensor dynamic scales (training/fp8.py, kernels/fp8.py)
@@ -594,6 +595,11 @@ def validate(cfg: Config) -> None:
     need(not t.activation_checkpointing_blocks or t.activation_checkpointing,
          f"train.activation_checkpointing_blocks={t.activation_checkpointing_blocks} needs "
          "train.activation_checkpointing=true (it says how many blocks recompute)")
+    need(t.activation_checkpointing_keep in ("pair", "sum"),
+         f"train.activation_checkpointing_keep must be pair or sum, got '{t.activation_checkpointing_keep}'")
+    need(t.activation_checkpointing_keep == "pair" or t.activation_checkpointing,
+         f"train.activation_checkpointing_keep={t.activation_checkpointing_keep} needs "
+         "train.activation_checkpointing=true (it says what each checkpointed block keeps)")
     n_blocks = len(blocks_of(m.pattern))
     need(t.activation_checkpointing_blocks <= n_blocks,
          f"train.activation_checkpointing_blocks={t.activation_checkpointing_blocks} is more than the model's "

@@ -137,7 +137,7 @@ def cp_equivalence_worker(rank, world, cp, tp, cases, out_path, device="cpu", to
         if checkpointing:  # the backward reads recomputed pieces (the gradient blocks are found by memory)
             from megassm.parallel.checkpointing import apply_activation_checkpointing
 
-            apply_activation_checkpointing(par)
+            apply_activation_checkpointing(par, keep=checkpointing if isinstance(checkpointing, str) else "pair")
         V = mcfg.vocab_size
 
         # carried states from a prefix through the reference: the initial states of window 1

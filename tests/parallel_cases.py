@@ -193,14 +193,15 @@ def layout_worker(rank, world, layouts, out_path):
     plain builder's are the same groups (tp, dp, cp, pp, embedding: ranks and this rank's indices) and follow
     state.rank_layout / cp_layout / pp_layout. What lets the CPU suite build its groups with the plain builder.
     Rank 0 writes the megatron-core groups it saw, per layout, to out_path."""
-    from megassm.parallel.state import _build_groups_torch, build_groups, cp_layout, pp_layout, rank_layout
+    from megassm.parallel.state import _build_groups_torch, build_groups, cp_layout, dp_cp_layout, pp_layout, rank_layout
 
     def ranks(g):
         return dist.get_process_group_ranks(g) if g is not None else None
 
     def described(g):
         return dict(tp=ranks(g.tp_group), dp=ranks(g.dp_group), cp=ranks(g.cp_group), pp=ranks(g.pp_group),
-                    emb=ranks(g.emb_group), idx=[g.tp_rank, g.dp_rank, g.cp_rank, g.pp_rank, g.dp])
+                    emb=ranks(g.emb_group), dp_cp=ranks(g.dp_cp_group),
+                    idx=[g.tp_rank, g.dp_rank, g.cp_rank, g.pp_rank, g.dp])
 
     os.environ["MEGASSM_PROCESS_GROUPS"] = "megatron"
     seen = []
@@ -212,6 +213,7 @@ def layout_worker(rank, world, layouts, out_path):
         tp_groups, dp_groups = rank_layout(world, tp, cp, pp)
         assert m["tp"] in tp_groups and m["dp"] in dp_groups, m
         assert m["cp"] in cp_layout(world, tp, cp, pp) and m["pp"] in pp_layout(world, tp, cp, pp), m
+        assert m["dp_cp"] in dp_cp_layout(world, tp, cp, pp) and (cp > 1 or m["dp_cp"] == m["dp"]), m
         seen.append(dict(layout=[tp, cp, pp], **m))
     if rank == 0:
         with open(out_path, "w") as f:

@@ -109,6 +109,10 @@ def test_every_key_documented():
     (["train.activation_checkpointing_blocks=4"], "needs train.activation_checkpointing=true"),
     (["train.activation_checkpointing=true", "train.activation_checkpointing_blocks=-1"], "must be >= 0"),
     (["train.activation_checkpointing=true", "train.activation_checkpointing_blocks=5"], "more than the model's 4 blocks"),
+    (["train.activation_checkpointing_keep=sum"], "train.activation_checkpointing_keep=sum needs "
+                                                  "train.activation_checkpointing=true"),
+    (["train.activation_checkpointing=true", "train.activation_checkpointing_keep=both"],
+     "train.activation_checkpointing_keep must be pair or sum, got 'both'"),
 ])
 def test_activation_checkpointing_blocks_is_checked(over, match):
     with pytest.raises(ConfigError, match=match):

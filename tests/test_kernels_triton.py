@@ -83,6 +83,7 @@ def test_opcheck_custom_ops(torch_mode):
     torch.library.opcheck(ops.gated_rmsnorm_op, (x, torch.randn(2, 5, 3), torch.randn(3), 1, 1e-5, False),
                           test_utils=tests)
     torch.library.opcheck(ops.rmsnorm_op, (x, torch.randn(3), 1e-5), test_utils=tests)
+    torch.library.opcheck(ops.rmsnorm_op, (x, torch.randn(3), 1e-5, torch.bfloat16), test_utils=tests)
     torch.library.opcheck(ops.add_rmsnorm_op, (x, torch.randn(2, 5, 3), torch.randn(3), 1e-5), test_utils=tests)
     torch.library.opcheck(ops.swiglu_op, (x, torch.randn(2, 5, 3)), test_utils=tests)
     torch.library.opcheck(ops.cross_entropy_op, (torch.randn(4, 7), torch.tensor([1, -100, 6, 0]), -100),
@@ -243,6 +244,37 @@ def test_rmsnorm_and_add_rmsnorm_triton(triton_mode):
         torch.testing.assert_close(outs[0][1], outs[1][1])
         for u, v in zip(outs[0], outs[1]):
             assert rel(u, v) < 1e-2  # bf16 output rounding feeds every gradient here
+
+
+@needs_triton
+def test_rmsnorm_of_the_sum_matches_the_fused_add(triton_mode):
+    """Activation checkpointing's keep=sum (parallel/checkpointing.py): summed = residual + hidden (fp32), then
+    rmsnorm(summed, out_dtype=bf16), against the fused add_rmsnorm(hidden, residual): the same normed output in
+    bf16 (one rounding of the same fp32 values), and the same gradients of hidden, residual and weight given the
+    normed output's and the residual stream's gradients. The reference path with out_dtype as well."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 5, 40, generator=g).to(DEV, torch.bfloat16)
+    residual = torch.randn(2, 5, 40, generator=g).to(DEV)
+    w = torch.randn(40, generator=g).to(DEV)
+    do = torch.randn(2, 5, 40, generator=g).to(DEV, torch.bfloat16)
+    dres = torch.randn(2, 5, 40, generator=g).to(DEV)
+    results = []
+    for fused, lib in ((True, K), (False, K), (False, R)):
+        h, r, ww = (t.clone().requires_grad_(True) for t in (hidden, residual, w))
+        if fused:
+            normed, summed = lib.add_rmsnorm(h, r, ww)
+        else:
+            summed = r + h
+            normed = lib.rmsnorm(summed, ww, 1e-5, torch.bfloat16)
+        assert normed.dtype == torch.bfloat16 and summed.dtype == torch.float32
+        grads = torch.autograd.grad((normed.float() * do.float()).sum() + (summed * dres).sum(), (h, r, ww))
+        results.append((normed, summed) + grads)
+    for other in results[1:]:
+        torch.testing.assert_close(other[1], results[0][1], rtol=0, atol=0)  # the same fp32 add
+        assert (other[0].float() - results[0][0].float()).abs().max() <= 1e-2 * results[0][0].float().abs().max()
+        for u, v in zip(other[2:], results[0][2:]):
+            assert rel(u, v) < 1e-2
+    assert K.rmsnorm(residual, w, 1e-5, torch.float32).dtype == torch.float32  # the input's dtype: the plain op
 
 
 @needs_triton

@@ -85,6 +85,34 @@ def test_checkpointing_some_blocks_falls_between_none_and_all():
     assert some[0] - some[1] == pytest.approx(none - some[0], rel=1e-6)
 
 
+def test_checkpointing_that_keeps_the_sum_holds_a_third_less():
+    """train.activation_checkpointing_keep=sum: each checkpointed block holds its fp32 sum (4 bytes an element)
+    instead of the bf16 hidden + fp32 residual (6): the forward-end activations fall by exactly blocks x tokens x
+    d_model x 2 bytes (mamba2-1.3b, 48 blocks, a CP 4 rank of 512K tokens: 24 GiB), nothing else changes."""
+    over = ("parallel.world_size=4", "parallel.cp=4", "train.seq_len=524288", "train.micro_batch=1",
+            "train.global_batch=1", "train.activation_checkpointing=true", "train.loss_chunk_tokens=8192")
+    pair = memory.estimate(_cfg("configs/mamba2-1.3b.yaml", *over), bf16=True)["ranks"][0]
+    summ = memory.estimate(_cfg("configs/mamba2-1.3b.yaml", *over, "train.activation_checkpointing_keep=sum"),
+                           bf16=True)["ranks"][0]
+    assert pair["activations"] - summ["activations"] == 48 * (524288 // 4) * 2048 * 2
+    assert pair["peak"] - summ["peak"] == 48 * (524288 // 4) * 2048 * 2
+    assert {k: v for k, v in pair.items() if k not in ("activations", "peak")} == \
+        {k: v for k, v in summ.items() if k not in ("activations", "peak")}
+
+
+def test_zero1_with_context_parallelism_shards_over_dp_x_cp():
+    """parallel.zero_stage=1 with CP shards the AdamW states over DP x CP (parallel/zero.py), also at DP 1 where no
+    other engine is built: the optimizer term is 1/(dp x cp) of the unsharded one; weights and gradients stay."""
+    over = ("parallel.world_size=4", "train.seq_len=65536", "train.micro_batch=1", "train.activation_checkpointing=true")
+    plain = memory.estimate(_cfg("configs/mamba2-1.3b.yaml", *over, "parallel.cp=4", "train.global_batch=1"),
+                            bf16=True)["ranks"][0]
+    for layout in (("parallel.cp=4", "train.global_batch=1"), ("parallel.cp=2", "train.global_batch=2")):
+        z = memory.estimate(_cfg("configs/mamba2-1.3b.yaml", *over, *layout, "parallel.zero_stage=1"),
+                            bf16=True)["ranks"][0]
+        assert z["optimizer"] == pytest.approx(plain["optimizer"] / 4, rel=1e-9), layout
+        assert (z["weights"], z["grads"]) == (plain["weights"], plain["grads"])
+
+
 def test_fp8_weight_operands_are_held_through_the_optimizer_step():
     """train.fp8 with one process keeps each FP8 Linear's E4M3 weight and its transpose between steps (2 bytes a
     parameter: FP8WeightCache), so the optimizer step holds them beside the weights, gradients and AdamW states:

@@ -73,12 +73,13 @@ def test_tp2_x_cp2_matches_single_device(tmp_path, sp):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+@pytest.mark.parametrize("checkpointing", [False, True, "sum"], ids=["plain", "checkpointing", "checkpointing-sum"])
 def test_cp2_with_triton_kernels_interpreted(tmp_path, monkeypatch, checkpointing):
     """The Triton SSD / conv / read-out kernels (Triton's CPU interpreter) under CP: the local SSD without an
     initial state, its final state and that state's gradient, seq_idx with global ids, the halo's gradient added
     into the conv's gradient block; with activation checkpointing the blocks are found by the recomputed pieces'
-    memory. One Mamba layer: ~25 s each."""
+    memory (keeping the block inputs, or their fp32 sum: the Triton norm with its output in the hidden's dtype).
+    One Mamba layer: ~25 s each."""
     monkeypatch.setenv("MEGASSM_KERNELS", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     out = tmp_path / "report.json"
@@ -133,6 +134,25 @@ def test_torchrun_cp2_matches_single_process_and_resumes_at_cp1(single, tmp_path
                          ids=["cp2-dp2-zero1", "tp2-cp2"])
 def test_torchrun_cp2_on_4_ranks(single, tmp_path, extra):
     assert _close(_run(tmp_path / "par", nproc=4, extra=extra), single)
+
+
+def test_torchrun_cp2_zero1_shards_over_the_cp_ranks(single, tmp_path):
+    """ZeRO-1 at DP 1 x CP 2: the AdamW states are sharded over the 2 CP ranks (Megatron's distributed optimizer
+    over DP x CP; the CP ranks hold the same parameters and, after the CP sum, the same gradients): the
+    single-process losses, and its checkpoint (the states gathered over the CP ranks) resumes at CP 1 exactly."""
+    from multiproc import ROOT, launch
+
+    run = tmp_path / "cp2-zero1"
+    r = launch(ROOT, ["--config", "configs/tiny.yaml", *TINY, f"run.dir={run}", "parallel.cp=2",
+                      "parallel.zero_stage=1", "run.save_interval=2"], 2)
+    assert r.returncode == 0, r.stderr[-5000:]
+    assert "ZeRO-1 shards the AdamW states over the 2 CP ranks" in r.stderr, r.stderr[-3000:]
+    assert "flat buffer(s) over 2 ranks" in r.stderr, r.stderr[-3000:]
+    with open(run / "metrics.jsonl") as f:
+        got = {d["step"]: d["loss"] for d in map(json.loads, f) if "loss" in d}
+    assert sorted(got) == [1, 2, 3, 4] and _close(got, single), (got, single)
+    resumed = _run(tmp_path / "r", extra=["run.save_interval=2"], resume=run / "checkpoints" / "step_00000002")
+    assert _close(resumed, {s: single[s] for s in (3, 4)}), (resumed, single)
 
 
 def test_torchrun_tp2_sp_cp2_bptt_chunked_loss(tmp_path):
@@ -196,11 +216,13 @@ def test_local_slice_and_single_rank_noop():
     assert apply_context_parallel(model, None) is model and not hasattr(model, "cp_plan")
 
 
+@pytest.mark.parametrize("keep", ["pair", "sum"])
 @pytest.mark.parametrize("n_blocks", [0, 2])
-def test_activation_checkpointing_same_gradients(n_blocks):
+def test_activation_checkpointing_same_gradients(n_blocks, keep):
     """train.activation_checkpointing: per-block torch.utils.checkpoint gives the same loss, gradients and
     final states as the plain model (and keeps states flowing through the checkpointed blocks); with
-    train.activation_checkpointing_blocks=2 only the first two blocks recompute."""
+    train.activation_checkpointing_blocks=2 only the first two blocks recompute; keep=sum (the blocks keep the
+    fp32 residual sum) computes the same."""
     from megassm.models import build_model
     from megassm.parallel.checkpointing import apply_activation_checkpointing
     from cp_cases import cp_batch
@@ -213,7 +235,7 @@ def test_activation_checkpointing_same_gradients(n_blocks):
         m = build_model(cfg)
         m.init_weights(3)
         if ckpt:
-            apply_activation_checkpointing(m, n_blocks)
+            apply_activation_checkpointing(m, n_blocks, keep=keep)
         b = cp_batch(cfg.vocab_size)
         out = m(b["tokens"], seq_idx=b["seq_idx"], labels=b["labels"], return_states=True)
         (out.loss + out.states[0].ssm.square().sum()).backward()
@@ -225,6 +247,38 @@ def test_activation_checkpointing_same_gradients(n_blocks):
     assert torch.equal(o0.states[0].ssm, o1.states[0].ssm) and torch.equal(o0.states[1].k, o1.states[1].k)
     for (n, p0), p1 in zip(m0.named_parameters(), m1.parameters()):
         assert torch.allclose(p0.grad, p1.grad, rtol=1e-6, atol=1e-9), n
+
+
+@pytest.mark.parametrize("keep", ["pair", "sum"])
+def test_what_a_checkpointed_block_keeps(keep):
+    """After the forward (before the backward), keep=pair holds every block's mixer output (the next block's
+    checkpoint input, beside the fp32 residual); keep=sum frees it: only the fp32 sum residual + hidden stays,
+    what the next block's recomputation starts from. Under bf16 autocast, as in training (the hidden bf16, the
+    sum a new fp32 tensor). An unknown keep is refused by name."""
+    import weakref
+
+    from megassm.models import build_model
+    from megassm.parallel.checkpointing import apply_activation_checkpointing
+    from cp_cases import cp_batch
+    from parallel_cases import tiny_model_config
+
+    cfg = tiny_model_config("M*M-")
+    m = build_model(cfg)
+    m.init_weights(0)
+    apply_activation_checkpointing(m, keep=keep)
+    refs = []
+    for layer in m.layers.values():
+        layer.register_forward_hook(lambda mod, args, out: refs.append(weakref.ref(out[0])))
+    b = cp_batch(cfg.vocab_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = m(b["tokens"], seq_idx=b["seq_idx"], labels=b["labels"]).loss
+    hidden = [r() for r in refs[:-1]]  # the last block's output feeds the final norm, outside any checkpoint
+    assert all(h is None or h.dtype == torch.bfloat16 for h in hidden)
+    assert [h is not None for h in hidden] == [keep == "pair"] * (len(m.layers) - 1)
+    loss.backward()
+    assert all(p.grad is not None for p in m.parameters())
+    with pytest.raises(ValueError, match="keep must be one of pair, sum, got 'both'"):
+        apply_activation_checkpointing(build_model(cfg), keep="both")
 
 
 def test_state_readout_gradcheck_and_bf16():

@@ -96,7 +96,7 @@ def test_check_supported_allows_tp_cp_pp(monkeypatch):
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
 def test_megatron_groups_on_gloo_match_layout(tmp_path):
     """megatron-core parallel_state builds every group over gloo (4 ranks), and for each layout they are the
-    groups of the plain builder (tp, dp, cp, pp and the embedding groups, ranks and indices), laid out
+    groups of the plain builder (tp, dp, cp, pp, DP x CP and the embedding groups, ranks and indices), laid out
     tp-cp-dp-pp. The rest of the CPU suite builds its groups with the plain builder (conftest.py); a few tests
     go through megatron-core end to end (megatron_groups)."""
     from parallel_cases import layout_worker
@@ -109,6 +109,8 @@ def test_megatron_groups_on_gloo_match_layout(tmp_path):
     # rank 0's groups, by hand for two layouts: tp2 x dp2, and tp2 x pp2 (a pipeline is ranks {0, 2})
     assert rec["layouts"][0]["tp"] == [0, 1] and rec["layouts"][0]["dp"] == [0, 2]
     assert rec["layouts"][4]["pp"] == [0, 2] and rec["layouts"][4]["emb"] == [0, 2]
+    # ZeRO-1's DP x CP group (Megatron's data-parallel group with context parallel): cp2 x dp2, tp2 x cp2
+    assert rec["layouts"][1]["dp_cp"] == [0, 1, 2, 3] and rec["layouts"][3]["dp_cp"] == [0, 2]
 
 
 @pytest.mark.parametrize("autocast", [False, True])

@@ -25,13 +25,14 @@ def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
 
 
-def rmsnorm(x, weight, eps=1e-5):
-    """x / rms(x) * weight over the last dim. weight may be None (no affine)."""
+def rmsnorm(x, weight, eps=1e-5, out_dtype=None):
+    """x / rms(x) * weight over the last dim. weight may be None (no affine). out_dtype: the output's dtype
+    (default x.dtype), rounded once from the compute dtype."""
     cdt = _compute_dtype(x)
     out = _rms(x.to(cdt), eps)
     if weight is not None:
         out = out * weight.to(cdt)
-    return out.to(x.dtype)
+    return out.to(x.dtype if out_dtype is None else out_dtype)
 
 
 def gated_rmsnorm(x, z, weight, ngroups=1, eps=1e-5, norm_before_gate=False):

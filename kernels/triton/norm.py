@@ -272,14 +272,14 @@ def _warps(block):
     return max(1, min(16, block // 256))
 
 
-def _gated_fwd(x, z, weight, ngroups, eps, norm_before_gate, mode, ss=None, group_size=None):
+def _gated_fwd(x, z, weight, ngroups, eps, norm_before_gate, mode, ss=None, group_size=None, out_dtype=None):
     shape = x.shape
     d = shape[-1]
     x2 = _strided_rows(x)
     z2 = _strided_rows(z) if z is not None else None
     m = x2.shape[0]
     dg = d // ngroups
-    out = torch.empty(m, d, dtype=x.dtype, device=x.device) if mode != 1 else None
+    out = torch.empty(m, d, dtype=out_dtype or x.dtype, device=x.device) if mode != 1 else None
     if mode == 1:
         ss = torch.empty(m, ngroups, dtype=torch.float32, device=x.device)
     elif mode == 2:
@@ -298,8 +298,8 @@ def _gated_fwd(x, z, weight, ngroups, eps, norm_before_gate, mode, ss=None, grou
     return out.view(shape)
 
 
-def gated_rmsnorm_fwd(x, z, weight, ngroups, eps, norm_before_gate):
-    return _gated_fwd(x, z, weight, ngroups, eps, norm_before_gate, 0)
+def gated_rmsnorm_fwd(x, z, weight, ngroups, eps, norm_before_gate, out_dtype=None):
+    return _gated_fwd(x, z, weight, ngroups, eps, norm_before_gate, 0, out_dtype=out_dtype)
 
 
 def gated_rmsnorm_sumsq(x, z, ngroups, norm_before_gate):

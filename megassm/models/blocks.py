@@ -57,16 +57,25 @@ class Block(nn.Module):
         """Returns (hidden, residual fp32, new state or None). `cp`: the context-parallel context of this
         forward (parallel/cp.py), handed to the mixer; None on one device."""
         normed, residual = self.norm.add_forward(hidden, residual)
+        out, new_state = self._mix(normed, seq_idx, state, return_state, single_doc, cp)
+        return out, residual, new_state
+
+    def forward_summed(self, summed: torch.Tensor, out_dtype: torch.dtype, seq_idx: torch.Tensor | None = None,
+                       state=None, return_state: bool = False, single_doc: bool | None = None, cp=None):
+        """The block from the residual already summed (residual + hidden, fp32), its norm's output in `out_dtype`
+        (the hidden's dtype): what forward computes after its add. Returns (hidden, new state or None).
+        Activation checkpointing's one-tensor boundary (parallel/checkpointing.py)."""
+        return self._mix(self.norm(summed, out_dtype), seq_idx, state, return_state, single_doc, cp)
+
+    def _mix(self, normed, seq_idx, state, return_state, single_doc, cp):
         kw = {} if cp is None else {"cp": cp}
         if block_kind(self.kind).single_doc_hint:  # attention: the batch's single-document hint skips the doc mask
-            out, new_state = self.mixer(
+            return self.mixer(
                 normed, seq_idx=seq_idx, state=state, return_state=return_state, single_doc=single_doc, **kw
             )
-        elif self.has_state:
-            out, new_state = self.mixer(normed, seq_idx=seq_idx, state=state, return_state=return_state, **kw)
-        else:
-            out, new_state = self.mixer(normed), None
-        return out, residual, new_state
+        if self.has_state:
+            return self.mixer(normed, seq_idx=seq_idx, state=state, return_state=return_state, **kw)
+        return self.mixer(normed), None
 
     def step(self, hidden: torch.Tensor, residual: torch.Tensor | None, state=None):
         """One token: hidden [B, d_model]. Returns (hidden, residual fp32, new state or None)."""

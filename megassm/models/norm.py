@@ -18,8 +18,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=torch.float32))
         self.init_rules = {"weight": InitRule("ones", no_wd=True)}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rmsnorm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return kernels.rmsnorm(x, self.weight, self.eps, out_dtype)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None):
         """Fused residual add + norm: (normed in x.dtype, new fp32 residual = residual + x)."""

@@ -15,8 +15,9 @@ optimizer steps, and how the states reach the canonical checkpoint.
              with several windows per backward (DDP wants one forward per backward), and under
              train.cuda_graph (DDP's hooks cannot be replayed), the gradients are averaged after the step's
              backward by bucketed all-reduces (parallel/dp.py) instead (logged). parallel.zero_stage=1 shards the
-             AdamW states over the DP group (parallel/zero.py: Megatron's distributed optimizer), composing
-             with TP, CP, PP, BPTT and CUDA graphs.
+             AdamW states over the DP group, and with cp > 1 over DP x CP (parallel/zero.py: Megatron's
+             distributed optimizer; also at DP 1, over the CP ranks), composing with TP, CP, PP, BPTT and CUDA
+             graphs.
   fsdp2      torch fully_shard per residual block + the root: the matmul weights, their gradients and
              AdamW states sharded over the DP group (ZeRO-3), all-gathered in bf16 under bf16 training
              (MixedPrecisionPolicy; no autocast weight casts), gradients reduce-scattered in fp32 after every
@@ -178,7 +179,13 @@ class DDPEngine(Engine):
         if cfg.parallel.zero_stage == 1:  # before DDP: the parameters become views of the flat buffers
             from .zero import FlatParams
 
-            self.flat = FlatParams(model.parameters(), groups.dp_group)
+            # over DP x CP (Megatron's distributed optimizer): the CP ranks hold the same parameters and, after
+            # the CP sum, the same gradients, so each steps 1/(dp x cp) of them
+            self.flat = FlatParams(model.parameters(), groups.dp_cp_group if groups.cp > 1 else groups.dp_group)
+        if groups.dp == 1:  # ZeRO-1 over the CP ranks alone: no DP gradient average
+            self.overlapped = False
+            log.info("engine ddp: one DP rank; ZeRO-1 shards the AdamW states over the %d CP ranks", groups.cp)
+            return
         self.overlapped = groups.pp == 1 and not cfg.train.bptt and not cfg.train.cuda_graph
         if not self.overlapped:
             why = ("pipeline stages run by the schedule" if groups.pp > 1 else "BPTT windows share one backward"
@@ -229,6 +236,8 @@ def build_engine(cfg: Config, model, groups: ParallelGroups, device: torch.devic
     checkpointing). One data-parallel rank: the plain Engine whatever the setting (logged)."""
     check_engine(cfg)
     name = cfg.parallel.engine
+    if groups.dp == 1 and name == "ddp" and cfg.parallel.zero_stage == 1 and groups.cp > 1:
+        return DDPEngine(model, groups, cfg, device)  # ZeRO-1 over the CP ranks
     if groups.dp == 1:
         if name != "ddp" or cfg.parallel.zero_stage:
             log.info("parallel.engine=%s (zero_stage %d) with one data-parallel rank: nothing to shard; plain "

@@ -74,7 +74,8 @@ def prepare_model(model, groups: ParallelGroups, cfg):
     if cfg.train.activation_checkpointing:
         from .checkpointing import apply_activation_checkpointing
 
-        apply_activation_checkpointing(model, cfg.train.activation_checkpointing_blocks)
+        apply_activation_checkpointing(model, cfg.train.activation_checkpointing_blocks,
+                                       keep=cfg.train.activation_checkpointing_keep)
     return model
 
 

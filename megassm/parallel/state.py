@@ -50,6 +50,9 @@ class ParallelGroups:
     pp_group: object = None  # pipeline parallel: the ranks holding the stages of one model replica (parallel/pp.py)
     emb_group: object = None  # pp > 1, first and last pipeline rank only: the tied-embedding gradient sum
     megatron: bool = False  # built through megatron.core.parallel_state
+    # the ranks holding the same parameters across DP and CP (the DP group when cp = 1): ZeRO-1 shards over it,
+    # as Megatron's distributed optimizer does (parallel/zero.py)
+    dp_cp_group: object = None
 
     @property
     def is_distributed(self) -> bool:
@@ -170,7 +173,7 @@ def build_groups(tp: int = 1, cp: int = 1, pp: int = 1) -> ParallelGroups:
         pp_rank=ps.get_pipeline_model_parallel_rank(), pp_group=ps.get_pipeline_model_parallel_group(),
         emb_group=(ps.get_embedding_group(check_initialized=False)
                    if pp > 1 and ps.is_rank_in_embedding_group() else None),
-        megatron=True,
+        megatron=True, dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
     ), "megatron-core parallel_state")
 
 
@@ -200,6 +203,14 @@ def cp_layout(world: int, tp: int, cp: int = 1, pp: int = 1) -> list:
             for p_ in range(pp) for d in range(dp) for t in range(tp)]
 
 
+def dp_cp_layout(world: int, tp: int, cp: int = 1, pp: int = 1) -> list:
+    """The DP x CP groups (lists of global ranks, ascending) of the layout in rank_layout: the ranks of one TP
+    rank and one pipeline stage, all of whose parameters are the same."""
+    dp = world // (tp * cp * pp)
+    return [sorted(t + tp * (c + cp * (d + dp * p_)) for d in range(dp) for c in range(cp))
+            for p_ in range(pp) for t in range(tp)]
+
+
 def pp_layout(world: int, tp: int, cp: int = 1, pp: int = 1) -> list:
     """Pipeline groups (lists of global ranks, stage order) of the layout in rank_layout."""
     dp = world // (tp * cp * pp)
@@ -224,6 +235,12 @@ def _build_groups_torch(tp: int, cp: int, pp: int) -> ParallelGroups:
         g = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             my_cp, cp_ranks = g, ranks
+    my_dp_cp = my_dp
+    if cp > 1:
+        for ranks in dp_cp_layout(ws, tp, cp, pp):
+            g = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                my_dp_cp = g
     my_pp = my_emb = None
     for ranks in pp_layout(ws, tp, cp, pp):
         g = dist.new_group(ranks, timeout=timeout)
@@ -237,7 +254,8 @@ def _build_groups_torch(tp: int, cp: int, pp: int) -> ParallelGroups:
     return ParallelGroups(tp=tp, cp=cp, pp=pp, dp=len(dp_ranks), tp_rank=tp_ranks.index(rank),
                           dp_rank=dp_ranks.index(rank), rank=rank, world_size=ws, tp_group=my_tp,
                           dp_group=my_dp, cp_rank=cp_ranks.index(rank), cp_group=my_cp,
-                          pp_rank=pp_ranks.index(rank), pp_group=my_pp, emb_group=my_emb, megatron=False)
+                          pp_rank=pp_ranks.index(rank), pp_group=my_pp, emb_group=my_emb, megatron=False,
+                          dp_cp_group=my_dp_cp)
 
 
 # objects whose release() must run before the process groups are destroyed: CUDA graphs holding captured NCCL

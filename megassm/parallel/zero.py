@@ -1,6 +1,9 @@
 """ZeRO-1 for the ddp engine (`parallel.engine=ddp parallel.zero_stage=1`): the AdamW states sharded over
 the data-parallel group, composing with tensor, context and pipeline parallelism (Megatron's distributed
-optimizer; DeepSpeed's ZeRO and FSDP2 shard over a pure DP layout only, docs/parallelism.md "Engines").
+optimizer; DeepSpeed's ZeRO and FSDP2 shard over a pure DP layout only, docs/parallelism.md "Engines"). With
+context parallelism the group is DP x CP (`groups.dp_cp_group`, Megatron's data-parallel group "with context
+parallel"): the CP ranks hold the same parameters and, after the CP gradient sum, the same gradients, so they
+split the states too (at CP 4, 1/4 of AdamW's 8 bytes a parameter per rank, even at DP 1).
 
     flat = FlatParams(model.parameters(), groups.dp_group)       # before DDP: params become views of one buffer
     opt = ShardedAdamW(build_optimizer(...), flat)               # AdamW over this rank's slice of the buffer
@@ -72,7 +75,7 @@ class FlatParams:
                 off += k
             self.buffers.append((flat, shard, layout))
         owned = sum(b - a for _, a, b in self.pieces)
-        log.info("ZeRO-1: %d parameters in %d flat buffer(s) over %d DP ranks; this rank owns %.3fM elements "
+        log.info("ZeRO-1: %d parameters in %d flat buffer(s) over %d ranks; this rank owns %.3fM elements "
                  "(%d pieces) and their AdamW states", len(self.params), len(self.buffers), self.dp, owned / 1e6,
                  len(self.pieces))
 

@@ -215,9 +215,10 @@ def head_bytes(vocab_local: int, a: int, fused: bool = False) -> int:
     return 2 * a * vocab_local if fused else (a + 8) * vocab_local
 
 
-def checkpointed_bytes(a: int, d: int, sp_tp: int = 1) -> int:
-    """Per token and block under activation checkpointing: the block's inputs (hidden + fp32 residual)."""
-    return (a + 4) * d // sp_tp
+def checkpointed_bytes(a: int, d: int, sp_tp: int = 1, keep: str = "pair") -> int:
+    """Per token and block under activation checkpointing: the block's inputs (hidden + fp32 residual), or with
+    train.activation_checkpointing_keep=sum their fp32 sum alone (parallel/checkpointing.py)."""
+    return (4 if keep == "sum" else a + 4) * d // sp_tp
 
 
 def inflight_microbatches(schedule: str, pp: int, virtual: int, rank: int, n_micro: int) -> float:
@@ -331,9 +332,11 @@ def estimate(cfg: Config, vocab: int | None = None, bf16: bool | None = None, do
     accum = t.global_batch // (t.micro_batch * dp)
     tokens = t.micro_batch * t.seq_len // p.cp  # per micro-batch on one rank
     sp_tp = p.tp if p.sp else 1
-    # one data-parallel rank: build_engine builds no engine whatever parallel.engine says (plain fp32 stepping)
-    engine, stage = (p.engine, p.zero_stage) if dp > 1 else ("ddp", 0)
-    eb = engine_bytes(engine, stage, bf16, dp)
+    # one data-parallel rank: build_engine builds no engine whatever parallel.engine says (plain fp32 stepping),
+    # except ZeRO-1 with CP, which shards over the CP ranks; ZeRO-1 shards over DP x CP (parallel/zero.py)
+    zero1_cp = p.engine == "ddp" and p.zero_stage == 1 and p.cp > 1
+    engine, stage = (p.engine, p.zero_stage) if dp > 1 or zero1_cp else ("ddp", 0)
+    eb = engine_bytes(engine, stage, bf16, dp * p.cp if zero1_cp else dp)
     gather_dtype = None  # fsdp2: bytes of a gathered weight element
     if engine == "fsdp2":
         gather_dtype = 2 if bf16 and p.fsdp_param_dtype != "fp32" else 4
@@ -382,7 +385,7 @@ def estimate(cfg: Config, vocab: int | None = None, bf16: bool | None = None, do
         # which of this rank's blocks recompute (train.activation_checkpointing_blocks: the first N; 0: all)
         n_ck = (t.activation_checkpointing_blocks or len(blocks)) if t.activation_checkpointing else 0
         ac = [k < n_ck for k in range(len(blocks))]
-        ck = checkpointed_bytes(a, m.d_model, sp_tp) * tokens
+        ck = checkpointed_bytes(a, m.d_model, sp_tp, t.activation_checkpointing_keep) * tokens
         saved = [(ck if ac[k] else b.act) * inflight for k, b in enumerate(blocks)]
         cast = [2.0 * b.matmul if autocast_copies else 0.0 for b in blocks]
         block_grads = [eb["grads"] * b.params for b in blocks]
