@@ -193,7 +193,8 @@ def layout_worker(rank, world, layouts, out_path):
     plain builder's are the same groups (tp, dp, cp, pp, embedding: ranks and this rank's indices) and follow
     state.rank_layout / cp_layout / pp_layout. What lets the CPU suite build its groups with the plain builder.
     Rank 0 writes the megatron-core groups it saw, per layout, to out_path."""
-    from megassm.parallel.state import _build_groups_torch, build_groups, cp_layout, dp_cp_layout, pp_layout, rank_layout
+    from megassm.parallel.state import (_build_groups_torch, build_groups, cp_layout, dp_cp_layout, pp_layout,
+                                        rank_layout)
 
     def ranks(g):
         return dist.get_process_group_ranks(g) if g is not None else None

@@ -103,7 +103,8 @@ def test_checkpointing_that_keeps_the_sum_holds_a_third_less():
 def test_zero1_with_context_parallelism_shards_over_dp_x_cp():
     """parallel.zero_stage=1 with CP shards the AdamW states over DP x CP (parallel/zero.py), also at DP 1 where no
     other engine is built: the optimizer term is 1/(dp x cp) of the unsharded one; weights and gradients stay."""
-    over = ("parallel.world_size=4", "train.seq_len=65536", "train.micro_batch=1", "train.activation_checkpointing=true")
+    over = ("parallel.world_size=4", "train.seq_len=65536", "train.micro_batch=1",
+            "train.activation_checkpointing=true")
     plain = memory.estimate(_cfg("configs/mamba2-1.3b.yaml", *over, "parallel.cp=4", "train.global_batch=1"),
                             bf16=True)["ranks"][0]
     for layout in (("parallel.cp=4", "train.global_batch=1"), ("parallel.cp=2", "train.global_batch=2")):
