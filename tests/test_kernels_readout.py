@@ -36,16 +36,20 @@ def _run(y, C, h, w, dout):
 
 
 @needs_triton
-@pytest.mark.parametrize("split", [False, True], ids=["whole", "partial-sums"])
+@pytest.mark.parametrize("split", ["whole", "partial-sums", "uneven"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_readout_kernels_match_the_torch_path(triton_mode, monkeypatch, dtype, split):
-    """split: one head and one token block per backward program, so dC and dh are sums of partial results."""
-    if split:
-        from megassm.kernels.triton import readout as tr
+    """partial-sums: one head and one token block per program, so dC and dh are sums of partial results;
+    uneven: 3 heads a group, 2 per dC program (the second program of a group takes the one left)."""
+    from megassm.kernels.triton import readout as tr
 
+    if split == "partial-sums":
         monkeypatch.setattr(tr, "HEADS_PER_PROGRAM", 1)
         monkeypatch.setattr(tr, "BLOCKS_PER_PROGRAM", 1)
-    case = _case(dtype)
+    elif split == "uneven":
+        monkeypatch.setattr(tr, "HEADS_PER_PROGRAM", 2)
+        monkeypatch.setattr(tr, "BLOCKS_PER_PROGRAM", 1)
+    case = _case(dtype, H=6 if split == "uneven" else 4)
     got = _run(*case)
     monkeypatch.setenv("MEGASSM_KERNELS", "torch")
     want = _run(*case)
