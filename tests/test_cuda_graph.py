@@ -244,7 +244,7 @@ _C10D_OPS = ("allreduce_", "_allgather_base_", "_reduce_scatter_base_", "allgath
 
 def _tp_capture_safe_worker(rank, world, sp, pattern):
     """One TP rank (gloo): the TP model's capture-safe forward + backward under _NoHostReads. Returns the c10d
-    collectives the mode saw (the check covers the TP regions too)."""
+    collectives the mode saw."""
     from megassm.parallel.state import build_groups
     from megassm.parallel.tp import apply_tensor_parallel
 
@@ -255,6 +255,14 @@ def _tp_capture_safe_worker(rank, world, sp, pattern):
     sid = torch.zeros(2, 16, dtype=torch.int32)
     sid[0, 5:] += 1
     sid[1, 9:] += 1
+    return _collectives_of_a_capture_safe_step(model, tok, sid)
+
+
+def _collectives_of_a_capture_safe_step(model, tok, sid) -> list[str]:
+    """One rank's forward + backward under _NoHostReads: first without capture_safe, which must read the
+    single-document hint on the host (the check is live in this process; every rank fails at the same point,
+    after the embedding's collective, so the ranks stay paired), then with it, which must read nothing. Returns
+    the c10d collectives the mode saw (the check covers the parallel regions too)."""
     seen = []
 
     class Mode(_NoHostReads):
@@ -262,8 +270,6 @@ def _tp_capture_safe_worker(rank, world, sp, pattern):
             seen.append(func.overloadpacket.__name__)
             return super().__torch_dispatch__(func, types, args, kwargs)
 
-    # the check is live in this process: without capture_safe the single-document hint is read on the host
-    # (on every rank at the same point, after the embedding's collective, so the ranks stay paired)
     with pytest.raises(AssertionError, match="host read"):
         with pytest.MonkeyPatch.context() as m:
             _forbid_host_reads(m)
@@ -316,28 +322,7 @@ def _cp_capture_safe_worker(rank, world, pattern, tp, ckpt):
     sid[1, 9:] += 1
     sid[1, 20:] += 1
     tok, sid = local_slice(tok, groups.cp_group), local_slice(sid, groups.cp_group)
-    seen = []
-
-    class Mode(_NoHostReads):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(func.overloadpacket.__name__)
-            return super().__torch_dispatch__(func, types, args, kwargs)
-
-    # live here too: without capture_safe the single-document hint is read on the host (every rank, same point)
-    with pytest.raises(AssertionError, match="host read"):
-        with pytest.MonkeyPatch.context() as m:
-            _forbid_host_reads(m)
-            with Mode():
-                model(tok, seq_idx=sid, labels=tok)
-    model.capture_safe = True
-    seen.clear()
-    with pytest.MonkeyPatch.context() as m:
-        _forbid_host_reads(m)
-        with Mode():
-            out = model(tok, seq_idx=sid, labels=tok)
-            out.loss.backward()
-    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
-    return sorted({n for n in seen if n in _C10D_OPS})
+    return _collectives_of_a_capture_safe_step(model, tok, sid)
 
 
 @pytest.mark.parametrize("world, tp, ckpt", [(2, 1, False), (2, 1, True), (4, 2, True)],
