@@ -206,7 +206,8 @@ def test_dry_run_checks_the_gpu_job_on_a_cpu_machine(capsys, monkeypatch):
                                           ("configs/recipes/hybrid-7b-1node-4gpu.yaml", 4),
                                           ("configs/recipes/hybrid-7b-1node-4gpu-deepspeed.yaml", 4),
                                           ("configs/recipes/mamba2-7b-1node-4gpu.yaml", 4),
-                                          ("configs/recipes/hybrid-7b-4node.yaml", 32)])
+                                          ("configs/recipes/hybrid-7b-4node.yaml", 32),
+                                          ("configs/recipes/mamba2-1.3b-512k-cp4.yaml", 4)])
 def test_recipes_are_accepted_layouts_that_fit(recipe, world, monkeypatch):
     """The docs/launch.md recipes: valid at their world size, accepted by the trainer, and leaving at least 6 GiB
     of an 80 GB card (79.1 GiB as torch counts it) beside the estimate and ~1 GiB of context (the 7B layouts'
