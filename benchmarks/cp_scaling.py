@@ -40,9 +40,11 @@ by kernel family, the GPU's busy and idle time of one more step (the trainer's S
 --cuda-graph: each step's forward + backward is one CUDA graph replay (the trainer's GraphedMicroBatch, as with
 train.cuda_graph=true; CP's collectives inside the graph, its gradient sum after): the eager CP step launches
 ~3x CP 1's kernels and is host-bound at 64K. The graph is released before the eager gradient-sum timing.
---zero1: the AdamW states sharded as parallel.zero_stage=1 shards them (parallel/zero.py): a CP row over its CP
-group (the DP x CP group of a run without DP), the CP 1 baseline over the world, as ZeRO-1 over DP would (its
-ranks' gradients are not averaged here: the row measures time and memory, not training).
+--zero1: the distributed optimizer of parallel.zero_stage=1 (parallel/distopt.py): the parameters and their fp32
+gradients in its flat buffers, the AdamW states sharded; a CP row over its CP group (the DP x CP group of a run
+without DP), its gradient sum as the engine runs it (the reduce-scatter over the CP ranks instead of the CP
+all-reduce); the CP 1 baseline over the world, as over DP (its ranks' gradients are not averaged here: the row
+measures time and memory, not training).
 
 Bytes per Mamba-2 layer and rank, forward (the backward moves the same again), B = micro-batch,
 R = cp, L_r = L / R tokens per rank, activations in bf16 (2 bytes), states fp32:
@@ -163,12 +165,14 @@ def run(cfg_path, cp, seq_len, micro, steps, warmup, ckpt, comm_share, overrides
     model.loss_chunk_tokens = cfg.train.loss_chunk_tokens  # override train.loss_chunk_tokens=N: chunked head + loss
     if ckpt:
         apply_activation_checkpointing(model, keep=cfg.train.activation_checkpointing_keep)
-    if ZERO1:  # the AdamW states over the ranks holding the same parameters (parallel/zero.py)
-        from megassm.parallel.zero import FlatParams, ShardedAdamW
+    buffers = None
+    if ZERO1:  # the AdamW states over the ranks holding the same parameters (parallel/distopt.py)
+        from megassm.parallel.distopt import DistributedAdamW, FlatBuffers
 
-        flat = FlatParams(model.parameters(), groups.cp_group if cp > 1 else groups.dp_group)
-        opt = ShardedAdamW(build_optimizer(model.param_groups(0.1), cfg.optim, DEV), flat)
-        row["zero1_ranks"] = flat.dp
+        buffers = FlatBuffers(model.parameters(), groups.cp_group if cp > 1 else groups.dp_group,
+                              int(cfg.parallel.bucket_mb * 2 ** 20), dp=1, overlap=False)
+        opt = DistributedAdamW(build_optimizer(model.param_groups(0.1), cfg.optim, DEV), buffers)
+        row["zero1_ranks"] = buffers.n
     else:
         opt = build_optimizer(model.param_groups(0.1), cfg.optim, DEV)
     vocab = cfg.model.vocab_size
@@ -187,7 +191,7 @@ def run(cfg_path, cp, seq_len, micro, steps, warmup, ckpt, comm_share, overrides
         from megassm.training.cuda_graph import GraphedMicroBatch
 
         model.capture_safe = True  # no host reads inside the captured forward (models/lm.py)
-        graphed = GraphedMicroBatch(list(model.parameters()), fwd_bwd,
+        graphed = GraphedMicroBatch(list(model.parameters()), fwd_bwd, kept_grads=buffers is not None,
                                     collectives=cp > 1 and not FAKE_WORLD)
         row["cuda_graph"] = True
 
@@ -200,7 +204,10 @@ def run(cfg_path, cp, seq_len, micro, steps, warmup, ckpt, comm_share, overrides
             graphed(batch)
         else:
             fwd_bwd(batch)
-        allreduce_cp_grads(list(model.parameters()), groups.cp_group)
+        if buffers is not None and cp > 1:
+            buffers.reduce_scatter()  # the CP sum into each rank's slices, in place
+        else:
+            allreduce_cp_grads(list(model.parameters()), groups.cp_group)
         clip_grad_norm(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -302,7 +309,7 @@ def main() -> None:
                     help="one process as the last rank of K with no-op collectives: a CP rank's compute on one device")
     ap.add_argument("--profile", action="store_true", help="GPU ms of one step by kernel family")
     ap.add_argument("--zero1", action="store_true",
-                    help="AdamW states sharded over the CP group (CP 1: over the world), as parallel.zero_stage=1")
+                    help="the distributed optimizer over the CP group (CP 1: over the world), as parallel.zero_stage=1")
     ap.add_argument("--cuda-graph", action="store_true",
                     help="replay each step's forward + backward from a CUDA graph, as train.cuda_graph=true does")
     ap.add_argument("overrides", nargs="*")

@@ -73,6 +73,16 @@ def test_nccl_engine_bf16_triton_trains_and_resumes(tmp_path, refs, name):
     assert all(abs(again[s] - got[s]) <= 2e-3 * abs(got[s]) for s in (3, 4)), (again, got)
 
 
+def test_nccl_distopt_under_cuda_graphs(tmp_path, refs):
+    """The distributed optimizer under train.cuda_graph on 2 GPUs (one captured graph adding into its gradient
+    buffer, the reduce-scatters after the replays), bf16 + Triton: the losses follow DDP's eager 2-GPU run."""
+    _need("ddp_zero1")
+    ref = refs[1]
+    got = _train(tmp_path / "graph", 2, ["train.precision=bf16", *ENGINES["ddp_zero1"], "train.cuda_graph=true"],
+                 kernels="auto")
+    assert all(abs(got[s] - ref[s]) <= 2e-3 * abs(ref[s]) for s in ref), (got, ref)
+
+
 FSDP2_TP = {
     "fsdp2_tp2": ["parallel.engine=fsdp2", "parallel.tp=2"],
     "fsdp2_tp2_sp": ["parallel.engine=fsdp2", "parallel.tp=2", "parallel.sp=true"],

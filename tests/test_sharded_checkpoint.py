@@ -1,7 +1,8 @@
-"""Sharded checkpoints (run.checkpoint_format=sharded, training/sharded.py): saved at DP 2 under ddp / fsdp2 /
-ZeRO-1 (torchrun, gloo), resumed at DP 1, TP 2 and PP 2 with the losses of the uninterrupted run; the chunk
-geometry; async saves (the snapshot at the step boundary, the write in the background, an interrupted write never
-complete-looking, keep_last sparing it); megassm-checkpoint convert both ways, bit for bit, and its refusals."""
+"""Sharded checkpoints (run.checkpoint_format=sharded, training/sharded.py): saved at DP 2 under ddp / fsdp2 / the
+distributed optimizer (torchrun, gloo), resumed at DP 1, TP 2, PP 2, under another engine and at DP 4 with the
+losses of the uninterrupted run; the chunk geometry; async saves (the snapshot at the step boundary, the write in
+the background, an interrupted write never complete-looking, keep_last sparing it); megassm-checkpoint convert both
+ways, bit for bit, and its refusals."""
 import json
 import os
 import shutil
@@ -41,12 +42,14 @@ def _close(a: dict, b: dict, rel=2e-5):
 # ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("shape", [(7,), (5, 3), (4, 3, 2), ()])
 def test_flat_boxes_tile_any_range(shape):
+    from megassm.parallel.distopt import flat_boxes
+
     n = max(1, int(torch.tensor(shape).prod()) if shape else 1)
     full = torch.arange(n).view(shape)
     for a in range(n):
         for b in range(a + 1, n + 1):
             got, pos = [], a
-            for offs, sizes in sharded_chunks.flat_boxes(shape, a, b):
+            for offs, sizes in flat_boxes(shape, a, b):
                 box = full[tuple(slice(o, o + s) for o, s in zip(offs, sizes))]
                 assert box.reshape(-1).tolist() == list(range(pos, pos + box.numel()))  # contiguous, in order
                 pos += box.numel()
@@ -254,8 +257,9 @@ def test_convert_refusals_name_the_path_and_leave_nothing(inproc, tmp_path, caps
 # ----------------------------------------------------------------------------------------------------
 # several processes (torchrun, gloo): save at DP 2, resume at DP 1 / TP 2 / PP 2
 # ----------------------------------------------------------------------------------------------------
-ENGINES = {"ddp": ["parallel.engine=ddp"], "fsdp2": ["parallel.engine=fsdp2"],
-           "zero1": ["parallel.engine=ddp", "parallel.zero_stage=1"]}
+# the distributed optimizer with 10 buckets: each rank owns slice r of every bucket
+DISTOPT = ["parallel.engine=ddp", "parallel.zero_stage=1", "parallel.bucket_mb=0.02"]
+ENGINES = {"ddp": ["parallel.engine=ddp"], "fsdp2": ["parallel.engine=fsdp2"], "distopt": DISTOPT}
 
 
 _run = partial(train_losses, base=TINY)
@@ -263,12 +267,14 @@ _run = partial(train_losses, base=TINY)
 
 @pytest.mark.parametrize("name,resumes", [
     ("ddp", [(1, []), (2, ["parallel.tp=2"])]),
-    ("fsdp2", [(1, []), (2, ["parallel.tp=2"])]),
-    ("zero1", [(2, ["parallel.pp=2"])]),
+    ("fsdp2", [(1, []), (2, ["parallel.tp=2"]), (4, DISTOPT)]),
+    ("distopt", [(2, ["parallel.pp=2"]), (2, ["parallel.engine=ddp"]), (2, ["parallel.engine=fsdp2"])]),
 ])
 def test_dp2_sharded_checkpoint_resumes_in_other_layouts(name, resumes, tmp_path):
-    """Saved (async) at DP 2 by the engine; the step-2 checkpoint resumed at DP 1 (one process), TP 2 or PP 2
-    continues the uninterrupted DP-2 run's losses (fp32 rounding: the reductions differ by layout), and so does
+    """Saved (async) at DP 2 by the engine; the step-2 checkpoint resumed at DP 1 (one process), TP 2, PP 2, under
+    another engine (the distributed optimizer's slices of every bucket -> plain DDP / FSDP2, FSDP2 -> the
+    distributed optimizer at DP 4) continues the uninterrupted DP-2 run's losses (fp32 rounding: the reductions
+    differ by layout), and so does
     its canonical conversion (megassm-checkpoint) resumed in one process: the layout records the single-device
     optimizer's groups and order (FSDP2's optimizer splits each group in two)."""
     from megassm.checkpoint_cli import main
@@ -310,4 +316,14 @@ def test_fsdp2_tp2_sharded_checkpoint_resumes_and_converts(tmp_path):
     canonical = tmp_path / "canonical"
     assert main(["convert", "--input", path, "--output", str(canonical), "--to", "canonical"]) == 0
     one = _run(tmp_path / "one", resume=canonical)
+    assert _close(one, {s: straight[s] for s in (3, 4)}), (one, straight)
+
+
+def test_distopt_pp2_sharded_checkpoint_resumes_in_one_process(tmp_path):
+    """PP 2 x the distributed optimizer over DP 2 (4 ranks) saves sharded checkpoints: each stage's ranks write the
+    AdamW pieces they own of its buckets (the last stage's copy of the tied embedding none: the first stage's are
+    the canonical tensor's). Resumed in one process, the step-2 checkpoint continues the uninterrupted run's
+    losses."""
+    straight = _run(tmp_path / "straight", nproc=4, extra=DISTOPT + ["parallel.pp=2"] + SHARDED)
+    one = _run(tmp_path / "one", extra=SHARDED, resume=_ckpt(tmp_path / "straight", 2))
     assert _close(one, {s: straight[s] for s in (3, 4)}), (one, straight)

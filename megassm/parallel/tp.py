@@ -67,7 +67,7 @@ from .substitute import substitute
 __all__ = ["Piece", "ShardSpec", "TPPlan", "apply_tensor_parallel", "sync_tp_grads", "clip_grad_norm_tp",
            "grad_norm_tp", "grad_sq_tp", "canonical_state_dict", "load_canonical_state_dict", "gather_canonical",
            "shard_canonical", "state_shard_specs", "optimizer_state_to_canonical", "load_canonical_optimizer_state",
-           "canonical_grads", "plan_of", "local_box", "local_pieces"]
+           "canonical_grads", "plan_of", "local_box", "local_pieces", "box_pieces"]
 
 
 @dataclass(frozen=True)
@@ -434,6 +434,12 @@ def local_pieces(grad: torch.Tensor, spec: ShardSpec):
     for a plain tensor, its rows inside this rank's shard for an FSDP2 DTensor. The TP ranks of one data-parallel
     rank hold shards of equal shapes at equal offsets, so their views of a piece line up."""
     offs, local = local_box(grad)
+    yield from box_pieces(offs, local, spec)
+
+
+def box_pieces(offs: tuple, local: torch.Tensor, spec: ShardSpec):
+    """(piece, view) for each ShardSpec piece that the box `local` of a TP-local tensor, at offsets `offs` in it,
+    holds a part of (local_pieces; the distributed optimizer's flat slices, parallel/distopt.py)."""
     if local.numel() == 0:
         return
     d = spec.dim
@@ -621,7 +627,7 @@ def optimizer_state_to_canonical(optimizer: torch.optim.Optimizer, model: nn.Mod
             continue
         for k, v in list(st.items()):
             if torch.is_tensor(v) and v.shape == p.shape and v.dim() > 0:
-                # .to: a ZeRO-1 optimizer hands its gathered states over on the CPU (parallel/zero.py)
+                # .to: the distributed optimizer hands its gathered states over on the CPU (parallel/distopt.py)
                 st[k] = gather_canonical(v.to(p.device), plan.specs[name], plan).cpu().clone()
     return sd
 

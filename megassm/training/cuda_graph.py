@@ -16,6 +16,9 @@ How the gradients stay right (two graphs, as the eager loop has two cases):
   sharing the first graph's memory pool);
 - the optimizer's `zero_grad(set_to_none=True)` detaches the gradients after each step; begin_step()
   attaches the same tensors again, so the graphs always write where the optimizer reads;
+- where the engine keeps the gradients in its own buffers for the run, zeroed in place after each step
+  (`kept_grads`: the distributed optimizer, parallel/distopt.py), there is one graph, captured with those
+  gradients present: every micro-batch's replay adds into them, the first included;
 - the batch is copied into static tensors the graph reads (shapes must not change: the trainer's batches
   never do).
 The warm-up forward/backward passes before the capture run the kernels' autotuning (a capture cannot time
@@ -54,13 +57,13 @@ Context parallelism (`parallel.cp > 1`) is captured the same way: its exchanges 
 Mamba-2 layer's halo and states, attention's K/V, the loss's all-reduce, and their backward reduce-scatters) are
 collectives on the CP communicator with async_op=False, and nothing in the CP forward reads a value on the host
 (every boundary test is a torch.where on the device). TP's sum of the replicated components' partial gradients
-(sync_tp_grads: SP norms, replicated B/C, K/V), CP's gradient sum and the data-parallel average (bucketed
-all-reduces, engine ddp, also with ZeRO-1) run eagerly after the step's replays, like clipping and the optimizer
-step. Activation checkpointing is captured too: the blocks draw no random numbers (the checkpoint keeps no RNG
-state), and the recomputation is part of the captured backward. The TP graph tests ran on 4 x H100
-(`pytest -m gpu -k tensor_parallelism`); the CP ones (`-k cp2`) were written without a multi-GPU machine; on CPU
-the refusals are tested, and that the TP and CP forward + backward, collectives included, read no value on the
-host (gloo). docs/parallelism.md has the caveats in full (TP x CP puts two communicators in one graph).
+(sync_tp_grads: SP norms, replicated B/C, K/V), CP's gradient sum and the data-parallel average (engine ddp:
+bucketed all-reduces, or the distributed optimizer's reduce-scatters) run eagerly after the step's replays, like
+clipping and the optimizer step. Activation checkpointing is captured too: the blocks draw no random numbers (the
+checkpoint keeps no RNG state), and the recomputation is part of the captured backward. The TP graph tests ran on
+4 x H100 (`pytest -m gpu -k tensor_parallelism`); the CP ones (`-k cp2`) were written without a multi-GPU machine;
+on CPU the refusals are tested, and that the TP and CP forward + backward, collectives included, read no value on
+the host (gloo). docs/parallelism.md has the caveats in full (TP x CP puts two communicators in one graph).
 
 What cannot be captured is refused by the config check (trainer.check_supported): host syncs inside the
 forward (COFFEE's DEER solver tests values on the host, and B'MOJO counts its memory groups on the host when
@@ -96,13 +99,16 @@ GRAPH_SAFE_WITHOUT_RESETS = {k.letter: f"{k.name} (without document resets)" for
 
 class GraphedMicroBatch:
     def __init__(self, params: list[torch.nn.Parameter], fwd_bwd: Callable[[dict], torch.Tensor],
-                 warmup: int = 2, collectives: bool = False):
+                 warmup: int = 2, collectives: bool = False, kept_grads: bool = False):
         """`collectives`: fwd_bwd runs NCCL collectives (tensor or context parallelism): the capture then takes
-        capture_error_mode="thread_local", and release() runs before the process groups are destroyed."""
+        capture_error_mode="thread_local", and release() runs before the process groups are destroyed.
+        `kept_grads`: the gradients are the engine's, present (zero) before every step and zeroed in place after
+        it: one accumulating graph for every micro-batch."""
         self.params = [p for p in params if p.requires_grad]
         self.fwd_bwd = fwd_bwd
         self.warmup = warmup
         self.collectives = collectives
+        self.kept_grads = kept_grads
         if collectives:  # the graphs must go before the NCCL communicators they reference
             release_before_destroy(self)
         self.graph: torch.cuda.CUDAGraph | None = None  # a step's first micro-batch: writes the gradients
@@ -122,7 +128,7 @@ class GraphedMicroBatch:
         must happen before the NCCL communicators are destroyed: NCCL >= 2.26 waits in the destruction until no
         graph references the communicator. The gradient tensors stay the parameters' until the optimizer
         detaches them."""
-        for g in (self.graph, self.acc_graph):
+        for g in (self.graph, self.acc_graph if self.acc_graph is not self.graph else None):  # kept_grads: one
             if g is not None:
                 g.reset()
         self.graph = self.acc_graph = None
@@ -168,17 +174,11 @@ class GraphedMicroBatch:
         output tensors to the parameters as their .grad, so each replay writes fresh gradients there (no
         zeroing, no add: the eager loop's first micro-batch). Every rank of a TP or CP group gets here at the same
         micro-batch, so the collectives pair up in the warm-up and in the capture."""
+        if self.kept_grads:
+            return self._capture_kept(batch)
         if any(p.grad is not None for p in self.params):
             raise RuntimeError("train.cuda_graph: gradients must be empty at the capture (a step's first micro-batch)")
-        self.static = {k: v.clone() for k, v in batch.items()}
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()  # blocks cached by earlier eager steps: the side stream would not reuse them
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(self.warmup):
-                self.fwd_bwd(self.static)
-        torch.cuda.current_stream().wait_stream(side)
+        self._warm_up(batch)
         for p in self.params:
             p.grad = None
         torch.cuda.synchronize()
@@ -191,6 +191,44 @@ class GraphedMicroBatch:
         self.grads = [(p, p.grad) for p in self.params if p.grad is not None]
         log.info("train.cuda_graph: forward + backward of one micro-batch captured (%d gradient tensors%s)",
                  len(self.grads), ", with its TP / CP collectives" if self.collectives else "")
+
+    def _warm_up(self, batch: dict[str, torch.Tensor]) -> None:
+        """The batch copied into the graph's static inputs, then the eager passes before a capture on a side stream
+        (communicators and library handles created, the collectives' sizes run once)."""
+        self.static = {k: v.clone() for k, v in batch.items()}
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # blocks cached by earlier eager steps: the side stream would not reuse them
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                self.fwd_bwd(self.static)
+        torch.cuda.current_stream().wait_stream(side)
+
+    def _capture_kept(self, batch: dict[str, torch.Tensor]) -> None:
+        """kept_grads: warm up as _capture does (its gradients, added into the engine's buffers, are zeroed after
+        it), then capture one graph with the gradients present, so its backward adds into them in place; every
+        micro-batch replays it (the engine zeroed them after the last step)."""
+        grads = [(p, p.grad) for p in self.params]
+        if any(g is None for _, g in grads):
+            raise RuntimeError("train.cuda_graph: kept_grads, but a parameter has no gradient tensor at the capture")
+        self._warm_up(batch)
+        with torch.no_grad():
+            torch._foreach_zero_([g for _, g in grads])
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        graph = torch.cuda.CUDAGraph()
+        with self._capturing(graph):
+            self.loss = self.fwd_bwd(self.static)
+        if any(p.grad is not g for p, g in grads):
+            raise RuntimeError("train.cuda_graph: the captured backward replaced a kept gradient tensor instead of "
+                               "adding into it; the engine's buffers would not see the gradients")
+        self.graph = self.acc_graph = graph
+        self.acc_loss = self.loss
+        self.grads = grads
+        log.info("train.cuda_graph: forward + backward of one micro-batch captured, adding into the engine's "
+                 "gradient buffers (%d gradient tensors%s)", len(grads),
+                 ", with its TP / CP collectives" if self.collectives else "")
 
     def _capture_accumulating(self) -> None:
         """The graph of the step's later micro-batches: captured with the gradients present, so its backward adds

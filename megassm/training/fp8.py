@@ -8,9 +8,9 @@ head (the logits' precision is the loss's), and any Linear whose sizes fail the 
 Mamba-1 x_proj of dt_rank + 2 N columns).
 
 The weights' FP8 operands (E4M3 W, its transpose for dx, the scale) are cast once per optimizer step where the
-weights are whole fp32 tensors on every rank (one process, the ddp engine with or without ZeRO-1):
-`FP8WeightCache.refresh()` before the step's first micro-batch and before evaluation, in place (CUDA graphs
-replay the same tensors), 2 bytes per parameter held. Under FSDP2 the weights exist whole only inside each
+weights are whole fp32 tensors on every rank (one process, the ddp engine with or without its distributed
+optimizer): `FP8WeightCache.refresh()` before the step's first micro-batch and before evaluation, in place (CUDA
+graphs replay the same tensors), 2 bytes per parameter held. Under FSDP2 the weights exist whole only inside each
 forward, so every call casts them.
 
 Tensor parallelism: the column-parallel Linears are plain nn.Linears holding their rows (swapped as above), and

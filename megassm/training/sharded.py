@@ -21,8 +21,9 @@ holds as chunks of the canonical tensors (offsets + a view of its local tensor):
   - TP (parallel/tp.py): each ShardSpec piece of the local tensor is one chunk at its canonical offset along the
     spec's dim (the fused [z|x|B|C|dt] rows of in_proj give one chunk per component);
   - FSDP2: a DTensor's local shard is one chunk at its global offset (DCP's own chunk), then TP-mapped;
-  - ZeRO-1 (parallel/zero.py): a flat slice [a, b) of a parameter is cut into the few boxes (partial row, full
-    rows, partial row, recursively) that tile it, each contiguous;
+  - the distributed optimizer (parallel/distopt.py): each flat piece [a, b) of a parameter that this rank owns
+    (in its slice of a bucket) is cut into the few boxes (partial row, full rows, partial row, recursively) that
+    tile it, each contiguous;
   - PP: each stage writes its tensors under their own names (the last stage's tied embedding copy is not written).
 Replicated tensors (DDP / CP replicas, the plain "ignored" parameters of FSDP2) are cut into DP x CP row blocks
 and replica r offers block r, so the writing is spread over the replicas; whatever is still offered by several
@@ -68,8 +69,8 @@ def checkpoint_format(path: str) -> str:
 
 
 from megassm.training.sharded_chunks import (canonical_groups, canonical_param_names, canonical_shape,
-                                             entries_from_canonical, is_zero1, layout_record, model_context,
-                                             optimizer_params, save_entries, state_keys, tensor_boxes, zero1_boxes)
+                                             entries_from_canonical, is_distopt, layout_record, model_context,
+                                             optimizer_params, piece_boxes, save_entries, state_keys, tensor_boxes)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -317,7 +318,7 @@ def _optimizer_targets(optimizer, inner, tplan, layout, md, targets, shapes, DTe
         shapes[key] = ()
         return t
 
-    if is_zero1(optimizer):
+    if is_distopt(optimizer):
         full: dict = {}  # param -> {state key: full local-shaped tensor, only the owned pieces filled}
         for p, a, b, v in optimizer._views:
             g = name = local_name[id(p)]
@@ -334,16 +335,16 @@ def _optimizer_targets(optimizer, inner, tplan, layout, md, targets, shapes, DTe
                 if k not in st:
                     st[k] = torch.zeros(p.shape, dtype=p.dtype)
                 flat = st[k].view(-1)[a:b]
-                targets.setdefault(key, []).extend(zero1_boxes(p, a, b, flat, spec, tp_rank))
+                targets.setdefault(key, []).extend(piece_boxes(p, a, b, flat, spec, tp_rank))
                 shapes[key] = canonical_shape(p.shape, spec)
 
-        def fill_zero1():
+        def fill_distopt():
             ordered = [p for g in optimizer.param_groups for p in g["params"]]
             state = {i: full[p] for i, p in enumerate(ordered) if full.get(p)}
             optimizer.load_state_dict({"state": state, "param_groups": [
                 {**hyper_for(g), "params": ids} for g, ids in zip(optimizer.param_groups, _canonical_groups_ids(optimizer))]})
 
-        return fill_zero1
+        return fill_distopt
 
     state = {}
     for i, (g, p) in enumerate(optimizer_params(optimizer, inner)):
