@@ -166,8 +166,11 @@ class DeepSpeedEngine(Engine):
         self.ds.step()
         norm = self.ds.get_global_grad_norm()
         norm = float(norm) if norm is not None else (pre if pre is not None else float("nan"))
-        check(norm)
+        if check(norm) is False:  # train.spike_action=skip is refused with this engine (training/checks.py)
+            raise RuntimeError("deepspeed engine: check() declined a step DeepSpeed has already taken")
         return norm
+
+    declines_steps = False  # the norm exists only once ds.step() has clipped and stepped
 
     # canonical states through DeepSpeed's fp32 fragment API (works for ZeRO 0-3, collective for ZeRO-3)
     def _fp32(self, p):

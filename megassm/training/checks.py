@@ -39,6 +39,11 @@ def check_supported(cfg: Config, device: torch.device | None = None) -> None:
                           f"(WORLD_SIZE={launched}): set parallel.world_size={launched}, or leave it unset to follow "
                           "the launcher")
     check_engine(cfg)  # DDP / FSDP2 / DeepSpeed layouts (parallel/engines.py)
+    if cfg.train.spike_action == "skip" and p.engine == "deepspeed" and data_parallel_size(cfg) > 1:
+        raise ConfigError("train.spike_action=skip with parallel.engine=deepspeed: DeepSpeed's engine.step() reduces, "
+                          "clips and steps in one call and its gradient norm exists only after it, so a spiking "
+                          "step cannot be declined; use train.spike_action=rollback (the last checkpoint is "
+                          "restored) or parallel.engine=ddp / fsdp2")
     if cfg.train.bptt_windows != 1 and not cfg.train.bptt:
         raise ConfigError(f"train.bptt_windows={cfg.train.bptt_windows} needs train.bptt=true")
     if cfg.train.bptt and p.pp > 1 and cfg.train.bptt_windows > 1:  # BPTT: training/bptt.py, docs/bptt.md

@@ -20,6 +20,7 @@ RUN_ONLY_KEYS = frozenset({
     "run.keep_last", "run.lock_stale_s", "train.log_interval", "data.prefetch", "data.cache_dir",
     "parallel.timeout_s", "run.profile_step", "run.profile_trace", "parallel.fsdp_prefetch",
     "train.eval_tokens", "train.eval_batches",  # what is measured, not what is trained
+    "train.straggler_interval", "train.straggler_fraction",
 })
 
 
