@@ -3,8 +3,8 @@
     nodes = expand_nodelist("gpu[01-03,07]")            # ['gpu01', 'gpu02', 'gpu03', 'gpu07']
     text = batch_script(SlurmJob(...))                  # the sbatch script, torchrun or the DeepSpeed launcher
 
-One SLURM task per node runs the launcher, which starts one training process per GPU with the same
-command line as `megassm-launch local` (`launch.cli.train_command`). The rendezvous address is the first
+One SLURM task per node logs its host, then runs the launcher, which starts one training process per GPU with
+the same command line as `megassm-launch local` (`launch.cli.train_command`). The rendezvous address is the first
 node of the allocation, resolved to an IP on a compute node (no localhost fallback: an unresolved head
 stops the job). `#SBATCH --signal=B:USR1@LEAD` reaches only the batch shell, whose trap forwards SIGUSR1 to
 the training processes on every node by the PID files they write (RUN_DIR/pids/<host>-<rank>.pid), never to
@@ -29,6 +29,8 @@ NO_REQUEUE_HINTS = {
     4: "I/O error (full disk or unwritable run directory): fix it, then resubmit; the run resumes where it stopped",
     5: "the run directory is in use by another trainer (named above): not requeued",
     6: "no intact checkpoint to resume from (each is named above): restore one or start a new run.dir",
+    7: "loss spikes went on past train.spike_max_rollbacks rollbacks (step and checkpoint named above): inspect the "
+       "data near that step or lower optim.lr, then resubmit",
 }
 
 
@@ -148,19 +150,26 @@ set -uo pipefail
 RUN_DIR={q(job.run_dir)}
 mkdir -p "$RUN_DIR/logs"
 
-# NCCL / network, set for your cluster (see docs/launch.md):
-#   export NCCL_SOCKET_IFNAME=ib0        # the interface NCCL's bootstrap uses (default: first non-lo)
+# NCCL / network, set for your cluster (docs/launch.md "InfiniBand and RoCE"):
+#   export NCCL_SOCKET_IFNAME=ib0        # the interface NCCL's bootstrap uses (default: ib* first, lo/docker* last)
 #   export NCCL_IB_HCA=mlx5              # InfiniBand adapters to use; NCCL_IB_DISABLE=1 forces TCP
+#   export NCCL_IB_GID_INDEX=3           # RoCE only, when NCCL's own choice (2.21+) is wrong or NCCL is older
 #   export NCCL_DEBUG=WARN               # INFO prints the chosen transports, once per rank
 # a failed or timed-out collective (parallel.timeout_s) ends the rank instead of hanging; torchrun then stops the job
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${{TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}}
 export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-4}}  # set, so torchrun does not set 1 with a warning banner
 
-# rendezvous on the first node, by IP address, resolved on that node; never a localhost fallback
+# rendezvous on the first node, by its first non-loopback IPv4 address, resolved on that node: the address its
+# name resolves to, else its interfaces' (Debian maps a host's own name to 127.0.1.1 in /etc/hosts, which the other
+# nodes cannot reach); never a localhost fallback
 HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-HEAD_ADDR=$(srun --nodes=1 --ntasks=1 -w "$HEAD_NODE" hostname --ip-address 2>/dev/null | awk '{{print $1}}')
+HEAD_ADDR=$(srun --nodes=1 --ntasks=1 -w "$HEAD_NODE" bash -c \
+  'for a in $(hostname --ip-address 2>/dev/null) $(hostname -I 2>/dev/null); do
+     case "$a" in 127.*|*:*) ;; *.*.*.*) echo "$a"; exit 0 ;; esac
+   done' 2>/dev/null | head -n 1)
 if [ -z "$HEAD_NODE" ] || [ -z "$HEAD_ADDR" ]; then
-  echo "megassm: cannot resolve the head node's address (node list '$SLURM_JOB_NODELIST')" >&2
+  echo "megassm: cannot resolve the head node's address to a non-loopback IPv4 address (node list" \
+       "'$SLURM_JOB_NODELIST'; on $HEAD_NODE: hostname --ip-address and hostname -I gave none)" >&2
   exit 1
 fi
 export HEAD_ADDR
@@ -180,7 +189,8 @@ trap forward_usr1 USR1
 # holds the directory its files are live; the trainer clears them once it holds the lock, and the trap above
 # signals only PIDs that are megassm processes
 rm -f "$RUN_DIR/last_exit.json"
-{srun} \\
+{_head_note(job)}{srun} \\
+  bash -c '{_node_prologue(job)}echo "megassm: node $(hostname): SLURM node ${{SLURM_NODEID:-?}} of ${{SLURM_NNODES:-?}} starts {job.launcher}" >&2; exec "$@"' megassm-node \\
   {launcher_command(job, train_args)} &
 STEP_PID=$!
 while true; do  # `wait` returns early when the trap fires; wait again until the step ends
@@ -201,6 +211,20 @@ case "$code" in
 esac
 exit "$code"
 """
+
+
+def _head_note(job: SlurmJob) -> str:
+    if job.launcher != "torchrun":
+        return ""
+    return ("# the first node hosts torchrun's rendezvous store: said outright (PET_RDZV_CONF is --rdzv-conf), since\n"
+            "# torchrun's own guess compares HEAD_ADDR with the addresses the node's name resolves to, and misses when\n"
+            "# that name maps to a loopback address in /etc/hosts\n")
+
+
+def _node_prologue(job: SlurmJob) -> str:
+    if job.launcher != "torchrun":
+        return ""
+    return 'export PET_RDZV_CONF=is_host=$([ "${SLURM_NODEID:-0}" = 0 ] && echo 1 || echo 0); '
 
 
 def _hint_cases() -> str:

@@ -4,6 +4,7 @@ CPU ranks each, gloo): it trains, a SIGUSR1 to the batch shell checkpoints and r
 resumes and ends with the losses of an uninterrupted run."""
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -142,6 +143,10 @@ def test_generated_script_trains_preempts_requeues_and_resumes(tmp_path):
     assert status["exit_code"] == 99 and 2 <= k < 30, status
     assert (tmp_path / "slurm.log").read_text() == "requeue 4242\n"
     assert "checkpointed; requeueing job 4242" in err
+    # the stand-in `hostname --ip-address` answers 127.0.0.1, as Debian's /etc/hosts makes it on a real node: the
+    # script takes the node's first non-loopback IPv4 address instead (hostname -I), which other nodes can reach
+    head = re.search(r"head node1 \(([0-9.]+)\)", out)
+    assert head and not head.group(1).startswith("127."), out[-2000:]
 
     # the requeued job: same script, resumes from step k and finishes
     r = run_bounded(["bash", script], 300, env={**env, "SLURM_RESTART_COUNT": "1"}, cwd=str(tmp_path))
