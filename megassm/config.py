@@ -189,6 +189,15 @@ class TrainConfig:
     eval_tokens: int = 8192  # held-out tokens per validation pass, rounded up to whole samples of seq_len; the
     #                         same set for every layout (docs/evaluation.md "Validation")
     log_interval: int = 10
+    # long-run guards (training/guards.py; docs/reliability.md "Loss spikes", "Stragglers")
+    spike_action: str = "off"  # off | skip (discard a spiking step's update) | rollback (to the last checkpoint,
+    #                            the data position kept past the spiking batches)
+    spike_window: int = 128  # accepted steps whose loss / grad norm give the mean and std (OLMo-core's 128)
+    spike_sigma: float = 6.0  # spike: loss or grad norm > mean + sigma x std of the window (OLMo-core's 6)
+    spike_min_steps: int | None = None  # accepted steps in the window before it judges; None = spike_window // 2
+    spike_max_rollbacks: int = 3  # rollbacks to one checkpoint; a spike past them stops the run (exit 7)
+    straggler_interval: int | None = None  # steps between per-rank work reports; None = train.log_interval; 0 = off
+    straggler_fraction: float = 0.2  # name the slowest rank when its work exceeds the median by this fraction
 
 
 @dataclass
@@ -226,9 +235,9 @@ class ParallelConfig:
     tp_overlap: bool = False  # tp > 1: the input region's backward collective beside the weight gradients of the
     #                           Mamba-2 in_proj / MLP w1, w3 (parallel/layers.py column_parallel; docs/parallelism.md)
     engine: str = "ddp"  # ddp | fsdp2 | deepspeed (parallel/engines.py, docs/parallelism.md "Engines")
-    zero_stage: int = 0  # engine=deepspeed: ZeRO stage 0-3
+    zero_stage: int = 0  # engine=deepspeed: ZeRO stage 0-3; engine=ddp: 1 = the distributed optimizer (distopt.py)
     deepspeed_config: str | None = None  # engine=deepspeed: JSON partial merged into the derived config
-    bucket_mb: float = 25.0  # engine=ddp: gradient bucket size (MB) of DistributedDataParallel
+    bucket_mb: float = 25.0  # engine=ddp: gradient bucket size (MB) of DDP / of the distributed optimizer
     # engine=fsdp2 (parallel/fsdp2.py FSDP2Engine, docs/parallelism.md "Engines")
     fsdp_param_dtype: str = "auto"  # auto | bf16 | fp32: dtype the matmul weights are all-gathered in (auto: bf16
     #                                 under bf16 training, no autocast weight casts)
@@ -237,6 +246,14 @@ class ParallelConfig:
     #                             ZeRO-3, least memory) | micro_batch (after its backward) | step (after the step's
     #                             last backward: one all-gather per optimizer step)
     fsdp_prefetch: int = 1  # blocks all-gathered ahead in forward and backward (0: FSDP2's implicit prefetch)
+    # engine=fsdp2 across nodes (docs/across-nodes.md): HSDP shards inside groups of shard_size consecutive DP ranks
+    # (a node's GPUs) and replicates across the groups; gradients cross the replicas once per optimizer step
+    shard_size: int = 0  # DP ranks per FSDP2 shard group; 0 = all of them (plain FSDP2); < DP: HSDP
+    fsdp_grad_sync: str = "micro_batch"  # micro_batch: reduce-scatter after every micro-batch's backward | step:
+    #                                      accumulate unsharded fp32 gradients, one reduce-scatter per step (memory:
+    #                                      the (TP-local) matmul weights' fp32 gradients, whole, on every rank)
+    gpus_per_node: int = 0  # ranks per node: 0 = the launcher's LOCAL_WORLD_SIZE (torchrun), else all on one node;
+    #                          the dry run's bytes inside / across nodes and the HSDP placement checks read it
     world_size: int | None = None  # None = from the launcher's environment (WORLD_SIZE), else 1
     timeout_s: float = 600.0  # collective timeout: a rank stalled this long ends the job (docs/launch.md "Faults")
 
@@ -587,6 +604,20 @@ def validate(cfg: Config) -> None:
     need(t.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got '{t.device}'")
     need(t.eval_interval >= 0 and t.eval_tokens >= 0, "train.eval_interval and train.eval_tokens must be >= 0")
     need(t.log_interval > 0, "train.log_interval must be positive")
+    need(t.spike_action in ("off", "skip", "rollback"),
+         f"train.spike_action must be off, skip or rollback, got '{t.spike_action}'")
+    need(t.spike_window >= 2,
+         f"train.spike_window must be >= 2 (a standard deviation needs two steps), got {t.spike_window}")
+    need(0 < t.spike_sigma < float("inf"), f"train.spike_sigma must be a finite number > 0, got {t.spike_sigma}")
+    need(t.spike_min_steps is None or 2 <= t.spike_min_steps <= t.spike_window,
+         f"train.spike_min_steps must be in [2, train.spike_window={t.spike_window}], got {t.spike_min_steps}")
+    need(t.spike_max_rollbacks >= 0, f"train.spike_max_rollbacks must be >= 0, got {t.spike_max_rollbacks}")
+    need(t.spike_action != "rollback" or cfg.run.save_interval > 0,
+         "train.spike_action=rollback needs run.save_interval > 0 (the checkpoints it rolls back to)")
+    need(t.straggler_interval is None or t.straggler_interval >= 0,
+         f"train.straggler_interval must be >= 0 (0: off; unset: train.log_interval), got {t.straggler_interval}")
+    need(0 < t.straggler_fraction < float("inf"),
+         f"train.straggler_fraction must be a finite number > 0, got {t.straggler_fraction}")
     need(t.grad_clip >= 0, "train.grad_clip must be >= 0 (0 disables clipping)")
     need(t.bptt_windows >= 1, "train.bptt_windows must be >= 1")
     need(t.loss_chunk_tokens >= 0, f"train.loss_chunk_tokens must be >= 0 (0: no chunking), got {t.loss_chunk_tokens}")
@@ -660,6 +691,10 @@ def validate(cfg: Config) -> None:
     need(p.fsdp_reshard in ("block", "micro_batch", "step"),
          f"parallel.fsdp_reshard must be block, micro_batch or step, got '{p.fsdp_reshard}'")
     need(p.fsdp_prefetch >= 0, f"parallel.fsdp_prefetch must be >= 0, got {p.fsdp_prefetch}")
+    need(p.fsdp_grad_sync in ("micro_batch", "step"),
+         f"parallel.fsdp_grad_sync must be micro_batch or step, got '{p.fsdp_grad_sync}'")
+    need(p.shard_size >= 0, f"parallel.shard_size must be >= 0 (0: shard over every data-parallel rank), got {p.shard_size}")
+    need(p.gpus_per_node >= 0, f"parallel.gpus_per_node must be >= 0 (0: from the launcher), got {p.gpus_per_node}")
     need(0 < p.timeout_s < float("inf"), f"parallel.timeout_s must be a finite number of seconds > 0, got {p.timeout_s}")
     need(cfg.run.lock_stale_s >= 60, f"run.lock_stale_s must be >= 60 (twice the lock's 30 s heartbeat), got "
          f"{cfg.run.lock_stale_s}")
@@ -668,6 +703,17 @@ def validate(cfg: Config) -> None:
     need(ws % model_par == 0,
          f"world size {ws} is not divisible by parallel.tp x parallel.cp x parallel.pp = {p.tp}x{p.cp}x{p.pp}")
     dp = ws // model_par
+    need(p.shard_size == 0 or p.engine == "fsdp2",
+         f"parallel.shard_size={p.shard_size} needs parallel.engine=fsdp2 (HSDP: FSDP2 sharding inside groups of "
+         f"shard_size data-parallel ranks, replicas across them); the {p.engine} engine has no shard groups")
+    need(p.fsdp_grad_sync == "micro_batch" or p.engine == "fsdp2",
+         f"parallel.fsdp_grad_sync={p.fsdp_grad_sync} needs parallel.engine=fsdp2")
+    need(p.shard_size == 0 or (p.shard_size <= dp and dp % p.shard_size == 0),
+         f"parallel.shard_size={p.shard_size} must divide the {dp} data-parallel ranks (world size {ws} / "
+         f"(parallel.tp x parallel.cp x parallel.pp = {model_par})): each shard group is shard_size ranks, the "
+         f"groups replicate, so data-parallel ranks = shard_size x replicas")
+    need(p.gpus_per_node == 0 or ws <= p.gpus_per_node or ws % p.gpus_per_node == 0,
+         f"parallel.gpus_per_node={p.gpus_per_node} must divide the world size {ws} (whole nodes)")
     need(t.global_batch % (t.micro_batch * dp) == 0,
          f"batch triad: train.global_batch={t.global_batch} must be a multiple of "
          f"train.micro_batch x data-parallel ranks = {t.micro_batch} x {dp}")

@@ -14,6 +14,7 @@ Exit codes (megassm/training/failures.py; docs/reliability.md says what to do af
   4   I/O error: run.dir or checkpoints/ not writable, or the disk is full; no half-written checkpoint is left
   5   run.dir is in use by another trainer (its lock names host and PID); nothing was written
   6   run.resume found checkpoints but none intact (each is named with what failed verification)
+  7   loss spikes went on after train.spike_max_rollbacks rollbacks to the same checkpoint (or it no longer loads)
   99  (PREEMPT_EXIT_CODE) SIGUSR1 / SIGTERM / Ctrl-C made every rank checkpoint at the same step boundary and
       stop: "checkpointed, requeue me", resume with --resume auto (docs/launch.md)
   130 a second Ctrl-C: stopped at once, nothing saved since the last checkpoint
@@ -37,7 +38,7 @@ from types import SimpleNamespace
 from megassm.config import ConfigError, dump_config, load_config, world_size
 from megassm.training import preemption, runlock
 from megassm.training.failures import (EXIT_ABORTED, EXIT_CONFIG, EXIT_IO, EXIT_LOCKED, EXIT_NO_CHECKPOINT,
-                                       EXIT_NONFINITE, EXIT_OK, describe_os_error, one_line)
+                                       EXIT_NONFINITE, EXIT_OK, EXIT_SPIKE, describe_os_error, one_line)
 
 EXIT_PREEMPTED = preemption.PREEMPT_EXIT_CODE  # 99: checkpointed, requeue me
 
@@ -101,7 +102,7 @@ def dry_run(cfg, notes: list[str] = ()) -> int:
     import torch
 
     from megassm.models import build_model
-    from megassm.training import memory
+    from megassm.training import memory, traffic
     from megassm.training.flops import flops_per_sequence
     from megassm.training.trainer import check_supported
 
@@ -114,7 +115,10 @@ def dry_run(cfg, notes: list[str] = ()) -> int:
           f"train FLOPs/token: {3 * fl['total'] / cfg.train.seq_len:.4g}")
     est = memory.estimate(cfg, vocab=vocab)
     print(memory.format_table(est))
-    for w in [*notes, *memory.layout_warnings(cfg, est)]:
+    flows = traffic.step_flows(cfg, vocab=vocab)
+    print(traffic.format_flows(cfg, flows))
+    est["traffic"] = traffic.to_dict(flows)
+    for w in [*notes, *memory.layout_warnings(cfg, est), *traffic.layout_warnings(cfg)]:
         print(f"# warning: {w}")
     refused = None
     target = copy.deepcopy(cfg)  # the layout as the launched job sees it: one process per rank, a GPU
@@ -235,12 +239,15 @@ def _failure(e: BaseException, trainer) -> tuple[int | None, str]:
     """(exit code, one-line message) of a failure a user can cause; (None, "") for anything else."""
     from megassm.data_tools.dataset import TokenIdError
     from megassm.training.checkpoint import CheckpointDamagedError
+    from megassm.training.guards import SpikeStopError
     from megassm.training.trainer import NonFiniteLossError
 
     if isinstance(e, runlock.RunLockedError):
         return EXIT_LOCKED, str(e)
     if isinstance(e, NonFiniteLossError):
         return EXIT_NONFINITE, str(e)
+    if isinstance(e, SpikeStopError):
+        return EXIT_SPIKE, str(e)
     if isinstance(e, CheckpointDamagedError):
         return EXIT_NO_CHECKPOINT, str(e)
     if isinstance(e, ConfigError):

@@ -100,8 +100,8 @@ def test_checkpointing_that_keeps_the_sum_holds_a_third_less():
         {k: v for k, v in summ.items() if k not in ("activations", "peak")}
 
 
-def test_zero1_with_context_parallelism_shards_over_dp_x_cp():
-    """parallel.zero_stage=1 with CP shards the AdamW states over DP x CP (parallel/zero.py), also at DP 1 where no
+def test_distopt_with_context_parallelism_shards_over_dp_x_cp():
+    """parallel.zero_stage=1 with CP shards the AdamW states over DP x CP (parallel/distopt.py), also at DP 1 where no
     other engine is built: the optimizer term is 1/(dp x cp) of the unsharded one; weights and gradients stay."""
     over = ("parallel.world_size=4", "train.seq_len=65536", "train.micro_batch=1",
             "train.activation_checkpointing=true")
@@ -111,7 +111,9 @@ def test_zero1_with_context_parallelism_shards_over_dp_x_cp():
         z = memory.estimate(_cfg("configs/mamba2-1.3b.yaml", *over, *layout, "parallel.zero_stage=1"),
                             bf16=True)["ranks"][0]
         assert z["optimizer"] == pytest.approx(plain["optimizer"] / 4, rel=1e-9), layout
-        assert (z["weights"], z["grads"]) == (plain["weights"], plain["grads"])
+        # weights and gradients whole, in the buffers: their padding on top (< 64 elements per parameter, < 64 x
+        # the group per bucket: parallel/distopt.py)
+        assert z["weights"] == z["grads"] and 0 <= z["grads"] - plain["grads"] < 1e-3 * plain["grads"], (layout, z)
 
 
 def test_fp8_weight_operands_are_held_through_the_optimizer_step():
@@ -206,6 +208,7 @@ def test_dry_run_checks_the_gpu_job_on_a_cpu_machine(capsys, monkeypatch):
                                           ("configs/recipes/hybrid-7b-1node-4gpu.yaml", 4),
                                           ("configs/recipes/hybrid-7b-1node-4gpu-deepspeed.yaml", 4),
                                           ("configs/recipes/mamba2-7b-1node-4gpu.yaml", 4),
+                                          ("configs/recipes/hybrid-7b-2node.yaml", 16),
                                           ("configs/recipes/hybrid-7b-4node.yaml", 32),
                                           ("configs/recipes/mamba2-1.3b-512k-cp4.yaml", 4)])
 def test_recipes_are_accepted_layouts_that_fit(recipe, world, monkeypatch):
@@ -229,18 +232,23 @@ def test_recipes_are_accepted_layouts_that_fit(recipe, world, monkeypatch):
     if cfg.parallel.engine == "deepspeed":  # ZeRO-2, unmeasured: it fits, with ~5 GiB free predicted, not 6
         assert reserved < 79.1, reserved
         return
+    if cfg.parallel.cp > 1:  # the 512K CP 4 recipe: 68.9 GiB allocated measured (docs/benchmarks.md); the estimate,
+        # 67.7 with the distributed optimizer's fp32 gradient buffer held through the forward, fits with ~4 GiB free
+        assert reserved < 79.1, reserved
+        return
     assert reserved < 79.1 - 6, reserved
 
 
-def test_ddp_zero1_shards_only_the_optimizer_states():
-    """hybrid-7b at TP 2 x DP 2: ddp's ZeRO-1 halves the AdamW states (the layout then fits an 80 GB GPU)."""
+def test_distopt_shards_only_the_optimizer_states():
+    """hybrid-7b at TP 2 x DP 2: ddp's distributed optimizer halves the AdamW states (the layout then fits an 80 GB
+    GPU); the weights and fp32 gradients stay whole, in its buffers (with their padding)."""
     def est(stage):
         return memory.estimate(_cfg("configs/hybrid-7b.yaml", "train.micro_batch=1", "train.global_batch=16",
                                     "parallel.world_size=4", "parallel.tp=2", f"parallel.zero_stage={stage}"))
 
     z0, z1 = est(0), est(1)
     r0, r1 = z0["ranks"][0], z1["ranks"][0]
-    assert (r1["weights"], r1["grads"]) == (r0["weights"], r0["grads"])
+    assert r1["weights"] == r1["grads"] and 0 <= r1["grads"] - r0["grads"] < 1e-3 * r0["grads"], (r0, r1)
     assert r1["optimizer"] == pytest.approx(r0["optimizer"] / 2, rel=1e-6)
     assert z1["peak_per_gpu"] < 70 * 2 ** 30 < z0["peak_per_gpu"]
 

@@ -8,16 +8,17 @@ optimizer steps, and how the states reach the canonical checkpoint.
             out = engine.forward(tokens, seq_idx=..., labels=...)
             engine.backward(out.loss, accum)
     engine.reduce_grads()                                  # what the engine did not reduce in the backward
-    norm = engine.clip_and_step(max_norm, check)           # clip, check (raises), optimizer step
+    norm = engine.clip_and_step(max_norm, check)           # clip, check (raises / declines), optimizer step
 
   ddp        torch DistributedDataParallel over the DP group: bucketed all-reduce overlapped with the
              backward; accumulation under no_sync(). Under PP (the schedule runs the stage modules) and BPTT
              with several windows per backward (DDP wants one forward per backward), and under
              train.cuda_graph (DDP's hooks cannot be replayed), the gradients are averaged after the step's
-             backward by bucketed all-reduces (parallel/dp.py) instead (logged). parallel.zero_stage=1 shards the
-             AdamW states over the DP group, and with cp > 1 over DP x CP (parallel/zero.py: Megatron's
-             distributed optimizer; also at DP 1, over the CP ranks), composing with TP, CP, PP, BPTT and CUDA
-             graphs.
+             backward by bucketed all-reduces (parallel/dp.py) instead (logged). parallel.zero_stage=1 replaces
+             DDP with the distributed optimizer (parallel/distopt.py, Megatron's): gradients reduce-scattered
+             into an fp32 buffer the engine owns, AdamW on this rank's slice, parameters all-gathered (the bytes
+             of one all-reduce), the AdamW states sharded over DP, with cp > 1 over DP x CP (also at DP 1, over
+             the CP ranks); composes with TP, CP, PP, BPTT and CUDA graphs.
   fsdp2      torch fully_shard per residual block + the root: the matmul weights, their gradients and
              AdamW states sharded over the DP group (ZeRO-3), all-gathered in bf16 under bf16 training
              (MixedPrecisionPolicy; no autocast weight casts), gradients reduce-scattered in fp32 after every
@@ -30,11 +31,12 @@ optimizer steps, and how the states reach the canonical checkpoint.
              DeepSpeed clips and steps; bf16 keeps bf16 weights with fp32 masters (DeepSpeed's own mixed
              precision). tp = pp = cp = 1, no BPTT.
 
-The engines live in engines.py (the base, ddp, the choice), fsdp2.py and deepspeed_engine.py.
+The engines live in engines.py (the base, ddp, the choice), distopt.py, fsdp2.py and deepspeed_engine.py.
 Checkpoints stay canonical for every engine (the single-device state dict and AdamW state): FSDP2 through
 torch.distributed.checkpoint's full state dicts, DeepSpeed through its fp32-fragment API. A run saved with
 one engine resumes with another, or at another DP size.
-With one data-parallel rank no engine is needed and none is built (plain single-device stepping).
+With one data-parallel rank no engine is needed and none is built (plain single-device stepping), except the
+distributed optimizer with CP (over the CP ranks).
 """
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ def check_engine(cfg: Config) -> None:
     p = cfg.parallel
     if p.engine == "ddp" and p.zero_stage > 1:
         raise ConfigError(f"parallel.zero_stage={p.zero_stage} with parallel.engine=ddp: ddp shards the AdamW states "
-                          "(zero_stage=1, parallel/zero.py) but not gradients or weights; use parallel.engine=fsdp2 "
+                          "(zero_stage=1, parallel/distopt.py) but not gradients or weights; use parallel.engine=fsdp2 "
                           "or deepspeed for ZeRO-2/3")
     if p.engine == "fsdp2" and p.zero_stage != 0:
         raise ConfigError(f"parallel.zero_stage={p.zero_stage} applies to parallel.engine=deepspeed or ddp "
@@ -142,23 +144,40 @@ class Engine:
         if self.groups.dp > 1:
             allreduce_grads(list(self.model.parameters()), self.groups.dp_group)
 
-    def clip_and_step(self, max_norm: float, check) -> float:
-        """Clip to max_norm (norm of the canonical gradient), call check(norm) (which raises on a non-finite
-        loss or norm; the step is then skipped), step the optimizer, zero the gradients. Returns the norm."""
+    def clip_grads(self, max_norm: float) -> float:
+        """Norm of the canonical gradient (replicas counted once); scales the gradients to max_norm above it."""
         from .runtime import clip_grad_norm
 
-        norm = clip_grad_norm(self.model, self.groups, max_norm)
+        return clip_grad_norm(self.model, self.groups, max_norm)
+
+    def clip_and_step(self, max_norm: float, check) -> float:
+        """Clip to max_norm (norm of the canonical gradient), call check(norm), step the optimizer unless check
+        declined, zero the gradients. Returns the norm. check(norm) may raise (a non-finite loss or norm: no step)
+        or return False to decline the step (the spike guard's skip: gradients discarded, no optimizer step);
+        None or True steps. Every rank must decide alike."""
+        norm = self.clip_grads(max_norm)
         try:
-            check(norm)
+            take = check(norm) is not False
         except BaseException:
             self.optimizer.zero_grad(set_to_none=self.grads_to_none)
             raise
-        self.optimizer.step()
+        if take:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=self.grads_to_none)
         return norm
 
-    # after a step the gradients are freed (None) unless they live in buffers the engine keeps (DDP's buckets)
+    # whether check() runs before the optimizer step, so that it can decline it (DeepSpeed steps first)
+    declines_steps = True
+
+    # after a step the gradients are freed (None) unless they live in buffers the engine keeps (DDP's buckets,
+    # the distributed optimizer's buffer)
     grads_to_none = True
+
+    # runtime.finish_grads: the DP reduction already ran in the backward, in place in the buffer the TP sum then
+    # reads (the distributed optimizer's reduce-scatters): reduce_grads() waits for it before the TP sum
+    reduced_in_backward = False
+    # the DP reduction sums over the CP ranks too (the distributed optimizer's group is DP x CP): no CP all-reduce
+    sums_cp = False
 
     # canonical checkpoint states: (None, None) = the trainer's TP/PP/plain path handles them
     handles_states = False
@@ -175,17 +194,6 @@ class DDPEngine(Engine):
 
     def __init__(self, model, groups, cfg, device):
         super().__init__(model, groups, cfg)
-        self.flat = None
-        if cfg.parallel.zero_stage == 1:  # before DDP: the parameters become views of the flat buffers
-            from .zero import FlatParams
-
-            # over DP x CP (Megatron's distributed optimizer): the CP ranks hold the same parameters and, after
-            # the CP sum, the same gradients, so each steps 1/(dp x cp) of them
-            self.flat = FlatParams(model.parameters(), groups.dp_cp_group if groups.cp > 1 else groups.dp_group)
-        if groups.dp == 1:  # ZeRO-1 over the CP ranks alone: no DP gradient average
-            self.overlapped = False
-            log.info("engine ddp: one DP rank; ZeRO-1 shards the AdamW states over the %d CP ranks", groups.cp)
-            return
         self.overlapped = groups.pp == 1 and not cfg.train.bptt and not cfg.train.cuda_graph
         if not self.overlapped:
             why = ("pipeline stages run by the schedule" if groups.pp > 1 else "BPTT windows share one backward"
@@ -198,7 +206,7 @@ class DDPEngine(Engine):
         # The gradients live in DDP's buckets (gradient_as_bucket_view) for good: defined before DDP is built, it
         # turns them into bucket views, and the steps zero them in place. Freed to None after a step instead,
         # the next step's no_sync micro-batches would accumulate into fresh tensors beside the buckets: two
-        # copies of every gradient until the last micro-batch (the TP 2 x ZeRO-1 7B layout ran out of memory so).
+        # copies of every gradient until the last micro-batch (a TP 2 x DDP 7B layout ran out of memory so).
         with torch.no_grad():
             for q in model.parameters():
                 if q.requires_grad and q.grad is None:
@@ -213,14 +221,6 @@ class DDPEngine(Engine):
         log.info("engine ddp: torch DistributedDataParallel over %d DP ranks, %g MB buckets, all-reduce "
                  "overlapped with the backward", groups.dp, cfg.parallel.bucket_mb)
 
-    def make_optimizer(self, build):
-        self.optimizer = build()
-        if self.flat is not None:  # ZeRO-1: AdamW over this rank's slice only
-            from .zero import ShardedAdamW
-
-            self.optimizer = ShardedAdamW(self.optimizer, self.flat)
-        return self.optimizer
-
     def micro_batch(self, last: bool):
         if self.overlapped and not last:
             return self.module.no_sync()  # accumulate locally; the last micro-batch's backward reduces
@@ -233,11 +233,14 @@ class DDPEngine(Engine):
 
 def build_engine(cfg: Config, model, groups: ParallelGroups, device: torch.device, bf16: bool) -> Engine:
     """The engine of parallel.engine for this model (after the TP / CP / PP plans and activation
-    checkpointing). One data-parallel rank: the plain Engine whatever the setting (logged)."""
+    checkpointing). One data-parallel rank: the plain Engine whatever the setting (logged), except the distributed
+    optimizer with CP, which shards over the CP ranks."""
     check_engine(cfg)
     name = cfg.parallel.engine
-    if groups.dp == 1 and name == "ddp" and cfg.parallel.zero_stage == 1 and groups.cp > 1:
-        return DDPEngine(model, groups, cfg, device)  # ZeRO-1 over the CP ranks
+    if name == "ddp" and cfg.parallel.zero_stage == 1 and groups.dp * groups.cp > 1:
+        from .distopt import DistOptEngine
+
+        return DistOptEngine(model, groups, cfg, device)  # over DP x CP: also at DP 1, over the CP ranks
     if groups.dp == 1:
         if name != "ddp" or cfg.parallel.zero_stage:
             log.info("parallel.engine=%s (zero_stage %d) with one data-parallel rank: nothing to shard; plain "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import os
 
 import torch
 
@@ -66,15 +67,34 @@ class FSDP2Engine(Engine):
 
         p = cfg.parallel
         self.tp_plan = plan_of(model)  # FSDP2 x TP: the model holds TP-local tensors already
-        mesh = DeviceMesh.from_group(groups.dp_group, device.type)  # this TP rank's DP peers only
+        # this TP rank's DP peers only: 1-D (FSDP2), or HSDP's 2-D [replicas, shard_size] (shard inside a node,
+        # replicate across nodes); with TP the job's mesh is then replicate x shard x tp, TP fastest
+        self.hsdp = None
+        self.shard_group = groups.dp_group  # the ranks whose gradient shards are disjoint: the clip norm sums over it
+        if 0 < p.shard_size < groups.dp:
+            from .state import hsdp_groups
+
+            self.hsdp = hsdp_groups(groups, p.shard_size)
+            self.shard_group = self.hsdp.shard_group
+            mesh = DeviceMesh.from_group([self.hsdp.replicate_group, self.hsdp.shard_group], device.type,
+                                         mesh=torch.tensor(self.hsdp.mesh), mesh_dim_names=("replicate", "shard"))
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)  # torchrun: ranks per node
+            mine = next(row for row in self.hsdp.mesh if groups.rank in row)
+            if local and len({r // local for r in mine}) > 1 and groups.rank == 0:
+                log.warning("HSDP: a shard group (ranks %s) spans %d nodes of %d ranks: its reduce-scatters cross the "
+                            "network every micro-batch; parallel.shard_size x tp = the GPUs per node keeps them inside",
+                            mine, len({r // local for r in mine}), local)
+        else:
+            mesh = DeviceMesh.from_group(groups.dp_group, device.type)
+        self.grad_sync = p.fsdp_grad_sync
         gather = fsdp_param_dtype(p.fsdp_param_dtype, bf16)
         reduce = {"fp32": torch.float32, "bf16": torch.bfloat16}[p.fsdp_reduce_dtype]
         low = MixedPrecisionPolicy(param_dtype=gather, reduce_dtype=reduce, cast_forward_inputs=False)
         full = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce if gather is not None else None,
                                     cast_forward_inputs=False)
         sharded = {id(q) for q in sharded_params(model)}
-        self.replicated = [q for q in model.parameters() if id(q) not in sharded]
-        ignored = set(self.replicated)
+        replicated = [q for q in model.parameters() if id(q) not in sharded]
+        ignored = set(replicated)
         layers = list(model.layers)
         fp32_kinds = sorted({layer.kind for layer in layers if layer.kind not in _BF16_GATHER_KINDS})
         for i, layer in enumerate(layers):
@@ -99,15 +119,20 @@ class FSDP2Engine(Engine):
         self.reshard = p.fsdp_reshard
         self.units = [m for m in model.modules() if isinstance(m, FSDPModule)]
         n_local = sum(q.to_local().numel() for q in model.parameters() if id(q) in sharded)
-        n_rep = sum(q.numel() for q in self.replicated)
+        n_rep = sum(q.numel() for q in replicated)
         over_tp = "" if self.tp_plan is None else (f" (TP rank {groups.tp_rank}'s local tensors, TP {groups.tp}"
                                                    f"{' + SP' if self.tp_plan.sp else ''})")
-        log.info("engine fsdp2: fully_shard per block%s + root over %d DP ranks%s: %.2fM sharded parameter elements "
+        over = (f"{groups.dp} DP ranks" if self.hsdp is None else
+                f"{groups.dp} DP ranks as HSDP: shard groups of {self.hsdp.shard_size}, {self.hsdp.replicas} replicas "
+                "all-reduced on the step's last micro-batch only")
+        when = ("every micro-batch" if self.grad_sync == "micro_batch" else
+                "once per step (parallel.fsdp_grad_sync=step: whole fp32 gradients accumulate locally)")
+        log.info("engine fsdp2: fully_shard per block%s + root over %s%s: %.2fM sharded parameter elements "
                  "on this rank (fp32 shards and AdamW states), all-gathered in %s, gradients reduce-scattered in %s "
-                 "every micro-batch; %.3fM small parameters (norms, A_log, dt_bias, D, conv) kept as fp32 replicas, "
+                 "%s; %.3fM small parameters (norms, A_log, dt_bias, D, conv) kept as fp32 replicas, "
                  "all-reduced once per step; gathered weights freed after each %s; prefetch %d block(s)%s", "" if tied else
-                 " + embedding", groups.dp, over_tp, n_local / 1e6, "bf16" if gather is not None else "fp32",
-                 p.fsdp_reduce_dtype if gather is not None else "fp32", n_rep / 1e6, {"block": "block's forward and backward",
+                 " + embedding", over, over_tp, n_local / 1e6, "bf16" if gather is not None else "fp32",
+                 p.fsdp_reduce_dtype if gather is not None else "fp32", when, n_rep / 1e6, {"block": "block's forward and backward",
                  "micro_batch": "micro-batch's backward", "step": "step's last backward"}[p.fsdp_reshard], k,
                  f"; blocks {', '.join(fp32_kinds)} gathered in fp32 (their kernels read some weights directly)"
                  if fp32_kinds and gather is not None else "")
@@ -142,9 +167,13 @@ class FSDP2Engine(Engine):
                 for opts, names in self._canonical]
 
     def micro_batch(self, last: bool):
-        if self.reshard == "step":  # keep the gathered weights for the step's next micro-batch, free after the last
-            for unit in self.units:
+        for unit in self.units:
+            if self.reshard == "step":  # keep the gathered weights for the step's next micro-batch, free after the last
                 unit.set_reshard_after_backward(last, recurse=False)
+            if self.hsdp is not None:  # the replicas (across nodes) meet once per step; the shards sum meanwhile
+                unit.set_requires_all_reduce(last, recurse=False)
+            if self.grad_sync == "step":  # no reduce-scatter until the last micro-batch: unsharded fp32 sums
+                unit.set_requires_gradient_sync(last, recurse=False)
         return contextlib.nullcontext()
 
     def release(self) -> None:
@@ -154,8 +183,12 @@ class FSDP2Engine(Engine):
             unit.reshard()
 
     def reduce_grads(self) -> None:
-        # the sharded gradients were reduce-scattered (averaged over DP) in the backward; the replicas' now
-        allreduce_grads(self.replicated, self.groups.dp_group)
+        # the sharded gradients were reduce-scattered (averaged over DP) in the backward; the replicas' now. Looked
+        # up in the model each time: start-up allocates the sharded meta model after fully_shard (to_empty), which
+        # may swap Parameter objects
+        from torch.distributed.tensor import DTensor
+
+        allreduce_grads([q for q in self.model.parameters() if not isinstance(q, DTensor)], self.groups.dp_group)
 
     @torch.no_grad()
     def clip_and_step(self, max_norm: float, check) -> float:
@@ -175,19 +208,20 @@ class FSDP2Engine(Engine):
             return torch.stack(torch._foreach_norm(ts)).float().pow(2).sum()
 
         if self.tp_plan is not None:  # over DP and TP, TP-replicated components once
-            total = fsdp2_tp.grad_sq(self.model, self.groups).sqrt()
-        else:
-            total = (comm.all_reduce(sq_sum(shards), self.groups.dp_group) + sq_sum(plain)).sqrt()
+            total = fsdp2_tp.grad_sq(self.model, self.groups, self.shard_group).sqrt()
+        else:  # HSDP: the replicas hold equal shards, so the sum runs over one shard group
+            total = (comm.all_reduce(sq_sum(shards), self.shard_group) + sq_sum(plain)).sqrt()
         norm = float(total)
         if max_norm > 0 and math.isfinite(norm):
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             torch._foreach_mul_(shards + plain, coef)
         try:
-            check(norm)
+            take = check(norm) is not False  # False: declined (Engine.clip_and_step)
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)
             raise
-        self.optimizer.step()
+        if take:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
@@ -211,7 +245,7 @@ class FSDP2Engine(Engine):
         index = {n: i for i, n in enumerate(names)}
         state = {index[n]: v for n, v in osd["state"].items()}
         groups, off = [], 0
-        for opts, ns in self._canonical:
+        for opts, ns in self.canonical_order():  # the live hyperparameters (the scheduler's lr), not the initial ones
             groups.append({**opts, "params": list(range(off, off + len(ns)))})
             off += len(ns)
         return msd, {"state": state, "param_groups": groups}

@@ -22,12 +22,13 @@ __all__ = ["grad_sq", "gather_states", "tp_local"]
 
 
 @torch.no_grad()
-def grad_sq(model, groups) -> torch.Tensor:
+def grad_sq(model, groups, shard_group=None) -> torch.Tensor:
     """Squared L2 norm of the canonical gradient (call after the TP sync and the engine's DP reduction), the same
     on every rank. Each rank sums the squares of what it holds: FSDP2's gradient shards (disjoint over DP: summed
     over the DP group) and the fp32 replicas of the small parameters (the same on every DP rank: counted once),
     each component weighted by nparts / tp so that a TP-replicated one counts once over its replicas; the sum
-    then over the TP group."""
+    then over the TP group. `shard_group`: the ranks whose shards are disjoint (HSDP: one shard group, whose
+    replicas hold the same shards; default the DP group)."""
     from torch.distributed.tensor import DTensor
 
     plan = plan_of(model)
@@ -47,7 +48,8 @@ def grad_sq(model, groups) -> torch.Tensor:
             total += w * torch.stack(torch._foreach_norm(views)).float().pow(2).sum()
         return total
 
-    return comm.all_reduce(comm.all_reduce(sq(sharded), groups.dp_group) + sq(plain), groups.tp_group)
+    dp = groups.dp_group if shard_group is None else shard_group
+    return comm.all_reduce(comm.all_reduce(sq(sharded), dp) + sq(plain), groups.tp_group)
 
 
 @torch.no_grad()

@@ -1,12 +1,12 @@
 """The trainer's side of parallelism, in one place so that trainer.py only calls these:
 
     groups, device = setup(cfg, device)          init torch.distributed from torchrun env + groups
-    model = init_model(model, groups, cfg, dev)  canonical weights of a meta model on the device (PP: its stages)
-    model = prepare_model(model, groups, cfg)    TP/SP plan, CP plan, PP stages, activation checkpointing
+    model = split_stages(model, groups, cfg)     PP: this rank's stages of the meta model
+    model = prepare_model(model, groups, cfg)    TP/SP plan, CP plan, PP stages, activation checkpointing (on meta)
     loss_sum = pipeline_step(model, batches, autocast)   PP: one step's forward + backward (schedule)
     batch = local_batch(batch, groups)           CP: this rank's contiguous slice of every row
     finish_grads(model, groups, engine)          TP partial-grad sync, PP tied-embedding sum, CP gradient sum,
-                                                 then the DP reduction the engine left (parallel/engines.py)
+                                                 and the DP reduction the engine left (parallel/engines.py)
     clip_grad_norm(model, groups, max_norm)      norm of the canonical gradient (replicas counted once)
     mean_over_dp(x, groups)                      average a scalar tensor over data-parallel ranks
     model_state, optim_state = gather_states(model, optimizer, groups)   canonical (collective)
@@ -28,7 +28,7 @@ from .state import ParallelGroups, build_groups, init_distributed, single_proces
 from .tp import (apply_tensor_parallel, canonical_state_dict, clip_grad_norm_tp, load_canonical_optimizer_state,
                  load_canonical_state_dict, optimizer_state_to_canonical, plan_of, sync_tp_grads)
 
-__all__ = ["setup", "init_model", "prepare_model", "pipeline_step", "pipeline_eval", "local_batch", "sum_over_dp", "finish_grads",
+__all__ = ["setup", "split_stages", "prepare_model", "pipeline_step", "pipeline_eval", "local_batch", "sum_over_dp", "finish_grads",
            "clip_grad_norm", "mean_over_dp", "gather_states", "load_states", "backend", "barrier", "is_rank0"]
 
 
@@ -44,27 +44,19 @@ def setup(cfg, device: torch.device) -> tuple[ParallelGroups, torch.device]:
     return build_groups(tp=p.tp, cp=p.cp, pp=p.pp), device
 
 
-def init_model(model, groups: ParallelGroups, cfg, device, init_state: dict | None = None):
-    """Canonical weights for `model`, built on the meta device, materialized on `device` (parallel/materialize.py:
-    the draws dealt out over the job's ranks and broadcast). PP: this rank keeps its stages only
-    (parallel/pp.py) and draws them itself, each parameter by its (single-device) name. `init_state`
-    (model.init_from: a canonical state dict on every rank) replaces the draws; the plans are applied after
-    this either way."""
-    from .materialize import materialize, materialize_from
-
-    if groups.pp == 1:
-        if init_state is not None:
-            return materialize_from(model, device, init_state)
-        return materialize(model, device, cfg.train.seed)
-    ppl.split_model(model, groups.pp, groups.pp_rank, virtual=cfg.parallel.pp_virtual, group=groups.pp_group,
-                    emb_group=groups.emb_group)
-    if init_state is not None:
-        return materialize_from(model, device, init_state)
-    # the other ranks of this stage hold the same parameters, but no group of exactly them exists: draw locally
-    return materialize(model, device, cfg.train.seed, collective=False)
+def split_stages(model, groups: ParallelGroups, cfg):
+    """PP: keep this rank's stages of the meta `model` (parallel/pp.py); the blocks kept carry their single-device
+    names. No-op without PP."""
+    if groups.pp > 1:
+        ppl.split_model(model, groups.pp, groups.pp_rank, virtual=cfg.parallel.pp_virtual, group=groups.pp_group,
+                        emb_group=groups.emb_group)
+    return model
 
 
 def prepare_model(model, groups: ParallelGroups, cfg):
+    """The plans, in order: TP / SP, CP, PP stage modules, activation checkpointing. They change what modules
+    compute and cut parameters, never read their values, so they run on the meta model before start-up
+    allocates what each rank holds (training/startup.py)."""
     if groups.tp > 1:
         apply_tensor_parallel(model, groups.tp_group, sp=cfg.parallel.sp, overlap=cfg.parallel.tp_overlap)
     if groups.cp > 1:
@@ -102,14 +94,26 @@ def pipeline_eval(model, batches: list, autocast) -> torch.Tensor:
 
 
 def finish_grads(model, groups: ParallelGroups, engine=None) -> None:
+    """The gradient syncs after a step's backward: TP partial-gradient sum, PP tied-embedding sum, CP sum, then the
+    engine's DP reduction. They are sums (and a DP average) of the same gradients, so any order gives the same
+    values, except where a collective is still writing: the distributed optimizer's reduce-scatters, begun in
+    the backward (engine.reduced_in_backward), write in place into the gradient buffer the TP sum reads, so they
+    are waited for first. The TP sum is then right in this rank's slice, the only part its step reads: the TP
+    peers' buffers share one layout, so their slices line up; the rest, not reduced over DP, is never read. Its
+    reduce-scatter over DP x CP also sums the CP ranks (engine.sums_cp): no CP all-reduce then."""
+    early = engine is not None and engine.reduced_in_backward
+    if early:
+        engine.reduce_grads()
     if groups.tp > 1:
         sync_tp_grads(model)
     if groups.pp > 1:  # tied embeddings: the first stage's and the last stage's copy summed
         ppl.sync_embedding_grads(model)
-    if groups.cp > 1:  # each CP rank holds the gradient of its own tokens' share of the global loss
+    if groups.cp > 1 and not (engine is not None and engine.sums_cp):
+        # each CP rank holds the gradient of its own tokens' share of the global loss
         allreduce_cp_grads(list(model.parameters()), groups.cp_group)
     if engine is not None:  # the data-parallel engine: what its backward did not reduce (parallel/engines.py)
-        engine.reduce_grads()
+        if not early:
+            engine.reduce_grads()
     elif groups.dp > 1:
         allreduce_grads(list(model.parameters()), groups.dp_group)
 
@@ -140,7 +144,7 @@ def gather_states(model, optimizer, groups: ParallelGroups):
     if ppl.pp_plan_of(model) is not None:  # PP: the stages' states gathered to rank 0
         return ppl.gather_canonical_states(model, optimizer, groups)
     if plan_of(model) is None:
-        if getattr(optimizer, "collective_state_dict", False):  # ZeRO-1: gathered over DP on every rank
+        if getattr(optimizer, "collective_state_dict", False):  # the distributed optimizer: gathered on every rank
             return None, optimizer.state_dict()
         return None, None
     return canonical_state_dict(model), optimizer_state_to_canonical(optimizer, model)

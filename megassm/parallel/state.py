@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["ParallelGroups", "init_distributed", "build_groups", "destroy", "single_process_groups", "group_builder",
-           "nccl_error_handling", "release_before_destroy"]
+           "nccl_error_handling", "release_before_destroy", "HSDPGroups", "hsdp_groups"]
 
 log = logging.getLogger("megassm.parallel")
 
@@ -50,8 +50,8 @@ class ParallelGroups:
     pp_group: object = None  # pipeline parallel: the ranks holding the stages of one model replica (parallel/pp.py)
     emb_group: object = None  # pp > 1, first and last pipeline rank only: the tied-embedding gradient sum
     megatron: bool = False  # built through megatron.core.parallel_state
-    # the ranks holding the same parameters across DP and CP (the DP group when cp = 1): ZeRO-1 shards over it,
-    # as Megatron's distributed optimizer does (parallel/zero.py)
+    # the ranks holding the same parameters across DP and CP (the DP group when cp = 1): the distributed optimizer
+    # shards over it, as Megatron's does (parallel/distopt.py)
     dp_cp_group: object = None
 
     @property
@@ -216,6 +216,52 @@ def pp_layout(world: int, tp: int, cp: int = 1, pp: int = 1) -> list:
     dp = world // (tp * cp * pp)
     return [[t + tp * (c + cp * (d + dp * p_)) for p_ in range(pp)]
             for d in range(dp) for c in range(cp) for t in range(tp)]
+
+
+@dataclass
+class HSDPGroups:
+    """HSDP (parallel.shard_size < DP, parallel/fsdp2.py): this rank's DP group cut into shard groups of
+    `shard_size` consecutive DP ranks (inside a node when the layout puts them there) and replicate groups (the
+    ranks at the same place of every shard group: one per shard group, across nodes). `mesh`: the global ranks of
+    this rank's DP group as [replicas, shard_size], the DeviceMesh FSDP2 takes."""
+
+    shard_group: object
+    replicate_group: object
+    mesh: list
+    shard_size: int
+    replicas: int
+
+
+def hsdp_groups(groups: ParallelGroups, shard_size: int) -> HSDPGroups:
+    """Shard and replicate groups inside every DP group of the layout (collective: every rank creates every
+    group, in the same order). The DP groups are the builders' own (rank_layout's order, which
+    tests/test_parallel_tp.py checks equal to megatron-core's); a mismatch with this rank's live DP group is an
+    error, not a silent re-layout."""
+    _, dp_groups = rank_layout(groups.world_size, groups.tp, groups.cp, groups.pp)
+    timeout = _GROUP_TIMEOUT["value"]
+    me = groups.rank
+    shard = rep = mine = None
+    for ranks in dp_groups:
+        if len(ranks) % shard_size:
+            raise ValueError(f"parallel.shard_size={shard_size} does not divide the {len(ranks)} data-parallel ranks")
+        for k in range(0, len(ranks), shard_size):
+            sub = ranks[k:k + shard_size]
+            g = dist.new_group(sub, timeout=timeout)
+            if me in sub:
+                shard = g
+        for j in range(shard_size):
+            sub = ranks[j::shard_size]
+            g = dist.new_group(sub, timeout=timeout)
+            if me in sub:
+                rep = g
+        if me in ranks:
+            mine = ranks
+    live = dist.get_process_group_ranks(groups.dp_group)
+    if live != mine:
+        raise RuntimeError(f"HSDP: this rank's data-parallel group {live} is not the layout's {mine}")
+    replicas = len(mine) // shard_size
+    return HSDPGroups(shard, rep, [mine[k * shard_size:(k + 1) * shard_size] for k in range(replicas)],
+                      shard_size, replicas)
 
 
 def _build_groups_torch(tp: int, cp: int, pp: int) -> ParallelGroups:

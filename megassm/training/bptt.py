@@ -271,7 +271,8 @@ class StateCarrier:
             data_time += time.perf_counter() - td
         for m in range(accum):
             batches = [fetched[w * accum + m] for w in range(self.windows)]
-            loss_sum += self.run_windows(trainer.model, m, batches, trainer._autocast, scale=1.0 / accum)
+            with trainer.engine.micro_batch(last=m == accum - 1):  # FSDP2 / HSDP: gradient syncs once per step
+                loss_sum += self.run_windows(trainer.model, m, batches, trainer._autocast, scale=1.0 / accum)
         self.window += self.windows
         return data_time
 

@@ -154,13 +154,17 @@ def deepspeed_terms(n: int, dp: int, stage: int, bf16: bool, zero: dict, biggest
     return out
 
 
-def fsdp2_terms(model, dp: int, gather_bytes: int, reshard: str, prefetch: int) -> dict:
+def fsdp2_terms(model, dp: int, gather_bytes: int, reshard: str, prefetch: int,
+                grad_sync: str = "micro_batch") -> dict:
     """Bytes per GPU of the fsdp2 engine's states for `model` (a meta model as the engine sees it: TP-sharded
-    under FSDP2 x TP, whose local tensors FSDP2 shards over the dp ranks): the matmul
+    under FSDP2 x TP, whose local tensors FSDP2 shards over the dp ranks; under HSDP `dp` is the shard group's
+    size, parallel.shard_size): the matmul
     weights sharded over dp (fp32 weights and gradients, AdamW m + v), the other parameters whole on every
     rank; `gather`: the weights all-gathered at once (gather_bytes each), the blocks in flight under
     reshard=block (the current one plus `prefetch`, the last block kept, the head with the root), the whole
-    model under micro_batch / step."""
+    model under micro_batch / step. grad_sync=step (parallel.fsdp_grad_sync): the matmul weights' gradients
+    accumulate unsharded in fp32 until the step's last backward reduce-scatters them (`unsharded_grads`, added to
+    the gradients)."""
     from megassm.parallel.fsdp2 import sharded_params
 
     def matmul_numel(mod) -> int:
@@ -182,8 +186,10 @@ def fsdp2_terms(model, dp: int, gather_bytes: int, reshard: str, prefetch: int) 
         gather += 4 * emb
     elif reshard != "block":  # the untied embedding: its own fp32 unit, kept with the rest
         gather += 4 * emb
-    return {"weights": 4 * shard + 4 * replicated, "grads": 4 * shard + 4 * replicated,
-            "optimizer": 8 * shard + 8 * replicated, "gather": gather, "sharded": sharded, "replicated": replicated}
+    unsharded = 4 * sharded if grad_sync == "step" else 0
+    return {"weights": 4 * shard + 4 * replicated, "grads": 4 * shard + 4 * replicated + unsharded,
+            "optimizer": 8 * shard + 8 * replicated, "gather": gather, "sharded": sharded, "replicated": replicated,
+            "unsharded_grads": unsharded}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -333,10 +339,11 @@ def estimate(cfg: Config, vocab: int | None = None, bf16: bool | None = None, do
     tokens = t.micro_batch * t.seq_len // p.cp  # per micro-batch on one rank
     sp_tp = p.tp if p.sp else 1
     # one data-parallel rank: build_engine builds no engine whatever parallel.engine says (plain fp32 stepping),
-    # except ZeRO-1 with CP, which shards over the CP ranks; ZeRO-1 shards over DP x CP (parallel/zero.py)
-    zero1_cp = p.engine == "ddp" and p.zero_stage == 1 and p.cp > 1
-    engine, stage = (p.engine, p.zero_stage) if dp > 1 or zero1_cp else ("ddp", 0)
-    eb = engine_bytes(engine, stage, bf16, dp * p.cp if zero1_cp else dp)
+    # except the distributed optimizer (ddp, zero_stage=1), which shards over DP x CP (parallel/distopt.py): also
+    # at DP 1, over the CP ranks
+    distopt = p.engine == "ddp" and p.zero_stage == 1 and dp * p.cp > 1
+    engine, stage = (p.engine, p.zero_stage) if dp > 1 or distopt else ("ddp", 0)
+    eb = engine_bytes(engine, stage, bf16, dp * p.cp if distopt else dp)
     gather_dtype = None  # fsdp2: bytes of a gathered weight element
     if engine == "fsdp2":
         gather_dtype = 2 if bf16 and p.fsdp_param_dtype != "fp32" else 4
@@ -344,6 +351,8 @@ def estimate(cfg: Config, vocab: int | None = None, bf16: bool | None = None, do
     autocast_copies = bf16 and (engine == "ddp" or gather_dtype == 4)
     windows = t.bptt_windows if t.bptt else 1
     grads_accumulate = accum > 1 or p.pp > 1 or windows > 1
+    # the distributed optimizer's fp32 gradient buffer is allocated once and held for the whole run
+    grads_held = grads_accumulate or distopt
 
     ranks = []
     for r, model in enumerate(rank_models(cfg, vocab)):
@@ -372,10 +381,20 @@ def estimate(cfg: Config, vocab: int | None = None, bf16: bool | None = None, do
         copies = 2.0 * n_matmul if autocast_copies else 0.0
         gather = buffers = boundary_grads = 0.0
         if gather_dtype is not None:
-            ft = fsdp2_terms(model, dp, gather_dtype, p.fsdp_reshard, p.fsdp_prefetch)
+            ft = fsdp2_terms(model, p.shard_size or dp, gather_dtype, p.fsdp_reshard, p.fsdp_prefetch,
+                             p.fsdp_grad_sync)
             weights, grads, optim, gather = ft["weights"], ft["grads"], ft["optimizer"], ft["gather"]
             step_grads = grads
             eb = dict(eb, grads=grads / max(n_params, 1))  # per-block gradient shares below
+        elif distopt:  # its flat buffers, parameters and fp32 gradients, padded per bucket (the reduce-scatter and
+            # the all-gather run in place in them: no transient); AdamW on 1/(dp x cp) of the elements
+            from megassm.parallel.distopt import plan_buckets
+
+            per = max(1, int(p.bucket_mb * 2 ** 20) // 4)
+            padded = sum(size for _, size in plan_buckets([q.numel() for q in model.parameters()][::-1],
+                                                          dp * p.cp, per))
+            weights, grads = eb["weights"] * padded, eb["grads"] * padded
+            step_grads = grads
         elif zero is not None:
             ds = deepspeed_terms(n_params, dp, stage, bf16, zero, max((b.params for b in blocks), default=0))
             weights, grads, optim, gather = ds["weights"], ds["grads"], ds["optimizer"], ds["gather"]
@@ -390,11 +409,11 @@ def estimate(cfg: Config, vocab: int | None = None, bf16: bool | None = None, do
         cast = [2.0 * b.matmul if autocast_copies else 0.0 for b in blocks]
         block_grads = [eb["grads"] * b.params for b in blocks]
         other_grads = grads - sum(block_grads)  # embedding, final norm, head
-        held_grads = grads if grads_accumulate else 0.0
+        held_grads = grads if grads_held else 0.0
         # forward end: every block's saved tensors, the bf16 casts (autocast's cache holds them through the
         # forward even under checkpointing), the loss of the last micro-batch
         fwd_end = sum(saved) + copies + head + held_grads
-        head_bwd = sum(saved) + copies + head + (grads if grads_accumulate else other_grads)
+        head_bwd = sum(saved) + copies + head + (grads if grads_held else other_grads)
         act_peak = max(fwd_end, head_bwd)
         # deepspeed ZeRO-1, the last micro-batch's backward: the gradients of the parameters done so far (the
         # head's, then block by block) have moved into the buckets, and once a bucket filled, this rank's
@@ -415,7 +434,7 @@ def estimate(cfg: Config, vocab: int | None = None, bf16: bool | None = None, do
                 done += blocks[k].params
                 if not grads_accumulate:  # one micro-batch per step: it is the last one
                     continue
-            live += grads if grads_accumulate else other_grads + sum(block_grads[k:])
+            live += grads if grads_held else other_grads + sum(block_grads[k:])
             act_peak = max(act_peak, live)
         act_report = sum(saved) + max((b.act for b, r in zip(blocks, ac) if r), default=0.0)
         step_peak = weights + step_grads + optim  # optimizer step: every gradient and state
@@ -430,6 +449,7 @@ def estimate(cfg: Config, vocab: int | None = None, bf16: bool | None = None, do
     return {
         "world_size": ws, "tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": dp, "sp": p.sp,
         "engine": p.engine, "zero_stage": p.zero_stage, "precision": "bf16" if bf16 else "fp32",
+        "shard_size": (p.shard_size or dp) if engine == "fsdp2" else 0, "fsdp_grad_sync": p.fsdp_grad_sync,
         "micro_batch": t.micro_batch, "seq_len": t.seq_len, "accumulation": accum,
         "activation_checkpointing": t.activation_checkpointing,
         "activation_checkpointing_blocks": t.activation_checkpointing_blocks, "doc_mask": doc_mask, "vocab": vocab,
@@ -488,6 +508,15 @@ def _ac_words(est: dict) -> str:
     return f"on for the first {n} blocks of each stage" if n else "on"
 
 
+def _hsdp_words(est: dict) -> str:
+    words = ""
+    if est.get("shard_size") and est["shard_size"] < est["dp"]:
+        words += f" (HSDP: shard {est['shard_size']} x replicate {est['dp'] // est['shard_size']})"
+    if est.get("engine") == "fsdp2" and est.get("fsdp_grad_sync") == "step":
+        words += " (gradients synced once per step: unsharded fp32 sums held)"
+    return words
+
+
 def format_table(est: dict) -> str:
     """The estimate as a fixed-width table, GiB per GPU, one row per pipeline rank."""
     cols = [("weights", "weights"), ("grads", "grads"), ("optimizer", "optim"), ("weight_copies", "bf16 copies"),
@@ -496,7 +525,8 @@ def format_table(est: dict) -> str:
     head = f"{'pp rank':>7} {'blocks':>6} {'params':>9} " + " ".join(f"{h:>11}" for _, h in cols)
     lines = [
         f"# memory per GPU (GiB): world {est['world_size']} = tp {est['tp']} x cp {est['cp']} x pp {est['pp']} x "
-        f"dp {est['dp']}{' (+SP)' if est['sp'] else ''}; engine {est['engine']} zero_stage {est['zero_stage']}; "
+        f"dp {est['dp']}{' (+SP)' if est['sp'] else ''}; engine {est['engine']}{_hsdp_words(est)} "
+        f"zero_stage {est['zero_stage']}; "
         f"{est['precision']}; micro-batch {est['micro_batch']} x {est['seq_len']} tokens"
         f"{'' if est['cp'] == 1 else ' (%d per GPU)' % est['tokens_per_microbatch_per_gpu']}, accumulation "
         f"{est['accumulation']}; activation checkpointing {_ac_words(est)}",

@@ -1,11 +1,11 @@
 """What a rank holds of the canonical state, as chunks (the geometry of sharded checkpoints, sharded.py):
 {dcp key: (canonical shape, [(offsets, tensor view)])} for its model and optimizer pieces under TP, FSDP2,
-ZeRO-1, PP and DP / CP replicas, and the canonical orders (layout.pt) rank 0 records beside them."""
+the distributed optimizer, PP and DP / CP replicas, and the canonical orders (layout.pt) rank 0 records beside
+them."""
 from __future__ import annotations
 
-import math
-
 import torch
+from megassm.parallel.distopt import range_boxes
 from megassm.training import checkpoint as ckpt
 
 # ----------------------------------------------------------------------------------------------------
@@ -54,42 +54,25 @@ def _split_rows(offsets: tuple, t: torch.Tensor, r: int, n_rep: int) -> list:
     return [(tuple(o), t.narrow(0, a, b - a))]
 
 
-def flat_boxes(shape, a: int, b: int) -> list:
-    """The flat element range [a, b) of a row-major tensor of `shape` as boxes (offsets, sizes), in order; each
-    box is contiguous in the flat order, so the range's flat values viewed per box tile it."""
-    shape = tuple(shape)
-    if a >= b:
-        return []
-    if len(shape) <= 1:
-        return [((a,) if shape else (), (b - a,) if shape else ())]
-    inner = math.prod(shape[1:])
-    r0, r1 = a // inner, (b - 1) // inner
-    if r0 == r1:
-        return [((r0,) + o, (1,) + s) for o, s in flat_boxes(shape[1:], a - r0 * inner, b - r0 * inner)]
-    out = []
-    if a % inner:
-        out += [((r0,) + o, (1,) + s) for o, s in flat_boxes(shape[1:], a - r0 * inner, inner)]
-        r0 += 1
-    full = b // inner
-    if full > r0:
-        out.append(((r0,) + (0,) * (len(shape) - 1), (full - r0,) + shape[1:]))
-    if b % inner:
-        out += [((full,) + o, (1,) + s) for o, s in flat_boxes(shape[1:], 0, b - full * inner)]
-    return out
-
-
-def _held(t: torch.Tensor) -> tuple[list, tuple, bool]:
+def _held(t: torch.Tensor, split: bool = False) -> tuple[list, tuple, bool]:
     """(boxes, local-layout shape, replicated): the boxes (offsets, view) of `t` this rank holds, in the
     coordinates of the (TP-local) tensor whose shape is returned; replicated: a plain tensor every data-parallel
-    replica holds whole."""
-    from torch.distributed.tensor import DTensor
+    replica holds whole. `split` (saving): a DTensor shard that several mesh ranks hold alike (HSDP's replicate
+    dimension) is cut into row blocks, replica r offering block r, so the replicas share the writing."""
+    from torch.distributed.tensor import DTensor, Replicate
 
     if isinstance(t, DTensor):
         local = t.to_local()
         if local.numel() == 0:
             return [], tuple(t.shape), False
         (chunk,) = t.__create_chunk_list__()
-        return [(tuple(chunk.offsets), local)], tuple(t.shape), False
+        boxes = [(tuple(chunk.offsets), local)]
+        if split:
+            mesh = t.device_mesh
+            for d, pl in enumerate(t.placements):
+                if isinstance(pl, Replicate) and mesh.size(d) > 1:
+                    boxes = [b for o, v in boxes for b in _split_rows(o, v, mesh.get_local_rank(d), mesh.size(d))]
+        return boxes, tuple(t.shape), False
     return [((0,) * t.dim(), t)], tuple(t.shape), True
 
 
@@ -122,7 +105,7 @@ def _add(entries: dict, key: str, shape: tuple, boxes: list) -> None:
 def tensor_boxes(t, spec, tp_rank: int, rep: tuple | None) -> tuple[tuple, list]:
     """(canonical shape, canonical boxes) of tensor t (a parameter / state of this rank); `rep` = (r, n) splits a
     replicated tensor's chunks over its replicas (saving), None keeps them whole (loading targets)."""
-    held, shape, replicated = _held(t)
+    held, shape, replicated = _held(t, split=rep is not None)
     out = []
     for offs, view in held:
         for co, cv in to_canonical(offs, view, spec, tp_rank):
@@ -151,26 +134,17 @@ def optimizer_params(optimizer, inner) -> list:
     return [(name_of[id(p)], p) for g in optimizer.param_groups for p in g["params"]]
 
 
-def is_zero1(optimizer) -> bool:
-    return hasattr(optimizer, "flat") and hasattr(optimizer, "_views")
+def is_distopt(optimizer) -> bool:
+    """The distributed optimizer (parallel/distopt.py): AdamW states for this rank's flat pieces only."""
+    from megassm.parallel.distopt import DistributedAdamW
+
+    return isinstance(optimizer, DistributedAdamW)
 
 
-def zero1_boxes(p, a: int, b: int, flat_state: torch.Tensor, spec, tp_rank: int) -> list:
-    """Canonical boxes of a ZeRO-1 piece [a, b) of parameter p whose state values are `flat_state` ((b - a,))."""
-    out = []
-    for offs, sizes in flat_boxes(p.shape, a, b):
-        start = _flat_index(p.shape, offs) - a
-        view = flat_state[start:start + math.prod(sizes)].view(sizes)
-        out += to_canonical(offs, view, spec, tp_rank)
-    return out
-
-
-def _flat_index(shape, offs) -> int:
-    idx, stride = 0, 1
-    for d in range(len(shape) - 1, -1, -1):
-        idx += offs[d] * stride
-        stride *= shape[d]
-    return idx
+def piece_boxes(p, a: int, b: int, flat_state: torch.Tensor, spec, tp_rank: int) -> list:
+    """Canonical boxes of the distributed optimizer's piece [a, b) (flat elements) of parameter p whose state
+    values are `flat_state` ((b - a,))."""
+    return [c for offs, view in range_boxes(p.shape, a, b, flat_state) for c in to_canonical(offs, view, spec, tp_rank)]
 
 
 @torch.no_grad()
@@ -192,17 +166,19 @@ def save_entries(model, optimizer, groups) -> dict:
     if optimizer is None:
         return entries
     local_name = {id(p): n for n, p in inner.named_parameters()}
-    if is_zero1(optimizer):  # this rank's flat pieces: disjoint over DP, no replica split
+    if is_distopt(optimizer):  # this rank's flat pieces: disjoint over DP x CP, no replica split
         states = optimizer._piece_states()
         for (p, a, b, _), st in zip(optimizer._views, states):
             g = name = local_name[id(p)]
+            if g in skip:  # the last stage's copy of a tied embedding: the first stage writes it
+                continue
             spec = tplan.specs.get(name) if tplan is not None else None
             cshape = canonical_shape(p.shape, spec)
             for k, v in st.items():
                 if torch.is_tensor(v) and v.dim() == 0:
                     _add(entries, f"optim.{g}.{k}", (), [((), v)])
                 elif torch.is_tensor(v):
-                    _add(entries, f"optim.{g}.{k}", cshape, zero1_boxes(p, a, b, v, spec, tp_rank))
+                    _add(entries, f"optim.{g}.{k}", cshape, piece_boxes(p, a, b, v, spec, tp_rank))
                 else:
                     raise RuntimeError(f"sharded checkpoint: optimizer state '{k}' of '{g}' is not a tensor")
         return entries
@@ -266,7 +242,7 @@ def canonical_groups(optimizer, engine=None) -> list:
 
 
 def state_keys(optimizer) -> list:
-    st = optimizer._piece_states() if is_zero1(optimizer) else list(optimizer.state.values())
+    st = optimizer._piece_states() if is_distopt(optimizer) else list(optimizer.state.values())
     for s in st:
         if s:
             return list(s.keys())

@@ -25,6 +25,7 @@ from megassm.parallel.engines import build_engine
 from megassm.training import checkpoint as ckpt
 from megassm.training import consensus, faults, preemption, runlock
 from megassm.training.failures import RunIOError, describe_os_error, one_line
+from megassm.training.guards import SpikeGuard, SpikeStopError, StragglerReport
 from megassm.training.flops import flops_per_sequence, mfu, peak_flops_for
 from megassm.training.metrics import MetricsLogger, ProgressBar, memory_scalars
 from megassm.training.optim import LRScheduler, build_optimizer
@@ -32,6 +33,7 @@ from megassm.training.checks import autocast_dtype, check_supported, pick_device
 from megassm.training.run_config import (config_differences, config_hash, legacy_hash_matches,
                                          write_resolved_config)
 from megassm.training.sharded import SHARDED, canonical_param_names, checkpoint_format, load_sharded
+from megassm.training.startup import materialize_held, peak_host_bytes
 
 log = logging.getLogger("megassm.train")
 
@@ -120,24 +122,35 @@ class Trainer:
             self.data.check_token_ids(cfg.model.vocab_size or self.data.vocab_size)
         except ValueError as e:
             raise ConfigError(f"data: {e}") from e
-        # shapes only (meta), then the canonical weights on the device, drawn across the ranks (PP: each rank
-        # its own stages); parallel/materialize.py
+        # shapes only (meta); the plans cut it there, and each rank then allocates only what it holds and fills it
+        # with the canonical weights (training/startup.py): TP-local pieces, PP stages, and under FSDP2 the shards,
+        # so no device ever holds the whole model
         model = build_model(cfg.model, vocab_size=self.data.vocab_size, device="meta")
         n_params = model.num_parameters()  # canonical count, before any sharding or pipeline split
         init_state = None
         if init_source is not None:  # every rank reads the canonical weights (a resume replaces them later)
             init_state = init_sources.load_state(init_source, model)
             log.info("model.init_from: initial weights from %s (%s layout)", init_source.where, init_source.kind)
-        model = prt.init_model(model, self.groups, cfg, self.device, init_state=init_state)
-        del init_state
+        model = prt.split_stages(model, self.groups, cfg)  # PP: this rank's stages
         self.model = prt.prepare_model(model, self.groups, cfg)  # TP/SP, CP, PP plans, activation checkpointing
         if cfg.train.loss_chunk_tokens:  # head + loss in checkpointed chunks (models/lm.py head_loss)
             self.model.loss_chunk_tokens = cfg.train.loss_chunk_tokens
-        self.weight_cache = None  # train.cast_weights_once / train.fp8: weight copies cast once per step
         if cfg.train.fp8:  # the blocks' Linears in FP8 (training/fp8.py); before the engine wraps the model
-            from megassm.training.fp8 import FP8WeightCache, apply_fp8
+            from megassm.training.fp8 import apply_fp8
 
             apply_fp8(self.model)
+        # FSDP2 shards the meta model and the weights are filled in after it (its DTensor shards); the other
+        # engines wrap real tensors (DDP broadcasts them, ZeRO-1 re-points them into flat buffers, DeepSpeed copies)
+        shard_first = cfg.parallel.engine == "fsdp2" and self.dp > 1
+        # PP: no group holds exactly the ranks of one stage, so each rank draws its stages itself
+        fill = dict(device=self.device, groups=self.groups, seed=cfg.train.seed, state=init_state,
+                    collective=self.groups.pp == 1)
+        if not shard_first:
+            materialize_held(self.model, **fill)
+        self.weight_cache = None  # train.cast_weights_once / train.fp8: weight copies cast once per step
+        if cfg.train.fp8:
+            from megassm.training.fp8 import FP8WeightCache
+
             if cfg.parallel.engine == "ddp" or self.dp == 1:  # whole fp32 weights on every rank
                 self.weight_cache = FP8WeightCache(self.model)
         elif cfg.train.cast_weights_once:
@@ -146,6 +159,12 @@ class Trainer:
             self.weight_cache = WeightCache(self.model)
         # the data-parallel engine last (DDP / FSDP2 / DeepSpeed ZeRO); it owns the optimizer step
         self.engine = build_engine(cfg, self.model, self.groups, self.device, bf16=self.amp_dtype is torch.bfloat16)
+        if shard_first:
+            materialize_held(self.model, **fill)
+        del init_state, fill
+        self.startup_memory = {"startup/peak_host_gib": peak_host_bytes() / 2 ** 30}
+        if self.device.type == "cuda":
+            self.startup_memory["startup/peak_device_gib"] = torch.cuda.max_memory_allocated(self.device) / 2 ** 30
         self.optimizer = self.engine.make_optimizer(lambda: build_optimizer(
             self.model.param_groups(cfg.optim.weight_decay), cfg.optim, self.device.type))
         self.scheduler = LRScheduler(self.optimizer, cfg.optim, cfg.train.steps)
@@ -163,8 +182,10 @@ class Trainer:
             # (models/lm.py); evaluation, eager, takes the same path
             self.model.capture_safe = True
             # TP / CP: their collectives are captured with the rest of the micro-batch (training/cuda_graph.py)
+            # kept_grads: the distributed optimizer's gradients are its buffer's views, never freed (distopt.py)
             self.graphed = GraphedMicroBatch(list(self.model.parameters()), self._forward_backward,
-                                             collectives=self.groups.tp > 1 or self.groups.cp > 1)
+                                             collectives=self.groups.tp > 1 or self.groups.cp > 1,
+                                             kept_grads=not self.engine.grads_to_none)
         self.carrier = None  # BPTT: the rows' recurrent states between windows (training/bptt.py)
         if cfg.train.bptt:
             from megassm.training.bptt import StateCarrier
@@ -180,6 +201,10 @@ class Trainer:
             self.peak_flops *= self.groups.world_size
         self.n_params = n_params
 
+        # long-run guards (training/guards.py): the spike guard's window is part of a checkpoint, so before the resume
+        self.guard = SpikeGuard(cfg.train, self.groups, self.device)
+        self.straggler = StragglerReport(cfg, self.groups, self.device, self.accum)
+        self._fault_scale = 1.0  # the fault tests' loss spike (training/faults.py): 1 unless MEGASSM_FAULT says
         self.last_checkpoint: str | None = None
         resume_path = self._resume()
         if prt.is_rank0(self.groups):  # only once the run is accepted: a refused config never replaces the run's
@@ -214,6 +239,8 @@ class Trainer:
     def train_step(self) -> StepResult:
         """One optimizer step over `accum` micro-batches."""
         t0 = time.perf_counter()
+        self.straggler.begin(self.step + 1)
+        self._fault_scale = faults.loss_scale(self.data, self.cfg.train.global_batch)
         lr = self.scheduler.step_to(self.step)
         self.model.train()
         if self.weight_cache is not None:  # the weights as the last optimizer step (or a load) left them
@@ -229,9 +256,11 @@ class Trainer:
         loss = (loss_sum / self.accum).item()  # the step's first host sync: its micro-batches are done
         t_sync = time.perf_counter()
 
-        def check(grad_norm: float) -> None:
+        def check(grad_norm: float) -> bool:  # False: the spike guard declines the step (training/guards.py)
             if not math.isfinite(loss) or not math.isfinite(grad_norm):
                 raise NonFiniteLossError(self._non_finite_message(loss, grad_norm))
+            return self.guard.judge(self.step + 1, loss, grad_norm, checkpoint=self.last_checkpoint,
+                                    declines=self.engine.declines_steps)
 
         grad_norm = self.engine.clip_and_step(self.cfg.train.grad_clip, check)  # clip, check, step, zero
         # no synchronize here: the optimizer's kernels run while the host starts the next step (its data, the
@@ -253,16 +282,19 @@ class Trainer:
             td = time.perf_counter()
             batch = self._to_device(self.data.next_batch())
             data_time += time.perf_counter() - td
-            with self.engine.micro_batch(last=i == self.accum - 1):  # DDP: no_sync until the last
+            # DDP: no_sync until the last; train.cuda_graph: the replay is what the straggler report times
+            with self.engine.micro_batch(last=i == self.accum - 1), self.straggler.replay():
                 loss_sum += run(batch)
         return data_time
 
     def _forward_backward(self, batch: dict) -> torch.Tensor:
         """One micro-batch's forward and backward (gradients accumulate); returns its loss, detached."""
-        with self._autocast():
+        with self._autocast(), self.straggler.forward():  # timed on the straggler report's steps
+            faults.in_forward()  # the fault tests' straggler: inert unless MEGASSM_FAULT is set
             out = self.engine.forward(batch["tokens"], seq_idx=batch["seq_idx"], labels=batch["labels"])
-        self.engine.backward(out.loss, self.accum)
-        return out.loss.detach()
+        loss = out.loss if self._fault_scale == 1.0 else out.loss * self._fault_scale  # the fault tests' spike
+        self.engine.backward(loss, self.accum)
+        return loss.detach()
 
     def _accumulate_pipeline(self, loss_sum: torch.Tensor) -> float:
         """PP: the step's `accum` micro-batches through the pipeline schedule (1F1B); every rank gets the
@@ -348,6 +380,7 @@ class Trainer:
             "config_hash": config_hash(self.cfg),
             "config": dump_config(self.cfg),  # names the keys that differ when a resume changes the config
             "consumed_tokens": self.step * self.tokens_per_step,
+            "spike_guard": self.guard.state_dict(),  # the window: a resume judges as the uninterrupted run would
         }
         if self.carrier is not None:
             extra["carried_states"] = carried
@@ -467,9 +500,10 @@ class Trainer:
                      os.path.join(self.run_dir, ckpt.CHECKPOINTS))
         return None
 
-    def _try_load(self, path: str) -> list[str]:
+    def _try_load(self, path: str, data_state: dict | None = None) -> list[str]:
         """Verify and load one complete checkpoint, agreed by every rank: its problems (empty: loaded). Rank 0
-        verifies the canonical files; every rank refuses unreadable files and non-finite values before loading."""
+        verifies the canonical files; every rank refuses unreadable files and non-finite values before loading.
+        `data_state`: the data position to take instead of the checkpoint's (a spike rollback keeps its own)."""
         mine = None if prt.is_rank0(self.groups) else []
         if checkpoint_format(path) == SHARDED:  # every rank hashes its share of the files (84 GB at 7B)
             files = sorted(((ckpt.read_meta(path) or {}).get("integrity") or {}).get("files", {}))
@@ -479,7 +513,7 @@ class Trainer:
             return problems
         outcome = None  # (kind, message): exceptions themselves may not pickle for the exchange
         try:
-            self._load(path)
+            self._load(path, data_state)
         except ckpt.CheckpointDamagedError as e:
             outcome = ("damaged", str(e))
         except (ConfigError, RuntimeError, ValueError, KeyError, TypeError) as e:  # does not fit the model
@@ -528,8 +562,9 @@ class Trainer:
         ckpt.refuse_nonfinite(path, "the optimizer (this rank's pieces)",
                               [{k: local(v) for k, v in st.items() if torch.is_tensor(v)} for st in state.values()])
 
-    def _load(self, path: str) -> None:
-        """Load a verified checkpoint into this rank's model, optimizer, scheduler, data, carried states and RNG."""
+    def _load(self, path: str, data_state: dict | None = None) -> None:
+        """Load a verified checkpoint into this rank's model, optimizer, scheduler, data (or `data_state`), carried
+        states, RNG and spike-guard window."""
         if checkpoint_format(path) == SHARDED:  # each rank reads the chunks overlapping its own pieces
             extra = ckpt.load_checkpoint(path, model=None, optimizer=None, verify=False)
             load_sharded(path, self.model, self.optimizer, self.groups, self.engine)
@@ -544,13 +579,16 @@ class Trainer:
             extra = ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer, verify=False)
         self.step = int(extra["step"])
         self.scheduler.load_state_dict(extra["scheduler"])
-        self.data.load_state_dict(extra["data"])
-        if self.carrier is not None:
-            self.carrier.load_state_dict(extra.get("carried_states"), data_window=extra["data"].get("window"))
+        data_state = extra["data"] if data_state is None else data_state
+        self.data.load_state_dict(data_state)
+        if self.carrier is not None:  # states of another data window (a rollback's): every row restarts, logged
+            self.carrier.load_state_dict(extra.get("carried_states"), data_window=data_state.get("window"))
         ckpt.restore_rng_state(extra["rng"])
+        self.guard.load_state_dict(extra.get("spike_guard"))
         self._warn_config_changes(path, extra)
         self.last_checkpoint = path
-        log.info("resumed from %s at step %d", path, self.step)
+        log.info("%s %s at step %d", "resumed from" if data_state is extra["data"] else "rolled back to", path,
+                 self.step)
 
     # ------------------------------------------------------------------------------------------------
     def _preempt(self) -> None:
@@ -563,6 +601,25 @@ class Trainer:
         self.preempted = True
         log.warning("preempted (%s) at step %d: checkpoint %s", preemption.reason() or "signal on another rank",
                     self.step, self.last_checkpoint)
+
+    def _rollback(self) -> None:
+        """train.spike_action=rollback after a spike: the last checkpoint back (model, optimizer, scheduler, RNG,
+        BPTT states, the guard's window) with the data position kept past the spiking step's batches, so they
+        are not replayed; the metrics logged after the checkpoint's step are dropped, as on a resume."""
+        spike, counters = self.guard.pending, self.guard.counters()
+        if self.checkpointer is not None:  # an async save still being written completes first
+            self.checkpointer.wait()
+        path = self.last_checkpoint
+        problems = self._try_load(path, data_state=self.data.state_dict())
+        if problems:
+            raise SpikeStopError(f"spike at step {spike.step}: {spike.what}; cannot roll back, checkpoint {path} is "
+                                 f"damaged: {'; '.join(problems)}")
+        self.guard.rolled_back(spike, self.step, path, counters)
+        self.straggler.restart()
+        self.metrics.close()
+        self.metrics = MetricsLogger(self.run_dir, tensorboard=self.cfg.run.tensorboard, rank=self.groups.rank,
+                                     resume_step=self.step)
+        self._last_sync = None
 
     def fit(self) -> list[float]:
         """Train to cfg.train.steps. Returns the per-step training losses of this invocation."""
@@ -590,6 +647,9 @@ class Trainer:
                     self._last_sync = None  # the profiler's teardown is not the next step's time
                 else:
                     r = self.train_step()
+                if self.guard.rollback_due:  # a spike under train.spike_action=rollback (training/guards.py)
+                    self._rollback()
+                    continue
                 self.step += 1
                 losses.append(r.loss)
                 window_tokens += r.tokens
@@ -598,10 +658,12 @@ class Trainer:
                 tps = r.tokens / r.step_time
                 bar.update(self.step, loss=r.loss, tokens_per_s=tps)
                 if len(losses) == 1:  # start-up cost of this invocation: process start to model ready, step 1
-                    self.metrics.log(self.step, {"time/startup_s": self.startup_s, "time/first_step_s": r.step_time})
+                    self.metrics.log(self.step, {"time/startup_s": self.startup_s, "time/first_step_s": r.step_time,
+                                                 **self.startup_memory})
                     if self.device.type == "cuda":  # the peaks logged from now on are the steady state's
                         torch.cuda.reset_peak_memory_stats(self.device)
 
+                straggler = self.straggler.report(self.step, r.data_time)  # collective on its report steps
                 if self.step % cfg.train.log_interval == 0 or self.step == cfg.train.steps:
                     w_tps = window_tokens / max(window_time, 1e-9)
                     scalars = {
@@ -612,11 +674,14 @@ class Trainer:
                         **memory_scalars(self.device),
                         "time/data_wait_pct": 100.0 * window_data / max(window_time, 1e-9),
                         **deer_stats(self.model),  # COFFEE layers: Newton solves of the last forward
+                        **self.guard.scalars(), **straggler,
                     }
                     if self.peak_flops:
                         scalars["throughput/mfu"] = mfu(w_tps, self.train_flops_per_token, self.peak_flops)
                     self.metrics.log(self.step, scalars)
                     window_tokens, window_time, window_data = 0, 0.0, 0.0
+                elif straggler:
+                    self.metrics.log(self.step, straggler)
 
                 if cfg.train.eval_interval and (
                     self.step % cfg.train.eval_interval == 0 or self.step == cfg.train.steps
@@ -630,6 +695,7 @@ class Trainer:
                     cfg.run.save_final and self.step == cfg.train.steps
                 ):
                     self.save()
+                    self.guard.saved()  # a spike now rolls back to this checkpoint
         finally:
             try:
                 if self.checkpointer is not None:  # the last async save completes before we return / exit
