@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import math
 import os
 import types
 import typing
@@ -265,6 +266,9 @@ class RunConfig:
     save_final: bool = True  # checkpoint after the last step (benchmarks turn it off)
     keep_last: int = 3
     resume: str = "none"  # none | auto | path of a checkpoint directory
+    # a fresh start (run.resume=none) in a run.dir that holds an earlier run: move that run aside into
+    # run.dir/previous-<UTC time>/ instead of refusing (training/checkpoint_dir.py earlier_run, move_aside)
+    overwrite: bool = False
     checkpoint_format: str = "canonical"  # canonical (rank 0 gathers single files) | sharded (DCP, every rank writes)
     async_save: bool = False  # sharded only: write in a background thread after a CPU snapshot at the step boundary
     tensorboard: bool = True
@@ -558,6 +562,47 @@ def data_parallel_size(cfg: Config) -> int:
     return world_size(cfg) // (p.tp * p.cp * p.pp)
 
 
+# count keys with their smallest value, checked before every other check (None: unset is fine). The other
+# counts have their own checks below or in their block kind's (models/registry.py); tests/test_config_values.py
+# tries 0 and -1 on every integer key.
+_COUNTS_FIRST = {
+    "model.d_model": 1, "model.mamba.d_state": 1, "model.mamba.expand": 1, "model.mamba.headdim": 1,
+    "model.mamba.ngroups": 1, "model.mamba.chunk_size": 1, "model.attn.n_heads": 1, "model.attn.n_kv_heads": 1,
+    "model.attn.head_dim": 1, "model.mlp.ffn_hidden": 1,
+    "train.steps": 1, "train.seq_len": 1, "train.micro_batch": 1, "train.global_batch": 1, "train.log_interval": 1,
+    "parallel.tp": 1, "parallel.cp": 1, "parallel.pp": 1, "parallel.pp_virtual": 1, "parallel.world_size": 1,
+}
+# a float that may be infinite: the upper clamp of dt (mamba_ssm's "no clamp" is (0, inf)); NaN never
+_MAY_BE_INF = {"model.mamba.dt_limit[1]"}
+
+
+def _section(cfg: Config, dotted: str) -> Any:
+    obj = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _float_values(obj: Any, prefix: str = ""):
+    """(dotted key, value) of every float in the config, list items as key[i]."""
+    for f in dataclasses.fields(obj):
+        v, key = getattr(obj, f.name), prefix + f.name
+        if dataclasses.is_dataclass(v):
+            yield from _float_values(v, key + ".")
+        elif isinstance(v, float):
+            yield key, v
+        elif isinstance(v, list):
+            yield from ((f"{key}[{i}]", x) for i, x in enumerate(v) if isinstance(x, float))
+
+
+def in_run_dir(path: str, run_dir: str) -> bool:
+    """Whether a run.resume path names run_dir's own checkpoints: run_dir itself, its checkpoints folder or a
+    checkpoint in it (not a run moved aside into run_dir/previous-*)."""
+    path, run_dir = (os.path.abspath(os.path.expanduser(x)).rstrip(os.sep) for x in (path, run_dir))
+    own = os.path.join(run_dir, "checkpoints")
+    return path in (run_dir, own) or path.startswith(own + os.sep)
+
+
 def validate(cfg: Config) -> None:
     """Every cross-check that can fail before compute. Raises ConfigError naming the keys."""
     m, t, o, p = cfg.model, cfg.train, cfg.optim, cfg.parallel
@@ -565,6 +610,13 @@ def validate(cfg: Config) -> None:
     def need(cond: bool, msg: str) -> None:
         if not cond:
             raise ConfigError(msg)
+
+    # the counts the checks below divide by or build sizes from: refused first, so a zero is named, not met as a
+    # ZeroDivisionError (or, for train.global_batch, only after run.dir was created)
+    for key, low in _COUNTS_FIRST.items():
+        section, name = key.rsplit(".", 1)
+        v = getattr(_section(cfg, section), name)
+        need(v is None or v >= low, f"{key} must be {'positive' if low == 1 else f'>= {low}'}, got {v}")
 
     # pattern
     from megassm.models.registry import block_kind
@@ -578,7 +630,7 @@ def validate(cfg: Config) -> None:
             f"(known: {', '.join(f'{k} {v}' for k, v in known.items())}, | stage boundary)",
         )
     need(m.d_model > 0, f"model.d_model must be positive, got {m.d_model}")
-    need(m.pad_vocab_multiple > 0, "model.pad_vocab_multiple must be positive")
+    need(m.pad_vocab_multiple > 0, f"model.pad_vocab_multiple must be positive, got {m.pad_vocab_multiple}")
     need(m.vocab_size is None or m.vocab_size > 0, f"model.vocab_size must be positive, got {m.vocab_size}")
     letters = set(blocks_of(m.pattern))
     kinds = [block_kind(c) for c in known if c in letters]  # registry order
@@ -602,7 +654,8 @@ def validate(cfg: Config) -> None:
     need(t.micro_batch > 0, f"train.micro_batch must be positive, got {t.micro_batch}")
     need(t.precision in ("auto", "bf16", "fp32"), f"train.precision must be auto, bf16 or fp32, got '{t.precision}'")
     need(t.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got '{t.device}'")
-    need(t.eval_interval >= 0 and t.eval_tokens >= 0, "train.eval_interval and train.eval_tokens must be >= 0")
+    need(t.eval_interval >= 0 and t.eval_tokens >= 0,
+         f"train.eval_interval and train.eval_tokens must be >= 0, got {t.eval_interval} and {t.eval_tokens}")
     need(t.log_interval > 0, "train.log_interval must be positive")
     need(t.spike_action in ("off", "skip", "rollback"),
          f"train.spike_action must be off, skip or rollback, got '{t.spike_action}'")
@@ -618,8 +671,8 @@ def validate(cfg: Config) -> None:
          f"train.straggler_interval must be >= 0 (0: off; unset: train.log_interval), got {t.straggler_interval}")
     need(0 < t.straggler_fraction < float("inf"),
          f"train.straggler_fraction must be a finite number > 0, got {t.straggler_fraction}")
-    need(t.grad_clip >= 0, "train.grad_clip must be >= 0 (0 disables clipping)")
-    need(t.bptt_windows >= 1, "train.bptt_windows must be >= 1")
+    need(t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 disables clipping), got {t.grad_clip}")
+    need(t.bptt_windows >= 1, f"train.bptt_windows must be >= 1, got {t.bptt_windows}")
     need(t.loss_chunk_tokens >= 0, f"train.loss_chunk_tokens must be >= 0 (0: no chunking), got {t.loss_chunk_tokens}")
     need(t.activation_checkpointing_blocks >= 0,
          f"train.activation_checkpointing_blocks must be >= 0 (0: every block), got {t.activation_checkpointing_blocks}")
@@ -639,10 +692,17 @@ def validate(cfg: Config) -> None:
     # optimizer
     need(o.lr > 0, f"optim.lr must be positive, got {o.lr}")
     need(0 <= o.min_lr <= o.lr, f"optim.min_lr={o.min_lr} must be in [0, optim.lr={o.lr}]")
-    need(o.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
+    need(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
     need(o.decay in ("cosine", "linear", "constant"), f"optim.decay must be cosine, linear or constant, got '{o.decay}'")
     need(o.fused in ("auto", "true", "false"), f"optim.fused must be auto, true or false, got '{o.fused}'")
-    need(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
+    need(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1,
+         f"optim.beta1 and optim.beta2 must be in [0, 1), got {o.beta1} and {o.beta2}")
+    need(o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}")
+    need(o.eps > 0, f"optim.eps must be positive (it keeps AdamW's update finite where a gradient is 0), got {o.eps}")
+    need(m.norm_eps > 0, f"model.norm_eps must be positive, got {m.norm_eps}")
+    need(m.init_std >= 0, f"model.init_std must be >= 0, got {m.init_std}")
+    need(m.attn.rope_theta > 0, f"model.attn.rope_theta must be positive, got {m.attn.rope_theta}")
+    need(m.mamba.dt_init_floor >= 0, f"model.mamba.dt_init_floor must be >= 0, got {m.mamba.dt_init_floor}")
 
     # checkpoints
     r = cfg.run
@@ -652,6 +712,14 @@ def validate(cfg: Config) -> None:
          "run.async_save=true needs run.checkpoint_format=sharded (the canonical format gathers to rank 0 and "
          "writes synchronously)")
     need(r.keep_last >= 0, f"run.keep_last must be >= 0 (0 keeps all), got {r.keep_last}")
+    need(r.save_interval >= 0, f"run.save_interval must be >= 0 (0: only at the end), got {r.save_interval}")
+    resume = str(r.resume).strip()
+    need(not r.overwrite or resume.lower() != "auto",
+         "run.overwrite=true starts a new run (the earlier one in run.dir moved aside) and run.resume=auto continues "
+         "the earlier one: set only one of them")
+    need(not r.overwrite or resume.lower() in ("", "none", "auto") or not in_run_dir(resume, r.dir),
+         f"run.overwrite=true would move run.resume={resume} aside with the earlier run in run.dir={r.dir}: resume "
+         "it without run.overwrite, or copy it out of run.dir first")
 
     # data
     d = cfg.data
@@ -665,6 +733,9 @@ def validate(cfg: Config) -> None:
          f"data.weights has {0 if d.weights is None else len(d.weights)} entries but data.paths has {len(d.paths)}")
     need(len(d.split) == 3 and all(x >= 0 for x in d.split) and d.split[0] > 0,
          f"data.split must be three non-negative numbers train,valid,test with train > 0, got {d.split}")
+    need(d.weights is None or (all(w >= 0 for w in d.weights) and sum(d.weights) > 0),
+         f"data.weights must be non-negative numbers with a positive sum, got {d.weights}")
+    need(d.prefetch >= 0, f"data.prefetch must be >= 0 (0: synchronous), got {d.prefetch}")
 
     # parallel layout and the batch triad
     for k in ("tp", "cp", "pp"):
@@ -735,3 +806,8 @@ def validate(cfg: Config) -> None:
          f"parallel.pp_virtual={p.pp_virtual} (interleaved 1F1B): the {accum} micro-batches of a step "
          f"(train.global_batch / (train.micro_batch x data-parallel ranks)) must be a multiple of "
          f"max(1, micro-batches // parallel.pp) = {rounds}")
+
+    # last, so a key's own check (its range, with why) speaks first: any float still infinite or NaN here (e.g.
+    # optim.lr=inf passes lr > 0) would fail only once training computes with it
+    for key, v in _float_values(cfg):
+        need(math.isfinite(v) or (key in _MAY_BE_INF and v == math.inf), f"{key} must be a finite number, got {v}")

@@ -47,6 +47,11 @@ def test_quickstart_cpu_commands_run_as_written(tmp_path):
             argv.append("run.progress=false")
         out = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, f"{cmd}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+        # stdout: the result only (the quickstart says so); the dry run's is its table and JSON line
+        if argv[0] == "megassm-train" and "--dry-run" not in argv:
+            assert len(out.stdout.splitlines()) == 1 and out.stdout.startswith("megassm-train: done, "), out.stdout
+        if argv[0] == "megassm-preprocess":
+            assert out.stdout == argv[argv.index("--output-prefix") + 1] + "\n", out.stdout
 
     # the documented tags are the ones the CPU run wrote
     ea_mod = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")

@@ -279,7 +279,8 @@ def check_attn_section(cfg, need, rope: bool = True) -> None:
     need(a["n_heads"] % a["n_kv_heads"] == 0,
          f"model.attn.n_kv_heads={a['n_kv_heads']} must divide model.attn.n_heads={a['n_heads']}")
     need(not rope or not m.attn.rope or a["head_dim"] % 2 == 0, f"RoPE needs an even head dim, got {a['head_dim']}")
-    need(m.attn.sliding_window >= 0, "model.attn.sliding_window must be >= 0 (0 = full attention)")
+    need(m.attn.sliding_window >= 0,
+         f"model.attn.sliding_window must be >= 0 (0 = full attention), got {m.attn.sliding_window}")
     need(a["n_heads"] % p.tp == 0, f"parallel.tp={p.tp} must divide model.attn.n_heads ({a['n_heads']})")
     need(a["n_kv_heads"] % p.tp == 0 or p.tp % a["n_kv_heads"] == 0,
          f"parallel.tp={p.tp} and model.attn.n_kv_heads={a['n_kv_heads']}: one must divide the other "

@@ -244,7 +244,8 @@ def _check(cfg, need) -> None:
     need(c.lam_param == "free" or (-2.0 < c.lam_init[0] and c.lam_init[1] < 0.0),
          f"model.coffee.lam_init={c.lam_init}: with lam_param=bounded (lam = -2 sigmoid(raw)) it must lie inside "
          "(-2, 0); use lam_param=free for the paper's lam = 0 init")
-    need(c.c_init_std >= 0 and c.w_init_std >= 0, "model.coffee.c_init_std and model.coffee.w_init_std must be >= 0")
+    need(c.c_init_std >= 0 and c.w_init_std >= 0,
+         f"model.coffee.c_init_std and model.coffee.w_init_std must be >= 0, got {c.c_init_std} and {c.w_init_std}")
     need(c.solver in ("auto", "deer", "sequential"),
          f"model.coffee.solver must be auto, deer or sequential, got '{c.solver}'")
     need(c.deer_tol > 0, f"model.coffee.deer_tol must be positive, got {c.deer_tol}")

@@ -225,8 +225,10 @@ def check_mamba_section(cfg, need) -> None:
          f"model.mamba.ngroups={mb.ngroups} must divide the number of heads {nheads} (d_inner {d_inner} / headdim {mb.headdim})")
     need(2 <= mb.d_conv <= 4, f"model.mamba.d_conv must be 2..4, got {mb.d_conv}")
     need(mb.chunk_size > 0, f"model.mamba.chunk_size must be positive, got {mb.chunk_size}")
-    need(0 < mb.dt_min <= mb.dt_max, "model.mamba.dt_min must be in (0, model.mamba.dt_max]")
-    need(0 < mb.A_init_min <= mb.A_init_max, "model.mamba.A_init_min must be in (0, model.mamba.A_init_max]")
+    need(0 < mb.dt_min <= mb.dt_max,
+         f"model.mamba.dt_min must be in (0, model.mamba.dt_max], got {mb.dt_min} and {mb.dt_max}")
+    need(0 < mb.A_init_min <= mb.A_init_max,
+         f"model.mamba.A_init_min must be in (0, model.mamba.A_init_max], got {mb.A_init_min} and {mb.A_init_max}")
     if mb.dt_limit is not None:
         need(len(mb.dt_limit) == 2 and mb.dt_limit[0] < mb.dt_limit[1],
              f"model.mamba.dt_limit must be [lo, hi] with lo < hi, got {mb.dt_limit}")

@@ -1,6 +1,7 @@
 """The checkpoints folder of a run (RUN_DIR/checkpoints): the step directories' names, which of them are complete,
-listing and pruning them, the leftovers of interrupted saves, and whether the folder takes new files. What a
-checkpoint holds, and writing and loading one, is checkpoint.py (which re-exports these names)."""
+listing and pruning them, the leftovers of interrupted saves, and whether the folder takes new files; and whether
+a run directory holds an earlier run (earlier_run), which a fresh start refuses or moves aside (move_aside). What a
+checkpoint holds, and writing and loading one, is checkpoint.py (which re-exports the checkpoint names)."""
 from __future__ import annotations
 
 import json
@@ -8,18 +9,22 @@ import logging
 import os
 import re
 import shutil
+import time
 
 from megassm.training.failures import RunIOError, describe_os_error
 
 log = logging.getLogger("megassm.checkpoint")
 
 __all__ = ["CHECKPOINTS", "META", "checkpoint_name", "read_meta", "is_complete", "marked_complete",
-           "list_checkpoints", "find_latest", "clean_temp_dirs", "check_writable"]
+           "list_checkpoints", "find_latest", "clean_temp_dirs", "check_writable", "METRICS", "PREVIOUS_PREFIX",
+           "earlier_run", "move_aside"]
 
 CHECKPOINTS = "checkpoints"
 META = "meta.json"  # the completion marker, written last
 _NAME_RE = re.compile(r"^step_(\d{8,})$")
 _TEMP_PREFIXES = (".tmp-", ".old-")  # an unfinished save's directory, a replaced checkpoint moved aside
+METRICS = "metrics.jsonl"
+PREVIOUS_PREFIX = "previous-"  # run.dir/previous-<UTC time>/: an earlier run moved aside by run.overwrite=true
 
 
 def checkpoint_name(step: int) -> str:
@@ -133,3 +138,62 @@ def check_writable(run_dir: str | os.PathLike) -> None:
         os.remove(probe)
     except OSError as e:
         raise RunIOError(f"cannot write checkpoints to {root}: {describe_os_error(e)}") from None
+
+
+def _last_logged_step(path: str, tail_bytes: int = 1 << 16) -> int | None:
+    """The step of the last line of a metrics.jsonl that parses, read from its tail; None when none does."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - tail_bytes))
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            rec = json.loads(line.decode("utf-8"))
+        except ValueError:  # UnicodeDecodeError included: damaged bytes, or the tail cut a line
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            return rec["step"]
+    return None
+
+
+def earlier_run(run_dir: str | os.PathLike) -> str | None:
+    """What shows that run_dir holds an earlier run, in words (None: it holds none). It does when it holds a
+    checkpoint whose save completed (checkpoints/step_* whose meta.json says "complete": true, whether or not its
+    files still verify) or a non-empty metrics.jsonl: what a fresh start would prune (run.keep_last) or mix its own
+    lines into. Nothing else counts (config.yaml, trainer.lock, pids/, last_exit.json, tensorboard/, the SLURM
+    launcher's launch/ and logs/, runs moved aside into previous-*/): it describes no training. Reads only."""
+    run_dir = os.fspath(run_dir)
+    marked = [p for _, p in reversed(list_checkpoints(run_dir, complete_only=False)) if marked_complete(p)]
+    metrics = os.path.join(run_dir, METRICS)
+    try:
+        size = os.path.getsize(metrics)
+    except OSError:
+        size = 0
+    if not marked and not size:
+        return None
+    parts = [f"newest checkpoint {marked[0]}" if marked else "no complete checkpoint"]
+    if size:
+        step = _last_logged_step(metrics)
+        parts.append(f"{METRICS} up to step {step}" if step is not None else f"{METRICS} of {size} bytes")
+    return "; ".join(parts)
+
+
+def move_aside(run_dir: str | os.PathLike, keep: tuple[str, ...] = ()) -> str:
+    """Move everything in run_dir into a new run_dir/previous-<UTC time>/ and return its path; entries whose names
+    start with one of `keep` (the held lock) and earlier previous-*/ stay. Renames only, nothing is deleted or
+    copied. checkpoints/ and metrics.jsonl go last: a move cut short leaves run_dir still holding an earlier run,
+    so the next start refuses it (or moves the rest aside) instead of mixing into it. Call only while holding
+    the run directory."""
+    run_dir = os.fspath(run_dir)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    dest, n = os.path.join(run_dir, PREVIOUS_PREFIX + stamp), 1
+    while os.path.lexists(dest):  # two moves within a second
+        n += 1
+        dest = os.path.join(run_dir, f"{PREVIOUS_PREFIX}{stamp}-{n}")
+    names = [x for x in os.listdir(run_dir) if not x.startswith((PREVIOUS_PREFIX, *keep))]
+    os.mkdir(dest)
+    for name in sorted(names, key=lambda x: (x == CHECKPOINTS, x == METRICS, x)):
+        os.rename(os.path.join(run_dir, name), os.path.join(dest, name))
+    return dest

@@ -56,13 +56,27 @@ def _to_float(value: Any) -> float:
     return float(value)
 
 
+def _line_ranges(numbers: list[int], most: int = 20) -> str:
+    """'2, 5-7, 12' for [2, 5, 6, 7, 12]; past `most` ranges, the count of the lines left out."""
+    ranges: list[list[int]] = []
+    for n in numbers:
+        if ranges and n == ranges[-1][1] + 1:
+            ranges[-1][1] = n
+        else:
+            ranges.append([n, n])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges[:most])
+    rest = sum(b - a + 1 for a, b in ranges[most:])
+    return text + (f" and {rest} more" if rest else "")
+
+
 class MetricsLogger:
     """Scalars to TensorBoard (run_dir/tensorboard) and run_dir/metrics.jsonl. Only rank 0 writes.
 
     The JSON file is opened in append mode, so a resumed run continues it. Pass `resume_step` (the step
     the run resumes from) to drop what a previous attempt logged after that step: jsonl lines with a
-    larger step are removed, and TensorBoard purges its events from resume_step + 1 on. Each line is
-    flushed as it is written.
+    larger step are removed, and TensorBoard purges its events from resume_step + 1 on. Lines that are not
+    UTF-8 JSON are moved to metrics.jsonl.unreadable with a warning naming them. Each line is flushed as it is
+    written.
     """
 
     def __init__(self, run_dir: str | os.PathLike, *, tensorboard: bool = True, rank: int = 0,
@@ -87,26 +101,45 @@ class MetricsLogger:
             self.writer = SummaryWriter(log_dir=os.path.join(self.run_dir, "tensorboard"), purge_step=purge)
 
     def _truncate_after(self, step: int) -> None:
-        if not os.path.exists(self.jsonl_path):
+        """Drop the lines logged after `step` (this attempt logs those steps again) and set aside every line that
+        is not UTF-8 JSON (damaged bytes, a line cut short by a crash) into metrics.jsonl.unreadable, with a
+        WARNING naming the file and the lines; every other line is kept byte for byte."""
+        try:
+            with open(self.jsonl_path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
             return
-        kept, dropped = [], 0
-        with open(self.jsonl_path) as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    dropped += 1  # a line cut short by a crash
-                    continue
-                if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] > step:
-                    dropped += 1
-                    continue
-                kept.append(line if line.endswith("\n") else line + "\n")
-        if dropped:
-            tmp = f"{self.jsonl_path}.tmp-{os.getpid()}"
-            with open(tmp, "w") as f:
-                f.writelines(kept)
-            os.replace(tmp, self.jsonl_path)
-            log.info("metrics.jsonl: dropped %d lines logged after step %d by an earlier attempt", dropped, step)
+        lines = data.split(b"\n")
+        if lines[-1] == b"":
+            lines.pop()
+        kept, bad, superseded = [], [], 0
+        for n, raw in enumerate(lines, 1):
+            try:
+                rec = json.loads(raw.decode("utf-8"))
+            except ValueError:  # UnicodeDecodeError is one
+                bad.append((n, raw))
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] > step:
+                superseded += 1
+                continue
+            kept.append(raw + b"\n")
+        if not bad and not superseded and (not data or data.endswith(b"\n")):
+            return
+        if bad:  # set aside before the file is replaced: a crash in between leaves the lines twice, never none
+            aside = self.jsonl_path + ".unreadable"
+            with open(aside, "ab") as f:
+                f.writelines(raw + b"\n" for _, raw in bad)
+            log.warning("%s: %s %s %s not UTF-8 JSON (damaged bytes, or a line cut short by a crash): moved to %s",
+                        self.jsonl_path, "line" if len(bad) == 1 else "lines", _line_ranges([n for n, _ in bad]),
+                        "is" if len(bad) == 1 else "are", aside)
+        tmp = f"{self.jsonl_path}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.jsonl_path)
+        if superseded:
+            log.info("metrics.jsonl: dropped %d lines logged after step %d by an earlier attempt", superseded, step)
 
     def log(self, step: int, scalars: dict[str, Any]) -> None:
         if not self.enabled or not scalars:

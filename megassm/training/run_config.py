@@ -16,8 +16,8 @@ __all__ = ["RUN_ONLY_KEYS", "run_defining_config", "config_hash", "config_differ
 # keys that cannot change what a run computes (where it writes, what it shows, when it checkpoints): a resume
 # that changes only these is the same run
 RUN_ONLY_KEYS = frozenset({
-    "run.dir", "run.resume", "run.progress", "run.tensorboard", "run.save_interval", "run.save_final",
-    "run.keep_last", "run.lock_stale_s", "train.log_interval", "data.prefetch", "data.cache_dir",
+    "run.dir", "run.resume", "run.overwrite", "run.progress", "run.tensorboard", "run.save_interval",
+    "run.save_final", "run.keep_last", "run.lock_stale_s", "train.log_interval", "data.prefetch", "data.cache_dir",
     "parallel.timeout_s", "run.profile_step", "run.profile_trace", "parallel.fsdp_prefetch",
     "train.eval_tokens", "train.eval_batches",  # what is measured, not what is trained
     "train.straggler_interval", "train.straggler_fraction",

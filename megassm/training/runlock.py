@@ -29,7 +29,8 @@ import uuid
 
 from megassm.training.failures import RunIOError, describe_os_error
 
-__all__ = ["LOCK_NAME", "HEARTBEAT_S", "RunLockedError", "RunLock", "acquire", "release", "holds", "read_lock"]
+__all__ = ["LOCK_NAME", "HEARTBEAT_S", "RunLockedError", "RunLock", "acquire", "release", "holds", "read_lock",
+           "refuse_if_held"]
 
 log = logging.getLogger("megassm.train")
 
@@ -236,6 +237,18 @@ def acquire(run_dir: str, stale_after_s: float = 300.0) -> RunLock:
     except OSError as e:
         raise RunIOError(f"cannot lock run.dir {run_dir}: {describe_os_error(e)}") from None
     raise RunLockedError(f"run.dir {run_dir}: could not take its lock {path}: other trainers keep taking it")
+
+
+def refuse_if_held(run_dir: str, stale_after_s: float = 300.0) -> None:
+    """RunLockedError when a live trainer holds run_dir's lock, found by reading only (the checks made before
+    acquire() must change nothing in run_dir). acquire() still decides atomically; a lock being written now, or
+    held by this process, is left to it."""
+    path = os.path.join(run_dir, LOCK_NAME)
+    owner, mtime = read_lock(path)
+    if owner is None or mtime is None or os.path.abspath(run_dir) in _held:
+        return
+    if _stale_reason(owner, mtime, stale_after_s) is None:
+        raise RunLockedError(_refusal(run_dir, path, owner, mtime, stale_after_s))
 
 
 def holds(run_dir: str) -> bool:

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from megassm.config import Config, ConfigError, data_parallel_size, dump_config
+from megassm.config import Config, ConfigError, data_parallel_size, dump_config, in_run_dir
 from megassm.models.coffee import deer_stats
 from megassm.parallel import runtime as prt
 from megassm.parallel.engines import build_engine
 from megassm.training import checkpoint as ckpt
 from megassm.training import consensus, faults, preemption, runlock
+from megassm.training.checkpoint_dir import PREVIOUS_PREFIX, earlier_run, move_aside
 from megassm.training.failures import RunIOError, describe_os_error, one_line
 from megassm.training.guards import SpikeGuard, SpikeStopError, StragglerReport
 from megassm.training.flops import flops_per_sequence, mfu, peak_flops_for
@@ -210,9 +211,11 @@ class Trainer:
         if prt.is_rank0(self.groups):  # only once the run is accepted: a refused config never replaces the run's
             write_resolved_config(cfg, self.run_dir)
 
-        # resume_step: lines a crashed run wrote after this checkpoint are superseded, not repeated
+        # resume_step: lines a crashed run wrote after this checkpoint are superseded, not repeated; a resume that
+        # found no checkpoint to load starts at step 0, so every line an earlier attempt logged is superseded
+        resuming = resume_path is not None or str(cfg.run.resume).strip().lower() not in ("", "none")
         self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.run.tensorboard, rank=self.groups.rank,
-                                     resume_step=self.step if resume_path is not None else None)
+                                     resume_step=self.step if resuming else None)
         log.info(
             "model: %s blocks '%s', %.2fM parameters, vocab %d (padded %d); device %s, %s; "
             "global batch %d = micro %d x accumulation %d x dp %d; %.3g train FLOPs/token",
@@ -440,24 +443,65 @@ class Trainer:
         return path
 
     def _claim_run_dir(self) -> None:
-        """Rank 0, before any rank writes into run.dir: take its lock (runlock.py), remove what crashed runs left
-        (temp checkpoints, PID files) and check that checkpoints can be written. Every rank learns the outcome
-        and raises the same error (RunLockedError, RunIOError)."""
+        """Rank 0, before any rank writes into run.dir: refuse a live trainer's directory and a fresh start over an
+        earlier run (both found by reading only, so a refusal changes nothing there), take the lock (runlock.py),
+        move the earlier run aside under run.overwrite=true, remove what crashed runs left (temp checkpoints, PID
+        files) and check that checkpoints can be written. Every rank learns the outcome and raises the same error
+        (RunLockedError, ConfigError, RunIOError)."""
         error = None
         if prt.is_rank0(self.groups):
             try:
+                runlock.refuse_if_held(self.run_dir, stale_after_s=self.cfg.run.lock_stale_s)
+                self._refuse_earlier_run()
                 runlock.acquire(self.run_dir, stale_after_s=self.cfg.run.lock_stale_s)
+                if self.cfg.run.overwrite:
+                    self._move_earlier_run_aside()
                 for done in ckpt.clean_temp_dirs(self.run_dir):
                     log.warning("%s: %s", os.path.join(self.run_dir, ckpt.CHECKPOINTS), done)
                 preemption.clear_pid_files(self.run_dir)
                 ckpt.check_writable(self.run_dir)
-            except (runlock.RunLockedError, RunIOError) as e:
+            except (runlock.RunLockedError, RunIOError, ConfigError) as e:
                 error = e
             except OSError as e:
                 error = RunIOError(f"run.dir {self.run_dir}: {describe_os_error(e)}")
         error = consensus.agree_error(error)
         if error is not None:
             raise error
+        # it acted once, here: config.yaml and the checkpoints record false, so a run started again from them
+        # (--config RUN/config.yaml --resume auto) continues this run instead of moving it aside
+        self.cfg.run.overwrite = False
+
+    def _refuse_earlier_run(self) -> None:
+        """ConfigError when this run would start fresh in a run.dir that holds an earlier run (checkpoint_dir.py
+        earlier_run): run.resume=none (the default, or set) or a checkpoint of another run, without
+        run.overwrite. Its checkpoints would be pruned by this run's run.keep_last and their metrics mixed."""
+        r = self.cfg.run
+        resume = str(r.resume).strip()
+        fresh = resume.lower() in ("", "none")
+        if r.overwrite or resume.lower() == "auto" or (not fresh and in_run_dir(resume, self.run_dir)):
+            return  # moved aside once the lock is held, or this run.dir's own run continues
+        what = earlier_run(self.run_dir)
+        if what is None:
+            return
+        aside = os.path.join(self.run_dir, PREVIOUS_PREFIX + "<UTC time>")
+        if fresh:
+            raise ConfigError(f"run.dir {self.run_dir} holds an earlier run ({what}) and run.resume is none: continue "
+                              f"it with --resume auto, start this run in another run.dir, or set run.overwrite=true "
+                              f"to move the earlier run aside into {aside}/ and start at step 0")
+        raise ConfigError(f"run.dir {self.run_dir} holds an earlier run ({what}) and run.resume={resume} is a "
+                          "checkpoint of another run: resuming it there would mix the two runs' checkpoints and "
+                          f"metrics. Resume it in another run.dir, or set run.overwrite=true to move the earlier run "
+                          f"aside into {aside}/ first")
+
+    def _move_earlier_run_aside(self) -> None:
+        """run.overwrite=true, holding the lock: the earlier run (if any) into run.dir/previous-<UTC time>/."""
+        what = earlier_run(self.run_dir)
+        if what is None:
+            log.info("run.overwrite=true: %s holds no earlier run; nothing moved aside", self.run_dir)
+            return
+        dest = move_aside(self.run_dir, keep=(runlock.LOCK_NAME,))
+        log.warning("run.overwrite=true: moved the earlier run in %s (%s) aside into %s; this run starts at step 0",
+                    self.run_dir, what, dest)
 
     def close(self) -> None:
         """Give the run directory back (rank 0's lock). megassm.train does it after writing last_exit.json."""
