@@ -12,6 +12,7 @@ document boundary (the EOS position predicts the next document's first token): s
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -40,16 +41,52 @@ class Sample:
     starts_document: bool  # tokens[0] is the first token of a document
 
 
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_shard_records(prefixes: list[str], manifest: dict, mpath: str) -> None:
+    """Each shard's files against the manifest's record of them (its "shards" list, in shard order): the .idx by
+    size and sha256 (it is small: ~20 bytes a document), the .bin by size only (it can be terabytes; with the .idx
+    verified, the .idx's own checks then tie the .bin to it: the pointers are the running sum of the lengths, which
+    add up to the .bin's size). ShardFormatError naming the file, the recorded and the found value. A manifest
+    without shard records (written by hand, or by an older megassm) checks nothing here, logged."""
+    records = manifest.get("shards")
+    if not isinstance(records, list) or not records:
+        log.info("%s records no shard files (sizes, sha256): the shards' files are not checked against it", mpath)
+        return
+    if len(records) != len(prefixes):
+        names = ", ".join(str(r.get("prefix")) for r in records if isinstance(r, dict))
+        raise ShardFormatError(f"{mpath}: records {len(records)} shards ({names}), found {len(prefixes)} "
+                               f"({', '.join(os.path.basename(p) for p in prefixes)}): shards and manifest differ")
+    for prefix, rec in zip(prefixes, records):
+        rec = rec if isinstance(rec, dict) else {}
+        idx, bin_ = (rec.get(k) if isinstance(rec.get(k), dict) else {} for k in ("idx", "bin"))
+        for path, want in ((prefix + ".bin", bin_), (prefix + ".idx", idx)):  # sizes first: no hashing to find these
+            if want.get("bytes") is not None and os.path.isfile(path) and os.path.getsize(path) != want["bytes"]:
+                size = os.path.getsize(path)
+                raise ShardFormatError(f"{path}: {size} bytes, but {mpath} records {want['bytes']} for it: not the "
+                                       "file the shards were written with (replaced, truncated or swapped with another "
+                                       "shard's?)")
+        path = prefix + ".idx"
+        if idx.get("sha256") and os.path.isfile(path):
+            got = _sha256(path)
+            if got != idx["sha256"]:
+                raise ShardFormatError(f"{path}: sha256 {got[:12]}.., but {mpath} records {str(idx['sha256'])[:12]}.. "
+                                       f"(both {os.path.getsize(path)} bytes): not the index the shards were written "
+                                       "with (swapped with another shard's .idx?)")
+
+
 class TokenDataset:
-    """One dataset path (a shard prefix, or all its numbered shards) with its manifest."""
+    """One dataset path (a shard prefix, or all its numbered shards) with its manifest, whose record of each shard's
+    files is checked before they are opened (check_shard_records)."""
 
     def __init__(self, prefix: str):
         self.prefix = prefix
-        self.shards = ShardSet(shard_prefixes(prefix))
-        self.doc_lengths = self.shards.doc_lengths
-        self.num_docs = self.shards.num_docs
-        self.num_tokens = self.shards.num_tokens
-        self.vocab_limit: int | None = None  # ids must be < this (set_vocab_limit); every read is checked
         self.manifest = None
         mpath = prefix + ".manifest.json"
         if os.path.exists(mpath):
@@ -58,6 +95,17 @@ class TokenDataset:
                     self.manifest = json.load(f)
                 except json.JSONDecodeError as e:
                     raise ShardFormatError(f"{mpath}: invalid JSON: {e}") from None
+            if not isinstance(self.manifest, dict):
+                raise ShardFormatError(f"{mpath}: not a JSON object")
+        prefixes = shard_prefixes(prefix)
+        if self.manifest is not None:  # before the files are opened: their own checks cannot see a swapped .idx
+            check_shard_records(prefixes, self.manifest, mpath)
+        self.shards = ShardSet(prefixes)
+        self.doc_lengths = self.shards.doc_lengths
+        self.num_docs = self.shards.num_docs
+        self.num_tokens = self.shards.num_tokens
+        self.vocab_limit: int | None = None  # ids must be < this (set_vocab_limit); every read is checked
+        if self.manifest is not None:
             want = self.manifest.get("num_tokens")
             if want is not None and want != self.num_tokens:
                 raise ShardFormatError(

@@ -63,7 +63,8 @@ def _vocab(datasets: list[TokenDataset]) -> tuple[int, int | None]:
     bare = [d for d in datasets if not d.tokenizer]
     if bare:
         scanned = max(d.max_token_id() for d in bare) + 1
-        log.warning("%s: no manifest; vocabulary size taken from the largest token id (%d)",
+        log.warning("%s: no manifest (shards made by Megatron?): the .bin / .idx are not checked against a record "
+                    "of their sizes and hashes, and the vocabulary size is taken from the largest token id (%d)",
                     ", ".join(d.prefix for d in bare), scanned)
         vocab = max(vocab, scanned)
     return vocab, eos

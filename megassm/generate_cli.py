@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megassm-generate", description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="checkpoint directory (RUN/checkpoints/step_XXXXXXXX)")
-    src.add_argument("--run", help="run directory: its newest complete checkpoint")
+    src.add_argument("--run", help="run directory: its newest checkpoint that verifies")
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampling")
@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     from megassm.config import ConfigError
     from megassm.evaluation.generation import generate
     from megassm.evaluation.loading import load_trained
+    from megassm.training.checkpoint import CheckpointDamagedError
+    from megassm.training.failures import EXIT_NO_CHECKPOINT
 
     try:
         lm = load_trained(checkpoint=args.checkpoint, run=args.run, config=args.config, overrides=args.overrides,
@@ -53,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         gen = generate(lm.model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                        top_p=args.top_p, seed=args.seed, eos_id=None if args.ignore_eos else tok.eos_id,
                        autocast=lm.autocast)
+    except CheckpointDamagedError as e:  # no checkpoint that verifies: exit 6, as every reader of checkpoints
+        print(f"megassm-generate: {e}", file=sys.stderr)
+        return EXIT_NO_CHECKPOINT
     except (ConfigError, ValueError, OSError) as e:
         print(f"megassm-generate: {e}", file=sys.stderr)
         return 2

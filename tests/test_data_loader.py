@@ -1,4 +1,6 @@
-"""Packed samples, seq_idx, splits, DP invariance, exact resume, prefetch, blending, BPTT streams."""
+"""Packed samples, seq_idx, splits, DP invariance, exact resume, prefetch, blending, BPTT streams, shards checked
+against their manifest."""
+import hashlib
 import json
 from dataclasses import dataclass, field
 
@@ -299,3 +301,52 @@ def test_shards_without_manifest_and_mixed_tokenizers(tmp_path):
         build_data(Cfg(paths=[a, b]), seq_len=8, micro_batch=1, global_batch=1)
     with pytest.raises(ValueError, match="data.weights has 1 entries but there are 2"):
         build_data(Cfg(paths=[a, a], weights=[1.0]), seq_len=8, micro_batch=1, global_batch=1)
+
+
+def _equal_size_corpora(tmp_path):
+    """Two shards made by megassm-preprocess whose .bin (and .idx) have the same size but whose documents end at
+    other places: 40 documents of 10 and 30 bytes, and 40 of 20 and 20."""
+    from megassm.data_tools.preprocess import preprocess
+
+    prefixes = []
+    for name, lens in (("a", (10, 30)), ("b", (20, 20))):
+        src = tmp_path / f"{name}.jsonl"
+        src.write_text("".join(json.dumps({"text": name * lens[i % 2]}) + "\n" for i in range(40)))
+        preprocess([str(src)], str(tmp_path / name), quiet=True, progress=False)
+        prefixes.append(str(tmp_path / name))
+    return prefixes
+
+
+def test_a_shard_paired_with_another_shards_idx_is_refused(tmp_path, caplog):
+    """The .idx files of two shards of equal size swapped: every check of the files themselves passes (their sizes
+    and the token count agree), only the manifest's record of the .idx tells."""
+    import os
+    import shutil
+
+    from megassm.data_tools.indexed import ShardFormatError
+
+    a, b = _equal_size_corpora(tmp_path)
+    assert os.path.getsize(a + ".bin") == os.path.getsize(b + ".bin")
+    recorded = json.load(open(a + ".manifest.json"))["shards"][0]["idx"]
+    build_data(Cfg(paths=[a]), seq_len=8, micro_batch=1, global_batch=1).close()  # intact: accepted
+    os.rename(a + ".idx", tmp_path / "swap")
+    os.rename(b + ".idx", a + ".idx")
+    os.rename(tmp_path / "swap", b + ".idx")
+    found = hashlib.sha256(open(a + ".idx", "rb").read()).hexdigest()
+    with pytest.raises(ShardFormatError) as e:
+        build_data(Cfg(paths=[a]), seq_len=8, micro_batch=1, global_batch=1)
+    assert str(e.value) == (
+        f"{a}.idx: sha256 {found[:12]}.., but {a}.manifest.json records {recorded['sha256'][:12]}.. (both "
+        f"{recorded['bytes']} bytes): not the index the shards were written with (swapped with another shard's .idx?)")
+    # shards without a manifest (Megatron's own) are read, with a warning that they are not checked
+    shutil.copy(a + ".bin", tmp_path / "m.bin")
+    shutil.copy(b + ".idx", tmp_path / "m.idx")  # a's own index
+    with caplog.at_level("WARNING", logger="megassm.data"):
+        build_data(Cfg(paths=[str(tmp_path / "m")]), seq_len=8, micro_batch=1, global_batch=1).close()
+    assert "no manifest (shards made by Megatron?): the .bin / .idx are not checked against a record" in caplog.text
+    # a .bin of another size than recorded is named with both sizes, before any hashing
+    with open(b + ".bin", "ab") as f:
+        f.write(b"\0\0")
+    size = os.path.getsize(b + ".bin")
+    with pytest.raises(ShardFormatError, match=rf"^{b}.bin: {size} bytes, but {b}.manifest.json records {size - 2} "):
+        build_data(Cfg(paths=[b]), seq_len=8, micro_batch=1, global_batch=1)

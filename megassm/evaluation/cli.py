@@ -26,7 +26,8 @@ COMMANDS = ("context", "harness")
 def _context_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, help="run directory (its config.yaml and checkpoints/)")
     p.add_argument("--config", default=None, help="config file (default: RUN/config.yaml)")
-    p.add_argument("--checkpoint", default="auto", help="auto (newest complete in RUN) | PATH | none (init weights)")
+    p.add_argument("--checkpoint", default="auto", help="auto (the newest checkpoint in RUN that verifies) | PATH | "
+                                                        "none (init weights)")
     p.add_argument("--window", type=int, default=None, help="tokens per window (default: train.seq_len)")
     p.add_argument("--max-tokens", type=int, default=32768, help="tokens read per document")
     p.add_argument("--docs", type=int, default=64, help="number of (longest) held-out documents")
@@ -43,7 +44,7 @@ def _context_args(p: argparse.ArgumentParser) -> None:
 def _harness_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="checkpoint directory (RUN/checkpoints/step_XXXXXXXX)")
-    src.add_argument("--run", help="run directory: its newest complete checkpoint")
+    src.add_argument("--run", help="run directory: its newest checkpoint that verifies")
     p.add_argument("--tasks", required=True, help="comma-separated lm-evaluation-harness task names")
     p.add_argument("--limit", type=float, default=None, help="documents per task (< 1: a fraction)")
     p.add_argument("--batch-size", type=int, default=8)
@@ -90,6 +91,8 @@ def harness_main(args) -> int:
         return 2
     from megassm.evaluation.harness import run_harness
     from megassm.evaluation.loading import load_trained
+    from megassm.training.checkpoint import CheckpointDamagedError
+    from megassm.training.failures import EXIT_NO_CHECKPOINT
 
     try:
         trained = load_trained(checkpoint=args.checkpoint, run=args.run, config=args.config,
@@ -100,6 +103,9 @@ def harness_main(args) -> int:
                           batch_size=args.batch_size, num_fewshot=args.num_fewshot, include_path=args.include_path,
                           include_defaults=not args.no_builtin_tasks, max_length=args.max_length, seed=args.seed,
                           bootstrap_iters=args.bootstrap_iters)
+    except CheckpointDamagedError as e:  # no checkpoint that verifies: exit 6, as every reader of checkpoints
+        print(f"megassm-eval harness: {e}", file=sys.stderr)
+        return EXIT_NO_CHECKPOINT
     except (ConfigError, ValueError, KeyError, OSError) as e:
         print(f"megassm-eval harness: {e}", file=sys.stderr)
         return 2
@@ -125,21 +131,24 @@ def harness_main(args) -> int:
 def context_main(args) -> int:
     from megassm.evaluation.context import context_length_eval, markdown_table, plot
     from megassm.training import checkpoint as ckpt
+    from megassm.training.checkpoint import CheckpointDamagedError
+    from megassm.training.failures import EXIT_NO_CHECKPOINT
 
     try:
         cfg = load_config(args.config or os.path.join(args.run, "config.yaml"), list(args.overrides))
         if args.checkpoint == "none":
             path = None
-        elif args.checkpoint == "auto":
-            path = ckpt.find_latest(args.run)
-            if path is None:
-                raise ConfigError(f"{args.run} has no complete checkpoint (pass --checkpoint PATH or none)")
+        elif args.checkpoint == "auto":  # the run's newest checkpoint that verifies, as every reader of checkpoints
+            path, _ = ckpt.checkpoint_to_read(args.run, "--run", expect="run", model_only=True)
         else:
-            path = ckpt.resolve_resume(args.run, args.checkpoint)
+            path, _ = ckpt.checkpoint_to_read(args.checkpoint, "--checkpoint", model_only=True)
         edges = [int(x) for x in args.edges.split(",")] if args.edges else None
         res = context_length_eval(cfg, path, window=args.window, max_tokens=args.max_tokens, num_docs=args.docs,
                                   batch_size=args.batch_size, split=args.split, device=args.device, edges=edges,
-                                  baseline=not args.no_baseline)
+                                  baseline=not args.no_baseline, verify=False)
+    except CheckpointDamagedError as e:
+        print(f"megassm-eval: {e}", file=sys.stderr)
+        return EXIT_NO_CHECKPOINT
     except (ConfigError, ValueError, OSError) as e:
         print(f"megassm-eval: {e}", file=sys.stderr)
         return 2

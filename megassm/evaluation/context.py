@@ -132,9 +132,11 @@ def held_out_documents(cfg, split: str = "valid", num_docs: int = 64, max_tokens
 
 def context_length_eval(cfg, checkpoint: str | None, window: int | None = None, max_tokens: int = 32768,
                         num_docs: int = 64, batch_size: int = 8, split: str = "valid", device: str = "auto",
-                        edges: list[int] | None = None, baseline: bool = True) -> dict:
+                        edges: list[int] | None = None, baseline: bool = True, verify: bool = True) -> dict:
     """Load the model of `cfg` (weights from `checkpoint`, a checkpoint directory; None = the init weights),
-    stream held-out documents, and return the bucketed results (see the module docstring)."""
+    stream held-out documents, and return the bucketed results (see the module docstring). `verify`: check the
+    weights' files against the checkpoint's integrity record first (False: the caller picked it with
+    checkpoint.checkpoint_to_read, which verified them)."""
     from megassm.models import build_model
     from megassm.training import checkpoint as ckpt
     from megassm.training.checks import autocast_dtype as _autocast_dtype
@@ -147,7 +149,7 @@ def context_length_eval(cfg, checkpoint: str | None, window: int | None = None, 
     model = build_model(cfg.model, vocab_size=vocab, device="cpu")
     step = None
     if checkpoint is not None:
-        meta = ckpt.load_checkpoint(checkpoint, model=model)
+        meta = ckpt.load_model(checkpoint, model, verify=verify)
         step = int(meta["step"])
     else:
         model.init_weights(cfg.train.seed)

@@ -1,12 +1,13 @@
 """A trained checkpoint as one single-device model with its tokenizer, for generation and evaluation.
 
-    lm = load_trained(checkpoint="runs/x/checkpoints/step_00001000")   # or run="runs/x": its newest complete one
+    lm = load_trained(checkpoint="runs/x/checkpoints/step_00001000")   # or run="runs/x": its newest one that verifies
     lm.model, lm.tokenizer, lm.cfg, lm.step, lm.autocast()
 
 The config is the one the checkpoint recorded (meta.json "config"), else RUN/config.yaml two levels above it,
 else --config; overrides (key=value) apply on top. The weights are loaded by training/checkpoint.py
-(canonical or sharded, verified). The tokenizer is `tokenizer` when given, else the run's: data.tokenizer,
-checked against the tokenizer the data shards' manifests record when the shards are at hand.
+(canonical or sharded), verified first as every reader of checkpoints does (checkpoint_to_read). The tokenizer
+is `tokenizer` when given, else the run's: data.tokenizer, checked against the tokenizer the data shards'
+manifests record when the shards are at hand.
 """
 from __future__ import annotations
 
@@ -44,23 +45,22 @@ class TrainedModel:
         return "fp32" if self.amp_dtype is None else str(self.amp_dtype).replace("torch.", "")
 
 
-def resolve_checkpoint(checkpoint: str | None, run: str | None) -> str:
-    """The checkpoint directory: `checkpoint` itself, or the newest complete checkpoint of the run `run`."""
+def resolve_checkpoint(checkpoint: str | None, run: str | None, load=None) -> tuple[str, object]:
+    """(the checkpoint directory, what `load(path)` read from it): `checkpoint` itself, which must verify, or the
+    newest checkpoint of the run `run` that verifies (training/checkpoint.py checkpoint_to_read, as every reader of
+    checkpoints: the damaged and incomplete ones skipped are named in warnings). Only the weights' files are
+    verified. CheckpointDamagedError (exit 6) when none verifies."""
     from megassm.training import checkpoint as ckpt
 
     if (checkpoint is None) == (run is None):
-        raise ConfigError("give --checkpoint DIR or --run DIR (its newest complete checkpoint), not both")
+        raise ConfigError("give --checkpoint DIR or --run DIR (its newest checkpoint that verifies), not both")
     if checkpoint is not None:
-        if os.path.isdir(os.path.join(checkpoint, ckpt.CHECKPOINTS)) and not os.path.exists(
-                os.path.join(checkpoint, ckpt.META)):
+        if ckpt.is_run_dir(os.path.abspath(os.path.expanduser(checkpoint))):
             raise ConfigError(f"--checkpoint {checkpoint} is a run directory: pass --run {checkpoint}")
-        return os.path.abspath(checkpoint)
+        return ckpt.checkpoint_to_read(checkpoint, "--checkpoint", expect="checkpoint", model_only=True, load=load)
     if not os.path.isdir(run):
         raise ConfigError(f"--run {run}: no such directory")
-    path = ckpt.find_latest(run)
-    if path is None:
-        raise ConfigError(f"--run {run}: no complete checkpoint under {os.path.join(run, ckpt.CHECKPOINTS)}")
-    return path
+    return ckpt.checkpoint_to_read(run, "--run", expect="run", model_only=True, load=load)
 
 
 def _config_of(path: str, config: str | None, overrides: list[str]) -> Config:
@@ -118,14 +118,16 @@ def load_trained(checkpoint: str | None = None, run: str | None = None, config: 
     from megassm.training import checkpoint as ckpt
     from megassm.training.checks import autocast_dtype
 
-    path = resolve_checkpoint(checkpoint, run)
-    cfg = _config_of(path, config, list(overrides))
-    if precision is not None:
-        cfg.train.precision = precision
-    tok = run_tokenizer(cfg, tokenizer)
+    def load(path: str):
+        cfg = _config_of(path, config, list(overrides))
+        if precision is not None:
+            cfg.train.precision = precision
+        tok = run_tokenizer(cfg, tokenizer)
+        model = build_model(cfg.model, vocab_size=tok.vocab_size, device="cpu")
+        return cfg, tok, model, ckpt.load_model(path, model, verify=False)  # verified by resolve_checkpoint
+
+    path, (cfg, tok, model, meta) = resolve_checkpoint(checkpoint, run, load)
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
-    model = build_model(cfg.model, vocab_size=tok.vocab_size, device="cpu")
-    meta = ckpt.load_checkpoint(path, model=model)
     model = model.to(dev).eval()
     return TrainedModel(model=model, tokenizer=tok, cfg=cfg, checkpoint=path, step=int(meta["step"]), device=dev,
                         amp_dtype=autocast_dtype(cfg, dev))

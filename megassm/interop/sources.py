@@ -1,13 +1,13 @@
 """Directories whose weights a run can start from (model.init_from), and megassm checkpoints to export.
 
-    src = open_source(path)                   # layout detected, config read; no weights yet (cheap, no GPU)
+    src = open_source(path)                   # layout detected, config read, a megassm checkpoint verified; no GPU
     check_config(src, cfg.model)              # every key that changes what the weights compute, both values named
     state = load_state(src, model)            # canonical megassm names, checked against the (meta) model's shapes
 
-Layouts: a megassm checkpoint directory (meta.json; canonical or sharded) or run directory (its newest complete
-checkpoint); a transformers Mamba2 / Nemotron-H directory (config.json with model_type, model.safetensors or
-pytorch_model.bin, optionally sharded with an index); a mamba_ssm directory (config.json with d_model / n_layer,
-pytorch_model.bin in the state-spaces/mamba2-* naming).
+Layouts: a megassm checkpoint directory (meta.json; canonical or sharded; it must verify) or run directory (its
+newest checkpoint that verifies: training/checkpoint.py checkpoint_to_read); a transformers Mamba2 / Nemotron-H
+directory (config.json with model_type, model.safetensors or pytorch_model.bin, optionally sharded with an index);
+a mamba_ssm directory (config.json with d_model / n_layer, pytorch_model.bin in the state-spaces/mamba2-* naming).
 """
 from __future__ import annotations
 
@@ -42,20 +42,18 @@ class Source:
 
 
 def checkpoint_of(path: str, who: str) -> str:
-    """A complete megassm checkpoint directory: `path` itself, or a run directory's newest complete one."""
+    """The megassm checkpoint directory to read the weights from: `path` itself, which must verify, or a run
+    directory's newest checkpoint that verifies (the damaged and incomplete ones skipped are named in warnings):
+    checkpoint.checkpoint_to_read, as every reader of checkpoints. CheckpointDamagedError (exit 6) when none
+    verifies, InitFromError (exit 2) for the other refusals; both name the path."""
     from megassm.training import checkpoint as ckpt
 
-    if os.path.isfile(os.path.join(path, ckpt.META)):
-        if not ckpt.is_complete(path):
-            raise InitFromError(f"{who}: checkpoint {path} is incomplete (no meta.json with \"complete\": true, or a "
-                                "file it lists is missing)")
-        return path
-    if os.path.isdir(os.path.join(path, ckpt.CHECKPOINTS)):
-        latest = ckpt.find_latest(path)
-        if latest is None:
-            raise InitFromError(f"{who}: run directory {path} has no complete checkpoint")
-        return latest
-    raise InitFromError(f"{who}: {path} is neither a checkpoint (meta.json) nor a run directory (checkpoints/)")
+    try:
+        return ckpt.checkpoint_to_read(path, who, model_only=True)[0]
+    except ckpt.CheckpointDamagedError:
+        raise
+    except ckpt.CheckpointError as e:
+        raise InitFromError(str(e)) from None
 
 
 def checkpoint_config(ckpt_dir: str, who: str) -> Config:
@@ -87,7 +85,9 @@ def _read_json(path: str, who: str) -> dict:
 
 
 def open_source(path: str, who: str = KEY) -> Source:
-    """Detect the layout of `path` and read its config (no weights). InitFromError names the path."""
+    """Detect the layout of `path` and read its config (no weights loaded; a megassm checkpoint's weight files are
+    verified against their record, checkpoint_of). InitFromError names the path; CheckpointDamagedError (exit 6)
+    when no megassm checkpoint there verifies."""
     full = os.path.abspath(os.path.expanduser(path))
     if not os.path.exists(full):
         raise InitFromError(f"{who}: {full} does not exist")
@@ -158,6 +158,8 @@ def read_state(src: Source, who: str = KEY) -> dict:
 
         try:
             return ckpt.read_model_state(src.where)
+        except ckpt.CheckpointDamagedError as e:  # unreadable, NaN / inf: exit 6, as the other readers
+            raise ckpt.CheckpointDamagedError(f"{who}: {e}") from None
         except ckpt.CheckpointError as e:
             raise InitFromError(f"{who}: {e}") from None
     raw = _foreign_weights(src.where, who)

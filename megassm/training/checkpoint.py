@@ -13,14 +13,18 @@ Layout:
 A checkpoint is written under `checkpoints/.tmp-step_00000100-<pid>/`, every file fsync'ed, then renamed
 to its final name (a rename within one directory is atomic on POSIX file systems) and the parent fsync'ed.
 A crash at any point leaves either the previous checkpoints untouched plus a temp directory, or the new
-complete checkpoint. Temp directories are ignored by `find_latest`; a save that fails (a full disk) removes
-its own, and `clean_temp_dirs` removes those of killed processes when the next trainer starts.
+complete checkpoint. Temp directories are ignored by `find_latest`; a save that fails (a full disk, a file-size
+limit: `disk_failure` finds the cause behind torch's RuntimeError) removes its own and raises CheckpointWriteError
+naming the file and the cause, and `clean_temp_dirs` removes those of killed processes when the next trainer starts.
 
 Integrity: meta.json's "integrity" maps every file (a path relative to the checkpoint, '/' allowed for
 formats that write subfolders) to its size and sha256, hashed while it is written. `verify_checkpoint`
 compares them with the files on disk; the loaders also refuse unreadable files and non-finite model or
 optimizer tensors (CheckpointDamagedError), so a damaged checkpoint is never trained from. Checkpoints
-written before the record existed still load (with one warning that they cannot be verified).
+written before the record existed still load (with one warning that they cannot be verified). Every command that
+reads a checkpoint (export, model.init_from, generate, eval, convert) picks and verifies it with
+`checkpoint_to_read`, by the rules of run.resume: a named checkpoint must verify, a run directory gives its newest
+checkpoint that does.
 
     path = save_checkpoint(run_dir, step, model=model, optimizer=opt,
                            extra={"scheduler": sched.state_dict(), "data": data.state_dict(),
@@ -37,6 +41,7 @@ checkpoint_dir.py; its names are re-exported here.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -47,7 +52,7 @@ import shutil
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -56,7 +61,7 @@ from megassm.config import ConfigError
 from megassm.training.checkpoint_dir import (CHECKPOINTS, META, _newest_first, _prune, check_writable,
                                              checkpoint_name, clean_temp_dirs, find_latest, is_complete,
                                              list_checkpoints, marked_complete, read_meta)
-from megassm.training.failures import RunIOError, describe_os_error, one_line
+from megassm.training.failures import RunIOError, one_line
 from megassm.training.integrity import (INTEGRITY_ALGO, HashingWriter, check_file, file_record,
                                         integrity_record, nonfinite_tensors)
 
@@ -73,6 +78,9 @@ __all__ = [
     "nonfinite_tensors",
     "refuse_nonfinite",
     "resume_candidates",
+    "checkpoint_to_read",
+    "load_model",
+    "disk_failure",
     "clean_temp_dirs",
     "check_writable",
     "marked_complete",
@@ -250,21 +258,158 @@ def _fsync_dir(path: str) -> None:
 
 
 def _torch_save(obj: Any, path: str) -> dict:
-    """Write `obj` to `path` (fsync'ed) and return its integrity record, hashed on the way out."""
-    with open(path, "wb") as f:
-        writer = HashingWriter(f)
-        torch.save(obj, writer)
-        f.flush()
-        os.fsync(f.fileno())
+    """Write `obj` to `path` (fsync'ed) and return its integrity record, hashed on the way out. A failed write
+    raises the OSError behind it, naming `path` (torch reports it as a RuntimeError, see disk_failure)."""
+    try:
+        with open(path, "wb") as f:
+            writer = HashingWriter(f)
+            torch.save(obj, writer)
+            f.flush()
+            os.fsync(f.fileno())
+    except Exception as e:
+        _raise_naming(e, path)
+        raise
     return writer.record()
 
 
 def _write_json(obj: dict, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        _raise_naming(e, path)
+        raise
+
+
+def _raise_naming(e: BaseException, path: str) -> None:
+    """Raise the OSError in `e`'s chain again with `path` as its file name (a write() through a Python file object
+    fails without one), if there is one."""
+    found = _chained_os_error(e)
+    if found is not None and found.errno is not None and found.filename is None:
+        raise OSError(found.errno, found.strerror, path) from e
+    if found is not None and found is not e:
+        raise found from e
+
+
+# Free space below this, re-read after a write failed without an errno, means the file system is full: a write()
+# that hits a full disk stops within a block of the end, a block is at most a few MiB on any file system.
+_FULL_BYTES = 4 << 20
+
+
+def _chained_os_error(e: BaseException | None) -> OSError | None:
+    """The first OSError among `e`, its causes and contexts, and the per-rank failures of a torch.distributed
+    checkpoint error (CheckpointException.failures: {rank: (exception, traceback)})."""
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop(0)
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError):
+            return x
+        todo += [x.__cause__, x.__context__]
+        failures = getattr(x, "failures", None)
+        if isinstance(failures, dict):
+            for v in failures.values():
+                todo.append(v if isinstance(v, BaseException) else
+                            v[0] if isinstance(v, tuple) and v and isinstance(v[0], BaseException) else None)
+    return None
+
+
+def _torch_write_error(e: BaseException) -> bool:
+    """A RuntimeError (torch's writer), or a DCP CheckpointException (a BaseException) whose every rank failed so."""
+    if isinstance(e, RuntimeError):
+        return True
+    failures = getattr(e, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return False
+    return all(isinstance(v[0] if isinstance(v, tuple) and v else v, RuntimeError) for v in failures.values())
+
+
+def _files_under(where: str) -> list[str]:
+    if os.path.isfile(where):
+        return [where]
+    return [os.path.join(d, f) for d, _, files in os.walk(where) for f in files]
+
+
+def disk_failure(e: BaseException, where: str) -> OSError | None:
+    """The OSError behind a failed write of the files under `where` (a checkpoint's temp directory), or None when
+    the failure is not one of writing (a bug: the caller re-raises it).
+
+    torch reports a full disk or a file-size limit as `RuntimeError: [enforce fail at inline_container.cc:...]
+    unexpected pos`. When the failed write() went through a Python file object (save_checkpoint, the DCP writer of
+    this process) its OSError is chained to that error: its errno decides. A DCP error gathered from another rank
+    arrives pickled, without the chain; then the state of the disk decides, read again now: free space on the file
+    system of `where` below a few MiB is ENOSPC, a file under `where` as large as the process's file-size limit
+    (RLIMIT_FSIZE, `ulimit -f`) is EFBIG. Call before removing the files."""
+    found = _chained_os_error(e)
+    if found is not None:
+        return found
+    if not _torch_write_error(e):
+        return None
+    limit = _file_size_limit()
+    if limit is not None:
+        for path in _files_under(where):
+            try:
+                if os.path.getsize(path) >= limit:
+                    return OSError(errno.EFBIG, f"{os.strerror(errno.EFBIG)} (the process's file-size limit, "
+                                   f"RLIMIT_FSIZE / ulimit -f, is {limit} bytes; {type(e).__name__}: {one_line(e)})",
+                                   path)
+            except OSError:
+                continue
+    free = _free_bytes(where)
+    if free is not None and free < _FULL_BYTES:
+        return OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({free} bytes free on its file system after the "
+                       f"write failed; {type(e).__name__}: {one_line(e)})", where)
+    return None
+
+
+def _file_size_limit() -> int | None:
+    """The process's file-size limit (RLIMIT_FSIZE) in bytes, None when unlimited or unknown."""
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    except (ImportError, ValueError, OSError):
+        return None
+    return None if limit == resource.RLIM_INFINITY else int(limit)
+
+
+def _free_bytes(where: str) -> int | None:
+    while where and not os.path.exists(where):
+        where = os.path.dirname(where)
+    try:
+        st = os.statvfs(where)
+    except (OSError, AttributeError):
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _write_error(e: BaseException, final: str, tmp: str) -> CheckpointWriteError | None:
+    """CheckpointWriteError naming the checkpoint, the file (relative to the checkpoint) and the cause of a failed
+    write under `tmp`, or None when `e` is not an I/O failure. Call before removing `tmp`."""
+    if isinstance(e, CheckpointWriteError):
+        return e
+    if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)):  # not the disk's, whatever they interrupted
+        return None
+    cause = disk_failure(e, tmp)
+    if cause is None:
+        return None
+    where = cause.filename
+    if isinstance(where, str) and os.path.abspath(where).startswith(os.path.abspath(tmp) + os.sep):
+        where = os.path.relpath(where, tmp)
+    elif isinstance(where, str) and os.path.abspath(where) == os.path.abspath(tmp):
+        where = None
+    what = cause.strerror or str(cause)
+    if cause.errno == errno.EFBIG and "RLIMIT_FSIZE" not in what and _file_size_limit() is not None:
+        what += f" (the process's file-size limit, RLIMIT_FSIZE / ulimit -f, is {_file_size_limit()} bytes)"
+    elif cause.errno in (errno.ENOSPC, errno.EDQUOT) and "free" not in what and _free_bytes(tmp) is not None:
+        what += f" ({_free_bytes(tmp)} bytes free on its file system)"
+    return CheckpointWriteError(f"cannot write checkpoint {final}: {f'{where}: ' if where else ''}{what}; the "
+                                "partial checkpoint was removed (the earlier checkpoints are intact)")
 
 
 def _torch_load(path: str, map_location: Any) -> Any:
@@ -308,8 +453,9 @@ def save_checkpoint(
     Call on one rank only (rank 0); the model must hold full (unsharded) tensors, or pass `model_state` /
     `optim_state`: already gathered canonical states (tensor parallelism: megassm.parallel.tp), written
     instead of `model.state_dict()` / `optimizer.state_dict()`.
-    Every file is hashed while it is written (meta.json's "integrity"). An OSError (full disk, unwritable
-    directory) removes the temp directory and raises CheckpointWriteError naming the checkpoint.
+    Every file is hashed while it is written (meta.json's "integrity"). A failed write (full disk, file-size limit,
+    unwritable directory; torch's RuntimeError around them too: disk_failure) removes the temp directory and raises
+    CheckpointWriteError naming the checkpoint, the file and the cause.
     """
     return write_checkpoint(run_dir, step, model=model, optimizer=optimizer, extra=extra,
                             model_state=model_state, optim_state=optim_state).publish(keep_last)
@@ -327,9 +473,10 @@ class PendingCheckpoint:
         try:
             publish(self.tmp, self.final, self.meta)
         except BaseException as e:
+            error = _write_error(e, self.final, self.tmp)
             self.discard()
-            if isinstance(e, OSError):
-                raise CheckpointWriteError(f"cannot write checkpoint {self.final}: {describe_os_error(e)}") from e
+            if error is not None and error is not e:
+                raise error from e
             raise
         log.debug("checkpoint %s written in %.2fs", self.final, time.time() - self.t0)
         _prune(self.run_dir, keep_last, self.final)
@@ -350,8 +497,8 @@ def write_checkpoint(
     optim_state: dict | None = None,
 ) -> PendingCheckpoint:
     """Every file of the checkpoint of `step` in a temp directory beside its final name (save_checkpoint's
-    arguments); nothing is visible until the returned PendingCheckpoint is published. An OSError removes the
-    temp directory and raises CheckpointWriteError naming the checkpoint."""
+    arguments); nothing is visible until the returned PendingCheckpoint is published. A failed write (disk_failure)
+    removes the temp directory and raises CheckpointWriteError naming the checkpoint, the file and the cause."""
     run_dir = os.fspath(run_dir)
     extra = dict(extra or {})
     root = os.path.join(run_dir, CHECKPOINTS)
@@ -362,9 +509,10 @@ def write_checkpoint(
     try:
         meta = _write_temp_checkpoint(tmp, step, model, optimizer, extra, model_state, optim_state)
     except BaseException as e:
+        error = _write_error(e, final, tmp)  # before the removal: it may look at the files and the free space
         shutil.rmtree(tmp, ignore_errors=True)  # a failed save leaves nothing half-written (a full disk stays full)
-        if isinstance(e, OSError):
-            raise CheckpointWriteError(f"cannot write checkpoint {final}: {describe_os_error(e)}") from e
+        if error is not None and error is not e:
+            raise error from e
         raise
     return PendingCheckpoint(run_dir, tmp, final, meta, t0)
 
@@ -506,6 +654,23 @@ def read_model_state(path: str | os.PathLike, map_location: Any = "cpu") -> dict
     return _read_states(path, _complete_meta(path), map_location, True, False)[0]
 
 
+def load_model(path: str | os.PathLike, model: torch.nn.Module, map_location: Any = "cpu", verify: bool = True) -> dict:
+    """Only the weights of a complete checkpoint (either format) into `model` (strict, shapes checked), for readers
+    of the weights (generate, eval); returns meta.json. `verify`: check the weights' files against the integrity
+    record first (callers that picked the checkpoint with checkpoint_to_read pass False)."""
+    path = os.fspath(path)
+    meta = _complete_meta(path)
+    if verify:
+        problems = verify_checkpoint(path, relpaths=_model_files(path))
+        if problems:
+            raise CheckpointDamagedError(f"checkpoint {path} is damaged: {'; '.join(problems)}")
+    state = _read_states(path, meta, map_location, True, False)[0]
+    target = unwrap_model(model)
+    _refuse_shapes(path, target.state_dict(), state)
+    target.load_state_dict(state, strict=True)
+    return dict(meta)
+
+
 def _read_states(path: str, meta: dict, map_location: Any, model: bool, optim: bool) -> tuple[dict | None, dict | None]:
     """(model state, optimizer state) as asked for, None where not asked for or (optimizer) absent; a sharded
     checkpoint's chunks are assembled in this process (training/sharded.py). Non-finite values are refused."""
@@ -558,25 +723,113 @@ def _refuse_shapes(path: str, expected: dict, found: dict) -> None:
         raise CheckpointMismatchError(f"checkpoint {path}: {MODEL} does not fit the model: {'; '.join(diffs[:2])}{more}")
 
 
-def resume_candidates(run_dir: str | os.PathLike, resume: str | None) -> tuple[list[str], bool]:
+def resume_candidates(run_dir: str | os.PathLike, resume: str | None, who: str = "run.resume",
+                      ) -> tuple[list[str], bool]:
     """(checkpoints to try, preferred first; whether an older one may stand in for a damaged one).
 
     "none": nothing. "auto": every step_ directory under run_dir/checkpoints, newest first, complete or not
     (the caller reports each one it skips). A run directory: its checkpoints likewise. A checkpoint
-    directory: just it, with no stand-in. A path that does not exist raises CheckpointError."""
+    directory: just it, with no stand-in. A path that does not exist raises CheckpointError, its message
+    starting with `who`."""
     if resume is None or str(resume).strip().lower() in ("", "none"):
         return [], False
     if str(resume).strip().lower() == "auto":
         return _newest_first(os.fspath(run_dir)), True
     path = os.path.abspath(os.path.expanduser(os.fspath(resume)))
     if not os.path.exists(path):
-        raise CheckpointError(f"run.resume: checkpoint {path} does not exist")
-    if os.path.isdir(os.path.join(path, CHECKPOINTS)) and not os.path.exists(os.path.join(path, META)):
+        raise CheckpointError(f"{who}: checkpoint {path} does not exist")
+    if is_run_dir(path):
         found = _newest_first(path)
         if not found:
-            raise CheckpointError(f"run.resume: run directory {path} has no checkpoint")
+            raise CheckpointError(f"{who}: run directory {path} has no checkpoint")
         return found, True
     return [path], False
+
+
+def is_run_dir(path: str) -> bool:
+    """A run directory (checkpoints/ inside), not a checkpoint (meta.json)."""
+    return os.path.isdir(os.path.join(path, CHECKPOINTS)) and not os.path.exists(os.path.join(path, META))
+
+
+def _model_files(path: str) -> list[str] | None:
+    """The files a reader of the weights needs: all but optim.pt and the extra states (a sharded checkpoint's chunks
+    mix model and optimizer states: all of them). None when meta.json is unreadable (verify_checkpoint says so)."""
+    meta = read_meta(path)
+    if meta is None:
+        return None
+    integrity = meta.get("integrity")
+    files = (integrity.get("files") if isinstance(integrity, dict) else None) or meta.get("files", [])
+    if not isinstance(files, (dict, list)):
+        return None
+    skip = {OPTIM} | {f"{k}.pt" for k in meta.get("extra_files", []) if isinstance(k, str)}
+    return [f for f in files if isinstance(f, str) and f not in skip]
+
+
+def checkpoint_to_read(path: str | os.PathLike, who: str, *, expect: str | None = None, model_only: bool = False,
+                       load: Callable[[str], Any] | None = None) -> tuple[str, Any]:
+    """(the checkpoint a command reads, what `load` read from it): how every reader of checkpoints picks and
+    verifies one (megassm-export, model.init_from, megassm-generate, megassm-eval, megassm-checkpoint convert),
+    the same way the trainer's run.resume does (docs/reliability.md).
+
+    `path`, a checkpoint directory: it must be complete and verify; it has no stand-in. A run directory
+    (checkpoints/ inside): its checkpoints newest first, the first that is complete and verifies is taken; each one
+    skipped is named with its problem in a warning. `expect`: "checkpoint" or "run" refuses the other kind (None
+    takes both). `model_only`: verify only the files a reader of the weights needs (not optim.pt, not the extra
+    states). `load(checkpoint)`: reads what the caller needs once the checkpoint verified; a CheckpointDamagedError
+    from it (a file torch cannot read, NaN / inf values) counts as damage like a failed verification.
+
+    Raises CheckpointError (exit 2) for a path that does not exist or is neither a checkpoint nor a run directory, a
+    named checkpoint that is incomplete (its save was interrupted) and a run directory without a complete checkpoint;
+    CheckpointDamagedError (exit 6, EXIT_NO_CHECKPOINT) when the named checkpoint, or every complete one of the run,
+    is damaged. Messages start with `who` and name each checkpoint, file, and what was expected and found."""
+    full = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    if not os.path.isdir(full):
+        raise CheckpointError(f"{who}: {full} does not exist or is not a directory")
+    run = is_run_dir(full)
+    if expect == "checkpoint" and run:
+        raise CheckpointError(f"{who}: {full} is a run directory, not a checkpoint (step_XXXXXXXX)")
+    if expect == "run" and not run:
+        raise CheckpointError(f"{who}: {full} is not a run directory (no {CHECKPOINTS}/ inside)")
+    if not run and not os.path.exists(os.path.join(full, META)) and not checkpoint_dir_name(full):
+        raise CheckpointError(f"{who}: {full} is not a checkpoint (no {META}) nor a run directory (no {CHECKPOINTS}/)")
+    candidates, fallback = resume_candidates(None, full, who)
+    skipped, damaged = [], []
+    for ck in candidates:
+        if not marked_complete(ck) and not (os.path.exists(os.path.join(ck, META)) and read_meta(ck) is None):
+            if not fallback:
+                raise CheckpointError(f"{who}: checkpoint {ck} is incomplete (no {META} with \"complete\": true): its "
+                                      "save was interrupted")
+            log.warning("%s: skipping checkpoint %s: incomplete (interrupted while being written)", who, ck)
+            skipped.append(ck)
+            continue
+        problems = verify_checkpoint(ck, relpaths=_model_files(ck) if model_only else None)
+        result = None
+        if not problems and load is not None:
+            try:
+                result = load(ck)
+            except CheckpointDamagedError as e:
+                problems = [str(e)]
+        if not problems:
+            if skipped:
+                log.warning("%s: reading %s, the newest intact checkpoint of %s; skipped: %s", who, ck, full,
+                            ", ".join(skipped))
+            return ck, result
+        if not fallback:
+            raise CheckpointDamagedError(f"{who}: checkpoint {ck} is damaged: {'; '.join(problems)}. A checkpoint "
+                                         "named by path has no stand-in: restore it, or name another (a run directory "
+                                         "takes its newest intact one)")
+        log.warning("%s: checkpoint %s is damaged and is skipped: %s", who, ck, "; ".join(problems))
+        damaged.append(f"{os.path.basename(ck)}: {'; '.join(problems)}")
+        skipped.append(ck)
+    if damaged:
+        raise CheckpointDamagedError(f"{who}: run directory {full} has no intact checkpoint: {' | '.join(damaged)}")
+    raise CheckpointError(f"{who}: run directory {full} has no complete checkpoint"
+                          + (f" (skipped, incomplete: {', '.join(skipped)})" if skipped else ""))
+
+
+def checkpoint_dir_name(path: str) -> bool:
+    """Whether `path` is named like a checkpoint (step_XXXXXXXX), for a directory without its meta.json."""
+    return bool(re.match(r"^step_\d{8,}$", os.path.basename(path.rstrip(os.sep))))
 
 
 def resolve_resume(run_dir: str | os.PathLike, resume: str | None) -> str | None:

@@ -11,9 +11,9 @@ __all__ = ["EXIT_OK", "EXIT_CONFIG", "EXIT_NONFINITE", "EXIT_IO", "EXIT_LOCKED",
 EXIT_OK = 0
 EXIT_CONFIG = 2  # config or input mistake (key, file, line or value named); nothing trained past the last checkpoint
 EXIT_NONFINITE = 3  # non-finite loss; the message names the newest checkpoint that verifies
-EXIT_IO = 4  # run directory or checkpoint not writable, or the disk is full; nothing half-written is left
+EXIT_IO = 4  # run dir or checkpoint not writable, the disk full, a file-size limit hit; nothing half-written is left
 EXIT_LOCKED = 5  # run.dir is in use by another trainer; nothing was written
-EXIT_NO_CHECKPOINT = 6  # run.resume found checkpoints, but none that verifies
+EXIT_NO_CHECKPOINT = 6  # run.resume (or any reader of checkpoints: export, init_from, ...) found none that verifies
 EXIT_SPIKE = 7  # train.spike_action=rollback: spikes went on past train.spike_max_rollbacks (training/guards.py)
 EXIT_PREEMPTED = 99  # SIGUSR1 / SIGTERM / Ctrl-C: checkpointed, requeue me (preemption.PREEMPT_EXIT_CODE)
 EXIT_ABORTED = 130  # a second Ctrl-C: stopped at once, nothing saved since the last checkpoint

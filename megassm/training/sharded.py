@@ -526,9 +526,28 @@ class ShardedCheckpointer:
 
     # -- the write (background thread with async_save) ---------------------------------------------------
     def _write(self, entries, tmp, final, run_dir, step, payload, t0) -> str:
+        """Every rank's chunks, then rank 0's extra files and meta.json, then the rename. A failure to write (a full
+        disk, a file-size limit: torch reports them as RuntimeErrors) raises CheckpointWriteError naming the file and
+        the cause on the ranks that meet it, and rank 0 removes the temp directory: nothing half-written is left."""
+        try:
+            return self._write_files(entries, tmp, final, run_dir, step, payload, t0)
+        except BaseException as e:
+            error = ckpt._write_error(e, final, tmp)  # before the removal: it may look at the files and free space
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if error is not None and error is not e:
+                raise error from e
+            raise
+
+    def _write_files(self, entries, tmp, final, run_dir, step, payload, t0) -> str:
         _write_hook("before_write")
         dcp_dir = os.path.join(tmp, DCP_DIR)
-        _dcp_save(entries, dcp_dir, self.group, no_dist=self.group is None)
+        try:
+            _dcp_save(entries, dcp_dir, self.group, no_dist=self.group is None)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException; it gathers every rank's failure,
+            if not isinstance(e, (KeyboardInterrupt, SystemExit)):  # so which rank's file failed is not known here
+                ckpt._raise_naming(e, dcp_dir)
+            raise
         mine = [f for f in _dir_files(dcp_dir) if f.startswith(f"__{self.rank}_")]
         if self.rank == 0:
             mine.append(".metadata")
@@ -545,10 +564,14 @@ class ShardedCheckpointer:
         for r in allrec:
             merged.update(r)
         for fname, data in payload["files"].items():
-            with open(os.path.join(tmp, fname), "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            try:
+                with open(os.path.join(tmp, fname), "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as e:
+                ckpt._raise_naming(e, os.path.join(tmp, fname))
+                raise
             merged[fname] = ckpt.file_record(os.path.join(tmp, fname))
         on_disk = set(_dir_files(tmp))
         if set(merged) != on_disk:
