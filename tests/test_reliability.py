@@ -6,6 +6,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -176,22 +177,8 @@ def test_loaders_refuse_unreadable_files_and_non_finite_values(tmp_path):
         ckpt.load_checkpoint(path, model=torch.nn.Linear(4, 5))
 
 
-def test_failed_save_removes_its_temp_dir_and_temp_dirs_of_crashes_are_cleaned(tmp_path, monkeypatch):
-    model, opt, first = _small_model_ckpt(tmp_path)
-    real = ckpt.HashingWriter.write
-
-    def full_disk(self, data):
-        if self._f.name.endswith("optim.pt"):
-            raise OSError(errno.ENOSPC, "No space left on device", self._f.name)
-        return real(self, data)
-
-    monkeypatch.setattr(ckpt.HashingWriter, "write", full_disk)
-    with pytest.raises(ckpt.CheckpointWriteError, match=r"cannot write checkpoint .*step_00000002: No space left on "
-                                                        r"device: .*optim.pt"):
-        ckpt.save_checkpoint(tmp_path, 2, model=model, optimizer=opt)
-    monkeypatch.undo()
-    assert os.listdir(tmp_path / "checkpoints") == ["step_00000001"] and ckpt.verify_checkpoint(first) == []
-
+def test_temp_dirs_of_crashes_are_cleaned(tmp_path):
+    _, _, first = _small_model_ckpt(tmp_path)
     # what kills during a save leave: a temp dir, and a replaced checkpoint moved aside before its successor's rename
     root = tmp_path / "checkpoints"
     (root / ".tmp-step_00000003-4242").mkdir()
@@ -394,7 +381,7 @@ def test_resume_with_changed_shape_exits_2_and_keeps_config(base_run, tmp_path, 
     assert _status(run)["exit_code"] == EXIT_CONFIG
 
 
-def test_unwritable_checkpoints_and_full_disk_exit_4(base_run, tmp_path, monkeypatch, capsys):
+def test_unwritable_checkpoints_exit_4(base_run, tmp_path, monkeypatch, capsys):
     run = _copy(base_run, tmp_path)
     with monkeypatch.context() as m:
         _deny_writes(m, os.path.join(run, "checkpoints"))
@@ -403,30 +390,268 @@ def test_unwritable_checkpoints_and_full_disk_exit_4(base_run, tmp_path, monkeyp
     assert err.startswith("megassm-train: I/O error: cannot write checkpoints to ") and "Read-only" in err
     assert _status(run)["exit_code"] == EXIT_IO
 
-    # the disk fills up during a save: no temp checkpoint stays behind, and the run resumes once there is room
-    real = ckpt.HashingWriter.write
-
-    def full_disk(self, data):
-        if "step_00000006" in self._f.name:
-            raise OSError(errno.ENOSPC, "No space left on device", self._f.name)
-        return real(self, data)
-
-    with monkeypatch.context() as m:
-        m.setattr(ckpt.HashingWriter, "write", full_disk)
-        assert _main(run, "train.steps=6", "run.save_interval=2", resume="auto") == EXIT_IO
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "No space left on device" in err and "step_00000006" in err
-    status = _status(run)
-    assert status["exit_code"] == EXIT_IO and status["checkpoint"].endswith("step_00000004")
-    assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["step_00000002", "step_00000004"]
-    assert _main(run, "train.steps=6", resume="auto") == EXIT_OK
-
     # a read-only run directory: the lock cannot be taken, nothing can be recorded there
     ro = tmp_path / "ro"
     with monkeypatch.context() as m:
         _deny_writes(m, ro)
         assert _main(str(ro / "run"), "train.steps=1") == EXIT_IO
     assert "cannot lock run.dir" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------
+# a full disk or a file-size limit during a save: real ones (a small tmpfs, RLIMIT_FSIZE), not a raised OSError
+# ----------------------------------------------------------------------------------------------------
+UNEXPECTED_POS = "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"  # torch's words for both
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """mount(size) -> a directory on a tmpfs of `size` bytes of its own, unmounted at the end. Skipped where
+    mounting is not allowed (not root, a container without CAP_SYS_ADMIN)."""
+    mounted = []
+
+    def mount(size: int):
+        if os.geteuid() != 0:
+            pytest.skip("a real full file system needs a small tmpfs, and mounting one needs root")
+        d = tmp_path / f"fs{len(mounted)}"
+        d.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], capture_output=True,
+                           text=True)
+        if r.returncode != 0:
+            pytest.skip(f"mount -t tmpfs is not permitted here: {r.stderr.strip()}")
+        mounted.append(d)
+        return d
+
+    yield mount
+    for d in mounted:
+        if subprocess.run(["umount", str(d)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+def _fill(fs):
+    """Write zeros into fs/filler until the file system is full (another writer took the space)."""
+    fd = os.open(fs / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        while True:
+            os.write(fd, b"\0" * 65536)
+    except OSError as e:
+        assert e.errno == errno.ENOSPC, e
+    finally:
+        os.close(fd)
+
+
+def _pages(path):
+    """Bytes a tmpfs holds for the files under `path` (whole 4 KiB pages)."""
+    return sum(-(-os.path.getsize(os.path.join(d, f)) // 4096) * 4096 for d, _, fs in os.walk(path) for f in fs)
+
+
+def test_file_size_limit_during_a_save_exits_4(base_run, tmp_path):
+    """A real RLIMIT_FSIZE (`ulimit -f` in the shell that starts the trainer): the write of model.pt stops at the limit
+    and torch raises `RuntimeError: ... unexpected pos`; the trainer (which ignores SIGXFSZ itself) exits 4 naming the
+    file and the limit, the temp checkpoint is gone, the earlier ones verify, and the run resumes without the limit."""
+    from multiproc import run_bounded
+
+    run = _copy(base_run, tmp_path)
+    limit = 64 << 10  # above every other file a run writes, below model.pt (~150 kB)
+    train = [sys.executable, "-m", "megassm.train", "--config", "configs/tiny.yaml", *SMALL, f"run.dir={run}",
+             "train.steps=6", "run.save_interval=2", "--resume", "auto"]
+    # no .pyc writes in the limited process: a large one would meet the limit before the trainer ignores SIGXFSZ
+    r = run_bounded(["sh", "-c", f'ulimit -f {limit // 512} && exec "$@"', "sh", *train], 300, cwd=ROOT,
+                    env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
+    assert r.returncode == EXIT_IO, r.stderr[-3000:]
+    err = r.stderr.strip().splitlines()[-1]
+    assert err.startswith(f"megassm-train: I/O error: cannot write checkpoint {run}/checkpoints/step_00000006: "
+                          f"model.pt: File too large (the process's file-size limit, RLIMIT_FSIZE / ulimit -f, is "
+                          f"{limit} bytes); the partial checkpoint was removed"), err
+    status = _status(run)
+    assert status["exit_code"] == EXIT_IO and status["checkpoint"].endswith("step_00000004")
+    root = os.path.join(run, "checkpoints")
+    assert sorted(os.listdir(root)) == ["step_00000002", "step_00000004"]  # no .tmp-step_00000006-*
+    assert all(ckpt.verify_checkpoint(os.path.join(root, c)) == [] for c in os.listdir(root))
+    assert _main(run, "train.steps=6", resume="auto") == EXIT_OK
+
+
+def test_full_disk_during_a_sharded_save_exits_4(tmp_path, small_fs, capsys):
+    """A tmpfs with room for half a checkpoint more: the DCP chunk write of the next save fails (torch's
+    CheckpointException around `unexpected pos`, the ENOSPC chained); exit 4 naming the cause, the half-written
+    checkpoint removed (its space free again), the earlier one intact."""
+    base = tmp_path / "base"
+    sharded = ("run.checkpoint_format=sharded", "run.save_interval=2")
+    assert _main(base, "train.steps=2", *sharded) == EXIT_OK
+    one = _pages(base / "checkpoints" / "step_00000002")
+    fs = small_fs(_pages(base) + one // 2 + (64 << 10))  # 64 kB for the lines and records a run adds
+    run = fs / "run"
+    shutil.copytree(base, run)
+    assert _main(run, "train.steps=4", *sharded, resume="auto") == EXIT_IO
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.match(rf"megassm-train: I/O error: cannot write checkpoint {run}/checkpoints/step_00000004: "
+                    r"dcp(/__0_\d+\.distcp)?: No space left on device \(\d+ bytes free on its file system\); the "
+                    r"partial checkpoint was removed", err), err
+    assert os.listdir(run / "checkpoints") == ["step_00000002"]
+    assert ckpt.verify_checkpoint(run / "checkpoints" / "step_00000002") == []
+    assert os.statvfs(fs).f_bavail * os.statvfs(fs).f_frsize > one // 2  # the partial chunk's space is free again
+    assert _status(run)["exit_code"] == EXIT_IO
+
+
+def test_full_disk_while_meta_json_is_written(tmp_path, small_fs, monkeypatch):
+    """Every file of a save counts, meta.json too; and the failure is recognised without its errno (a DCP error
+    gathered from another rank arrives without the chain) from the disk itself: no space, or a file at the limit."""
+    import resource
+
+    fs = small_fs(8 << 20)
+    model, opt, first = _small_model_ckpt(fs)
+    real = ckpt._write_json
+
+    def fill_then_write(obj, path):  # the file system fills up (another writer) just before meta.json is written
+        _fill(fs)
+        real(obj, path)
+
+    monkeypatch.setattr(ckpt, "_write_json", fill_then_write)
+    with pytest.raises(ckpt.CheckpointWriteError, match=r"^cannot write checkpoint .*step_00000002: meta.json: No "
+                                                        r"space left on device \(\d+ bytes free on its file system\); "
+                                                        r"the partial checkpoint was removed"):
+        ckpt.save_checkpoint(fs, 2, model=model, optimizer=opt, extra={"rng": ckpt.capture_rng_state()})
+    assert os.listdir(fs / "checkpoints") == ["step_00000001"] and ckpt.verify_checkpoint(first) == []
+
+    assert ckpt.disk_failure(RuntimeError(UNEXPECTED_POS), str(fs / "checkpoints")).errno == errno.ENOSPC
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    gathered = CheckpointException("write", {1: (RuntimeError(UNEXPECTED_POS), None)})  # pickled from rank 1: no chain
+    assert ckpt.disk_failure(gathered, str(fs / "checkpoints")).errno == errno.ENOSPC
+    assert ckpt.disk_failure(ValueError("a bug"), str(fs / "checkpoints")) is None  # only torch's write errors
+    os.remove(fs / "filler")
+    assert ckpt.disk_failure(RuntimeError(UNEXPECTED_POS), str(fs / "checkpoints")) is None  # room: not the disk
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    largest = max((os.path.join(first, f) for f in os.listdir(first)), key=os.path.getsize)
+    size = os.path.getsize(largest)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # nothing is written while the limit is this low
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
+        found = ckpt.disk_failure(RuntimeError(UNEXPECTED_POS), first)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    assert found.errno == errno.EFBIG and found.filename == largest
+    assert f"RLIMIT_FSIZE / ulimit -f, is {size} bytes" in found.strerror
+
+
+# ----------------------------------------------------------------------------------------------------
+# every reader of checkpoints verifies as run.resume does: export, model.init_from, generate, eval, convert
+# ----------------------------------------------------------------------------------------------------
+EXPORTABLE = ("model.attn.rope=false", "model.mlp.activation=relu2")  # a hybrid transformers' NemotronH takes
+
+
+@pytest.fixture(scope="module")
+def exportable_run(tmp_path_factory):
+    run = str(tmp_path_factory.mktemp("exportable") / "run")
+    assert _main(run, *EXPORTABLE, "train.steps=4", "run.save_interval=2") == EXIT_OK
+    return run
+
+
+def _damage_newest(run):
+    """Flip bytes of the newest checkpoint's model.pt: (it, the older one, the problem as verification words it)."""
+    newest, older = (os.path.join(run, "checkpoints", f"step_0000000{s}") for s in (4, 2))
+    rec = ckpt.read_meta(newest)["integrity"]["files"]["model.pt"]
+    _flip(os.path.join(newest, "model.pt"))
+    found = ckpt.file_record(os.path.join(newest, "model.pt"))["sha256"]
+    return newest, older, (f"model.pt: expected {rec['bytes']} bytes sha256 {rec['sha256'][:12]}.., found sha256 "
+                           f"{found[:12]}.. (same size, other bytes)")
+
+
+def _one_error_line(capsys):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_export_and_convert_verify_the_checkpoint_they_read(exportable_run, tmp_path, capsys, caplog):
+    pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    from megassm.checkpoint_cli import main as convert
+    from megassm.export_cli import main as export
+
+    run = _copy(exportable_run, tmp_path)
+    newest, older, problem = _damage_newest(run)
+    out = tmp_path / "out"
+    out.mkdir()
+    assert export(["--checkpoint", newest, "--format", "hf", "--output", str(out / "hf")]) == EXIT_NO_CHECKPOINT
+    err = _one_error_line(capsys)
+    assert err.startswith(f"megassm-export: error: --checkpoint: checkpoint {newest} is damaged: {problem}"), err
+    assert os.listdir(out) == []  # nothing written
+    with caplog.at_level(logging.WARNING):
+        assert export(["--run", run, "--format", "hf", "--output", str(out / "hf")]) == EXIT_OK
+    assert f"checkpoint {newest} is damaged and is skipped: {problem}" in caplog.text
+    assert f"reading {older}, the newest intact checkpoint" in caplog.text
+    assert f"`{older}`" in (out / "hf" / "README.md").read_text()  # exported from the intact older one
+    capsys.readouterr()
+
+    # convert: a damaged input is refused (its copy would get a fresh record and pass for intact), nothing written
+    assert convert(["convert", "--input", newest, "--output", str(out / "c"), "--to", "sharded"]) == EXIT_NO_CHECKPOINT
+    assert problem in _one_error_line(capsys) and sorted(os.listdir(out)) == ["hf"]
+    # sharded checkpoints likewise: a changed chunk is named
+    assert convert(["convert", "--input", older, "--output", str(out / "sharded"), "--to", "sharded"]) == EXIT_OK
+    capsys.readouterr()
+    chunk = next(f for f in ckpt.read_meta(str(out / "sharded"))["integrity"]["files"] if f.endswith(".distcp"))
+    _flip(out / "sharded" / chunk)
+    assert export(["--checkpoint", str(out / "sharded"), "--format", "hf", "--output", str(out / "hf2")]) == 6
+    assert f"{chunk}: expected" in _one_error_line(capsys) and not os.path.exists(out / "hf2")
+    assert convert(["convert", "--input", str(out / "sharded"), "--output", str(out / "c"), "--to", "canonical"]) == 6
+    assert f"{chunk}: expected" in _one_error_line(capsys) and not os.path.exists(out / "c")
+
+
+def test_init_from_verifies_the_checkpoint_it_reads(exportable_run, tmp_path, capsys, caplog):
+    run = _copy(exportable_run, tmp_path)
+    newest, older, problem = _damage_newest(run)
+    new = tmp_path / "new"
+    assert _main(new, *EXPORTABLE, f"model.init_from={newest}", "train.steps=1") == EXIT_NO_CHECKPOINT
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (f"megassm-train: model.init_from: checkpoint {newest} is damaged: {problem}. A checkpoint named by "
+                   "path has no stand-in: restore it, or name another (a run directory takes its newest intact one)")
+    assert not os.path.exists(new)  # refused before the run directory was claimed
+    with caplog.at_level(logging.INFO):
+        assert _main(new, *EXPORTABLE, f"model.init_from={run}", "train.steps=1", "run.save_final=false") == EXIT_OK
+    assert f"checkpoint {newest} is damaged and is skipped: {problem}" in caplog.text
+    assert f"model.init_from: initial weights from {older} (megassm layout)" in caplog.text
+
+
+def test_generate_and_eval_verify_the_checkpoint_they_read(exportable_run, tmp_path, capsys, caplog):
+    from megassm.evaluation.cli import main as evaluate
+    from megassm.generate_cli import main as generate
+
+    run = _copy(exportable_run, tmp_path)
+    newest, older, problem = _damage_newest(run)
+    gen = ["--prompt", "def", "--max-new-tokens", "2", "--json"]
+    assert generate(["--checkpoint", newest, *gen]) == EXIT_NO_CHECKPOINT
+    err = _one_error_line(capsys)
+    assert err.startswith(f"megassm-generate: --checkpoint: checkpoint {newest} is damaged: {problem}"), err
+    with caplog.at_level(logging.WARNING):
+        assert generate(["--run", run, *gen]) == EXIT_OK
+    assert json.loads(capsys.readouterr().out.splitlines()[0])["step"] == 2
+    assert f"checkpoint {newest} is damaged and is skipped: {problem}" in caplog.text
+    ctx = ["context", "--run", run, "--max-tokens", "64", "--docs", "2", "--batch-size", "2", "--no-baseline"]
+    assert evaluate([*ctx, "--checkpoint", newest]) == EXIT_NO_CHECKPOINT
+    assert _one_error_line(capsys).startswith(f"megassm-eval: --checkpoint: checkpoint {newest} is damaged: {problem}")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert evaluate(ctx) == EXIT_OK  # --checkpoint auto: the run's newest intact one
+    assert json.load(open(os.path.join(run, "eval", "context_step_00000002.json")))["checkpoint"] == older
+    assert f"checkpoint {newest} is damaged and is skipped: {problem}" in caplog.text
+
+
+def test_a_shard_with_another_shards_idx_exits_2(tmp_path, capsys):
+    """Two shards whose .bin have the same size, their .idx swapped: trained with exit 0 on the wrong document
+    boundaries until the manifest's record of the .idx was checked."""
+    from test_data_loader import _equal_size_corpora
+
+    a, b = _equal_size_corpora(tmp_path)
+    os.rename(a + ".idx", tmp_path / "swap")
+    os.rename(b + ".idx", a + ".idx")
+    os.rename(tmp_path / "swap", b + ".idx")
+    assert _main(tmp_path / "run", "data.builtin=null", f"data.paths=[{a}]", "train.steps=2") == EXIT_CONFIG
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"megassm-train: config error: data: {a}.idx: sha256 ") and \
+        f"but {a}.manifest.json records " in err and "swapped with another shard's .idx?" in err, err
+    assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
 
 
 def test_temp_checkpoints_of_crashes_are_removed_at_start(base_run, tmp_path, caplog):
@@ -578,3 +803,20 @@ def test_two_ranks_share_the_lock_refusal_and_the_fallback(base_run, tmp_path, l
     assert _steps(run) == [1, 2, 3, 4, 5] and _status(run)["exit_code"] == EXIT_OK
     assert len(os.listdir(os.path.join(run, "pids"))) == 2 and not os.path.exists(lock)
     assert ckpt.verify_checkpoint(os.path.join(run, "checkpoints", "step_00000005")) == []
+
+
+def test_every_fault_row_names_tests_that_exist():
+    """docs/reliability.md's fault matrix: every row names at least one test, as `tests/FILE.py::NAME`, and every
+    named test is a test function of that file."""
+    import re
+
+    text = open(os.path.join(ROOT, "docs", "reliability.md")).read()
+    section = text.split("## What is guaranteed: the fault matrix", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| fault or bad")]
+    assert len(rows) >= 20, len(rows)
+    for row in rows:
+        named = re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", row.rsplit("|", 2)[-2])
+        assert named, row[:120]
+        for path, name in named:
+            with open(os.path.join(ROOT, path)) as f:
+                assert re.search(rf"^def {name}\(", f.read(), re.M), (path, name)
