@@ -2,6 +2,9 @@
 
     megassm-preprocess --input data/*.jsonl.zst --output-prefix shards/web --tokenizer tokenizer.model --workers 8
 
+prints the shard prefixes it wrote on stdout, one a line (PREFIX, or PREFIX-00000 ... with numbered shards); the
+progress bar, the summary and errors go to stderr.
+
 or from Python (what the built-in corpus and the tests use):
 
     from megassm.data_tools.preprocess import preprocess
@@ -535,7 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "several cores; excludes --shard-size")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run from PREFIX.partial/")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
-    p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or summary (stdout still lists the shard prefixes)")
     return p
 
 
@@ -545,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         print("megassm-preprocess: error: --workers must be at least 1", file=sys.stderr)
         return 2
     try:
-        preprocess(
+        manifest = preprocess(
             args.input, args.output_prefix, tokenizer=args.tokenizer, workers=args.workers, text_key=args.text_key,
             text_per_line=args.text_per_line, input_format=args.format, append_eos=args.append_eos,
             skip_bad=args.skip_bad, shard_size=args.shard_size, shard_input_size=args.shard_input_size,
@@ -557,6 +560,10 @@ def main(argv: list[str] | None = None) -> int:
     except (DataInputError, TokenizerError, FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"megassm-preprocess: error: {e}", file=sys.stderr)
         return 1
+    # the result on stdout, one shard prefix a line (data.paths takes them, or PREFIX for all); logs on stderr
+    where = os.path.dirname(args.output_prefix)
+    for shard in manifest["shards"]:
+        print(os.path.join(where, shard["prefix"]))
     return 0
 
 

@@ -7,7 +7,16 @@
 `local` runs `torchrun --standalone` on this machine with the same command line a cluster job runs
 (`python -m megassm.train --config FILE overrides`). `slurm` checks the config at the job's world size
 (before anything is queued), writes RUN_DIR/launch/{job.sbatch, config.yaml, version.json} and prints the
-script; `--submit` hands it to sbatch (launch/slurm.py has the script's design, docs/launch.md the recipes).
+script's path; `--submit` hands it to sbatch (launch/slurm.py has the script's design, docs/launch.md the recipes).
+
+Both run the job's dry run first (`megassm-train --dry-run --gpu CARD` at the job's world size, in a subprocess:
+launch/ imports no torch or trainer code) when the job runs on GPUs, and stop before writing or starting anything
+when the trainer would refuse the layout or it does not fit the card (exit 2, the nearest layouts that fit named).
+A job runs on GPUs unless train.device=cpu; under `local` with train.device=auto, when this machine has a GPU.
+`--no-memory-check` makes a misfit a warning.
+
+stdout carries the result only: `local --dry-run` the command, `local` what the training processes print (the
+trainer's closing line), `slurm --dry-run` the script, `slurm` the script's path, `slurm --submit` the job id.
 """
 from __future__ import annotations
 
@@ -45,13 +54,27 @@ def torchrun_command(nproc_per_node: int, config: str, overrides: list[str]) -> 
     ]
 
 
+# the cards of `megassm-train --dry-run --gpu` (megassm/train.py GPU_CHOICES; not imported: launch/ imports no
+# trainer code, tests/test_layout_fit.py checks that they agree)
+GPU_CHOICES = ("h100-80gb", "h200-141gb")
+
+
+def _add_memory_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpu", choices=GPU_CHOICES, default="h100-80gb",
+                   help="the card the job runs on: the layout must fit its memory by the dry run's estimate "
+                   "(default h100-80gb)")
+    p.add_argument("--no-memory-check", action="store_true",
+                   help="launch a layout that does not fit the card by the estimate (a warning names it)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megassm-launch", description="Launch megassm training processes.")
     sub = p.add_subparsers(dest="mode", required=True)
     loc = sub.add_parser("local", help="torchrun on this machine")
     loc.add_argument("--nproc-per-node", type=int, default=1)
     loc.add_argument("--config", required=True)
-    loc.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
+    loc.add_argument("--dry-run", action="store_true", help="check, print the command, run nothing")
+    _add_memory_options(loc)
     loc.add_argument("overrides", nargs="*", help="key=value config overrides")
 
     sl = sub.add_parser("slurm", help="write (and submit) an sbatch script: one launcher task per node")
@@ -71,11 +94,51 @@ def build_parser() -> argparse.ArgumentParser:
     sl.add_argument("--python", default="python3", help="the interpreter on the compute nodes")
     sl.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
                     help="an extra #SBATCH line, e.g. --sbatch=--exclusive (repeatable)")
+    _add_memory_options(sl)
     mode = sl.add_mutually_exclusive_group()
-    mode.add_argument("--dry-run", action="store_true", help="print the script only; write nothing")
+    mode.add_argument("--dry-run", action="store_true", help="check, print the script; write nothing")
     mode.add_argument("--submit", action="store_true", help="run sbatch on the written script")
     sl.add_argument("overrides", nargs="*", help="key=value config overrides")
     return p
+
+
+def check_job(config: str, overrides: list[str], world: int, gpu: str, memory_check: bool,
+              gpus_per_node: int = 0) -> int:
+    """The job's dry run (`python -m megassm.train --dry-run`) at `world` ranks, in a subprocess: 0, or its exit
+    code after relaying why (the trainer's layout refusal, or a layout that does not fit `gpu` with the nearest
+    that fit). `gpus_per_node`: the node size, for the dry run's HSDP suggestions and bytes across nodes."""
+    cmd = [sys.executable, "-m", "megassm.train", "--dry-run", "--gpu", gpu, "--config", config, *overrides,
+           f"parallel.world_size={world}"]
+    if not memory_check:
+        cmd.insert(cmd.index("--config"), "--no-memory-check")
+    if gpus_per_node:
+        cmd.append(f"parallel.gpus_per_node={gpus_per_node}")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    verdict = [x[2:] for x in r.stdout.splitlines() if x.startswith("# memory check:")]
+    if r.returncode == 0:
+        for line in verdict[-1:]:
+            print(f"megassm-launch: {line} (world size {world}, --gpu {gpu})", file=sys.stderr)
+        sys.stderr.write(r.stderr)  # --no-memory-check's warning
+        return 0
+    print(f"megassm-launch: the job's dry run (world size {world}, --gpu {gpu}) refuses it; nothing was written or "
+          "started:", file=sys.stderr)
+    sys.stderr.write(r.stderr)
+    return r.returncode
+
+
+def runs_on_gpus(device: str, local: bool) -> tuple[bool, str]:
+    """Whether the job runs on GPUs, and why not: train.device=cpu never; under `local` train.device=auto only
+    where torch sees a GPU on this machine (imported here only, for that question); a SLURM job gets
+    --gpus-per-node GPUs per node."""
+    if device == "cpu":
+        return False, "train.device=cpu: the job runs on CPUs"
+    if device == "auto" and local:
+        import torch
+
+        if not torch.cuda.is_available():
+            return False, "train.device=auto and no GPU is visible here: the job runs on CPUs"
+    return True, ""
 
 
 def _code_version() -> dict:
@@ -114,6 +177,9 @@ def slurm_main(args) -> int:
     try:
         cfg = load_config(args.config, [*overrides, f"parallel.world_size={world}"])
         _check_data(cfg)
+        if cfg.run.overwrite:  # the job runs with run.resume=auto, so that a requeue continues the run
+            raise ConfigError("run.overwrite=true: a SLURM job resumes (run.resume=auto) so that its requeues "
+                              "continue the run; move the earlier run out of run.dir yourself, or pick a new run.dir")
     except ConfigError as e:
         print(f"megassm-launch: config error at world size {world} ({args.nodes} nodes x {args.gpus_per_node} "
               f"GPUs): {e}", file=sys.stderr)
@@ -135,6 +201,14 @@ def slurm_main(args) -> int:
     except ValueError as e:
         print(f"megassm-launch: {e}", file=sys.stderr)
         return 2
+    gpus, why = runs_on_gpus(cfg.train.device, local=False)
+    if gpus:  # the trainer's layout checks and the card's memory, before anything is written or queued
+        code = check_job(args.config, overrides, world, args.gpu, not args.no_memory_check,
+                         0 if cfg.parallel.gpus_per_node else args.gpus_per_node)
+        if code:
+            return code
+    else:
+        print(f"megassm-launch: memory check: none: {why}", file=sys.stderr)
     if args.dry_run:
         print(script, end="")
         return 0
@@ -144,14 +218,16 @@ def slurm_main(args) -> int:
     version = {**_code_version(), "command": ["megassm-launch", *sys.argv[1:]] if argv_is_cli() else None,
                "config": os.path.abspath(args.config), "overrides": overrides, "nodes": args.nodes,
                "gpus_per_node": args.gpus_per_node, "launcher": args.launcher,
+               "gpu": args.gpu if gpus else None, "memory_check": gpus and not args.no_memory_check,
                "written": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     _write_atomic(os.path.join(launch_dir, "version.json"), json.dumps(version, indent=1) + "\n")
     path = os.path.join(launch_dir, "job.sbatch")
     _write_atomic(path, script, mode=0o755)
-    print(script, end="")
+    print(script, end="", file=sys.stderr)
     print(f"# written: {path}", file=sys.stderr)
     if not args.submit:
         print(f"# submit with: sbatch {shlex.quote(path)}", file=sys.stderr)
+        print(path)  # the result: the script's path
         return 0
     try:
         r = subprocess.run(["sbatch", "--parsable", path], capture_output=True, text=True)
@@ -161,7 +237,9 @@ def slurm_main(args) -> int:
     if r.returncode != 0:
         print(f"megassm-launch: sbatch failed ({r.returncode}): {r.stderr.strip()}", file=sys.stderr)
         return r.returncode
-    print(f"submitted job {r.stdout.strip().split(';')[0]}; logs in {run_dir}/logs", file=sys.stderr)
+    job_id = r.stdout.strip().split(";")[0]
+    print(f"submitted job {job_id}; logs in {run_dir}/logs", file=sys.stderr)
+    print(job_id)  # the result: the job id, as `sbatch --parsable` gives it
     return 0
 
 
@@ -181,6 +259,27 @@ def _check_data(cfg) -> None:
             raise ConfigError(f"data.paths: {e}") from None
 
 
+def local_check(args) -> int:
+    """`local`: the config at the job's world size (--nproc-per-node), then, for a job on GPUs, its dry run."""
+    from megassm.config import ConfigError, load_config
+
+    world = args.nproc_per_node
+    try:
+        own = load_config(args.config, args.overrides, validate_config=False).parallel.world_size
+        if own is not None and own != world:
+            raise ConfigError(f"parallel.world_size={own}, but --nproc-per-node {world} starts {world} process(es): "
+                              f"set --nproc-per-node {own}, or parallel.world_size={world}")
+        cfg = load_config(args.config, [*args.overrides, f"parallel.world_size={world}"])
+    except ConfigError as e:
+        print(f"megassm-launch: config error at world size {world}: {e}", file=sys.stderr)
+        return 2
+    gpus, why = runs_on_gpus(cfg.train.device, local=True)
+    if not gpus:
+        print(f"megassm-launch: memory check: none: {why}", file=sys.stderr)
+        return 0
+    return check_job(args.config, args.overrides, world, args.gpu, not args.no_memory_check)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.mode == "slurm":
@@ -191,11 +290,17 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.exists(args.config):
         print(f"megassm-launch: {args.config}: config file not found", file=sys.stderr)
         return 2
+    code = local_check(args)
+    if code:
+        return code
     cmd = torchrun_command(args.nproc_per_node, args.config, args.overrides)
     env = launch_env(args.nproc_per_node)
-    print(" ".join([*(f"{k}={v}" for k, v in env.items()), shlex.join(cmd)]), flush=True)
+    line = " ".join([*(f"{k}={v}" for k, v in env.items()), shlex.join(cmd)])
     if args.dry_run:
+        print(line)  # the result of a dry run: the command
         return 0
+    # a log line: stdout is left to the training processes (the trainer's closing line)
+    print(line, file=sys.stderr, flush=True)
     return subprocess.call(cmd, env={**os.environ, **env})
 
 

@@ -4,8 +4,11 @@ sharded layout (DCP chunks, run.checkpoint_format=sharded), in one process on th
     megassm-checkpoint convert --input runs/x/checkpoints/step_00001000 --output /tmp/step_1000-canonical --to canonical
     megassm-checkpoint convert --input DIR --output DIR --to sharded [--config runs/x/config.yaml]
 
+stdout: the absolute path of the checkpoint written (the one result line); the rest goes to stderr.
+
 The tensors are carried bit for bit; the extra states (<key>.pt) are copied byte for byte and meta.json's fields
-kept (its "files", "format" and "integrity" rewritten). The output is written under a temporary name beside it and
+kept (its "files", "format" and "integrity" rewritten). The input must verify against its integrity record (exit 6
+otherwise, naming the file, expected and found). The output is written under a temporary name beside it and
 renamed once complete: a failure leaves nothing at --output. Canonical -> sharded needs the optimizer's parameter
 names by index: from the checkpoint's param_names.pt (written by the trainer), else from the model built from
 --config (default: the run's config.yaml two levels above the checkpoint).
@@ -20,6 +23,7 @@ import sys
 
 from megassm.training import checkpoint as ckpt
 from megassm.training import sharded
+from megassm.training.failures import EXIT_NO_CHECKPOINT
 
 
 class ConvertError(Exception):
@@ -65,21 +69,21 @@ def convert(src: str, dst: str, to: str, config: str | None = None) -> str:
     if not os.path.isdir(src):
         raise ConvertError(f"{src}: not a directory")
     meta = ckpt.read_meta(src)
-    if meta is None:
+    if meta is None and not ckpt.checkpoint_dir_name(src):
         raise ConvertError(f"{src}: not a checkpoint (no readable meta.json)")
-    if not ckpt.is_complete(src):
-        raise ConvertError(f"{src}: incomplete checkpoint (no \"complete\": true in meta.json, or a file it lists "
-                           "is missing)")
-    fmt = meta.get("format", sharded.CANONICAL)
-    if fmt not in sharded.FORMATS:
-        raise ConvertError(f"{src}: unknown checkpoint format '{fmt}'")
-    if fmt == to:
-        raise ConvertError(f"{src}: already in the {to} format")
     if os.path.lexists(dst):
         raise ConvertError(f"{dst}: output exists; choose a new path")
     parent = os.path.dirname(dst)
     if not os.path.isdir(parent):
         raise ConvertError(f"{parent}: output directory's parent does not exist")
+    # complete and every file verified, as every reader of checkpoints (exit 6 when damaged): a copy of damaged
+    # bytes would get a fresh integrity record and pass for intact
+    ckpt.checkpoint_to_read(src, "--input", expect="checkpoint")
+    fmt = meta.get("format", sharded.CANONICAL)
+    if fmt not in sharded.FORMATS:
+        raise ConvertError(f"{src}: unknown checkpoint format '{fmt}'")
+    if fmt == to:
+        raise ConvertError(f"{src}: already in the {to} format")
     tmp = os.path.join(parent, f".tmp-{os.path.basename(dst)}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -123,10 +127,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s: %(message)s")
     try:
         path = convert(a.input, a.output, a.to, a.config)
+    except ckpt.CheckpointDamagedError as e:  # no checkpoint that verifies: exit 6, as every reader of checkpoints
+        print(f"megassm-checkpoint: error: {e}", file=sys.stderr)
+        return EXIT_NO_CHECKPOINT
     except (ConvertError, ckpt.CheckpointError) as e:
         print(f"megassm-checkpoint: error: {e}", file=sys.stderr)
         return 2
-    print(f"megassm-checkpoint: wrote {path} ({a.to})")
+    print(f"megassm-checkpoint: wrote {path} ({a.to})", file=sys.stderr)
+    print(path)  # the result on stdout: the checkpoint written
     return 0
 
 

@@ -3,15 +3,20 @@
     megassm-train --config configs/tiny.yaml model.d_model=256 train.steps=50 run.dir=runs/x
     megassm-train --config configs/tiny.yaml --resume auto
     megassm-train --config configs/hybrid-7b.yaml --dry-run parallel.world_size=64 parallel.tp=2 parallel.pp=4
+    megassm-train --config configs/hybrid-7b.yaml --dry-run --gpu h200-141gb parallel.world_size=4 parallel.tp=2
 
-Overrides and options may come in any order (`--resume auto train.steps=600` or the reverse).
+Overrides and options may come in any order (`--resume auto train.steps=600` or the reverse). Results go to stdout
+(the closing `megassm-train: done, N steps; run directory DIR`; the dry run's table and JSON line); logs, the
+progress bar and errors to stderr.
 
 Exit codes (megassm/training/failures.py; docs/reliability.md says what to do after each):
   0   done
   2   config or input error: the key, file, line or value is named; found before any compute, except a
-      token id outside the vocabulary in a corpus too large to scan at start (found when read)
+      token id outside the vocabulary in a corpus too large to scan at start (found when read); with --dry-run
+      also a layout the trainer refuses or that does not fit the --gpu card's memory (the nearest that fit named)
   3   non-finite loss; the message names the newest checkpoint that verifies
-  4   I/O error: run.dir or checkpoints/ not writable, or the disk is full; no half-written checkpoint is left
+  4   I/O error: run.dir or checkpoints/ not writable, the disk is full or a file-size limit (ulimit -f) was hit;
+      no half-written checkpoint is left
   5   run.dir is in use by another trainer (its lock names host and PID); nothing was written
   6   run.resume found checkpoints but none intact (each is named with what failed verification)
   7   loss spikes went on after train.spike_max_rollbacks rollbacks to the same checkpoint (or it no longer loads)
@@ -22,7 +27,8 @@ Exit codes (megassm/training/failures.py; docs/reliability.md says what to do af
 SIGUSR2 prints every thread's stack to stderr and training goes on (where a hung rank waits).
 Rank 0 of the trainer that holds run.dir's lock records the code in run.dir/last_exit.json, which the SLURM
 batch script of `megassm-launch slurm` reads to decide on a requeue (99 only). Failures found before the
-lock is taken (a config that does not load, a layout refused, a run.dir in use) write nothing.
+lock is taken (a config that does not load, a layout refused, a run.dir in use, a fresh start in a run.dir
+that holds an earlier run) write nothing.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ import datetime
 import json
 import logging
 import os
+import signal
 import sys
 from types import SimpleNamespace
 
@@ -41,6 +48,10 @@ from megassm.training.failures import (EXIT_ABORTED, EXIT_CONFIG, EXIT_IO, EXIT_
                                        EXIT_NONFINITE, EXIT_OK, EXIT_SPIKE, describe_os_error, one_line)
 
 EXIT_PREEMPTED = preemption.PREEMPT_EXIT_CODE  # 99: checkpointed, requeue me
+# --gpu of the dry run: the keys of megassm/training/memory.py GPU_NAMES, spelled out for the parser (and in
+# launch/cli.py, which imports no trainer code); tests/test_layout_fit.py checks that the three agree
+GPU_CHOICES = ("h100-80gb", "h200-141gb")
+DEFAULT_GPU = "h100-80gb"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="validate the layout, print the model size and a per-GPU memory estimate (table, then "
                    "one JSON line); builds models on the meta device only, never touches a GPU")
+    p.add_argument("--gpu", choices=sorted(GPU_CHOICES), default=None,
+                   help="with --dry-run: the card the job runs on, whose memory the layout must fit (default "
+                   "h100-80gb); a layout that does not fit exits 2 and names the nearest ones that do")
+    p.add_argument("--no-memory-check", action="store_true",
+                   help="with --dry-run: a layout that does not fit the card is a warning, not a refusal")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     return p
@@ -94,9 +110,12 @@ def _dry_run_config(config: str, overrides: list[str]):
     return cfg, notes
 
 
-def dry_run(cfg, notes: list[str] = ()) -> int:
+def dry_run(cfg, notes: list[str] = (), gpu: str = DEFAULT_GPU, memory_check: bool = True) -> int:
     """Check the config and layout, report model size and the per-GPU memory estimate without allocating
-    weights or touching a GPU. Returns the exit code (2 when the trainer would refuse the layout)."""
+    weights or touching a GPU. Returns the exit code: 2 when the trainer would refuse the layout, or when it does
+    not fit the memory of `gpu` (a GPU_CHOICES name) by the estimate; then the nearest layouts that fit are named
+    (training/layouts.py). A job on CPUs (train.device=cpu) has no GPU memory to fit; `memory_check=False`
+    (--no-memory-check) makes a misfit a warning."""
     import copy
 
     import torch
@@ -118,7 +137,8 @@ def dry_run(cfg, notes: list[str] = ()) -> int:
     flows = traffic.step_flows(cfg, vocab=vocab)
     print(traffic.format_flows(cfg, flows))
     est["traffic"] = traffic.to_dict(flows)
-    for w in [*notes, *memory.layout_warnings(cfg, est), *traffic.layout_warnings(cfg)]:
+    card = memory.GPU_NAMES[gpu]
+    for w in [*notes, *memory.layout_warnings(cfg, est, gpu=card), *traffic.layout_warnings(cfg)]:
         print(f"# warning: {w}")
     refused = None
     target = copy.deepcopy(cfg)  # the layout as the launched job sees it: one process per rank, a GPU
@@ -132,11 +152,68 @@ def dry_run(cfg, notes: list[str] = ()) -> int:
             sources.check_config(sources.open_source(cfg.model.init_from), cfg.model)
     except ConfigError as e:
         refused = str(e)
+    fit, misfit = _memory_fit(cfg, est, card, vocab, memory_check)
+    est["fit"] = fit
+    print(f"# memory check: {fit['summary']}")
     print(memory.to_json(est))
     if refused:
         print(f"megassm-train: config error: the trainer would refuse this layout: {refused}", file=sys.stderr)
-        return EXIT_CONFIG
-    return EXIT_OK
+    if misfit:
+        print("\n".join(misfit), file=sys.stderr)
+    return EXIT_CONFIG if refused or (misfit and fit["checked"]) else EXIT_OK
+
+
+def _memory_fit(cfg, est: dict, card: str, vocab: int, check: bool) -> tuple[dict, list[str]]:
+    """The dry run's verdict on `card`'s memory: (the "fit" entry of its JSON line, the lines for stderr when the
+    layout does not fit: the refusal, or with check=False the warning, then the nearest layouts that fit)."""
+    from megassm.training import layouts, memory
+
+    need = memory.needed_gib(cfg, est)
+    have = memory.GPU_MEMORY_GIB[card]
+    others = [c for c in memory.GPU_MEMORY_GIB if c != card and memory.fits(cfg, est, c)]
+    fit = {"gpu": card, "gpu_gib": have, "needed_gib": round(need, 2), "reserve_factor": memory.reserve_factor(cfg),
+           "fits": memory.fits(cfg, est, card), "checked": check and cfg.train.device != "cpu",
+           "fits_other_gpus": others,
+           "nearest": []}
+    how = (f"{est['peak_per_gpu_gib']:.1f} GiB estimated per GPU, {need:.1f} GiB with the allocator's reserve "
+           f"(x{fit['reserve_factor']:.2f} for parallel.engine={cfg.parallel.engine}) and "
+           f"{memory.CONTEXT_GIB:.0f} GiB of CUDA context")
+    if cfg.train.device == "cpu":
+        fit["summary"] = f"none: train.device=cpu runs on CPUs ({how}, were it on GPUs)"
+        return fit, []
+    if fit["fits"]:
+        fit["summary"] = f"fits {card} ({have} GiB): {how}"
+        return fit, []
+    fit["summary"] = f"does not fit {card} ({have} GiB): {how}"
+    where = (f"; it fits {' and '.join(others)} (--gpu {_gpu_flag(others[0])})" if others else
+             f"; neither {' nor '.join(memory.GPU_MEMORY_GIB)} holds it")
+    if not check:
+        return fit, [f"megassm-train: warning: --no-memory-check: the layout does not fit {card}: {how}, over its "
+                     f"{have} GiB{where}; going on"]
+    lines = [f"megassm-train: config error: the layout does not fit {card}: {how}, over its {have} GiB{where}"]
+    found = layouts.nearest_layouts(cfg, card, vocab=vocab)
+    fit["nearest"] = [f.to_dict() for f in found]
+    if found:
+        world = world_size(cfg)
+        larger = found[0].world_size != world
+        lines.append(f"megassm-train: the nearest layouts that fit {card}"
+                     + (f" (nothing fits {world} GPU{'s' if world > 1 else ''}: these take more, by "
+                        "parallel.world_size or the launcher's GPU count)" if larger else "")
+                     + ", fewest changes first; add one to the command line:")
+        width = max(len(" ".join(f.overrides)) for f in found)
+        lines += [f"  {' '.join(f.overrides):<{width}}  # {f.peak_gib:.1f} GiB estimated, {f.needed_gib:.1f} needed"
+                  for f in found]
+    else:
+        lines.append(f"megassm-train: no layout the dry run tries fits {card} (docs/launch.md \"A layout that does "
+                     "not fit\" lists them); parallel.pp or parallel.cp, which it leaves as they are, may")
+    lines.append("megassm-train: or check against another card (--gpu), or go on regardless (--no-memory-check)")
+    return fit, lines
+
+
+def _gpu_flag(card: str) -> str:
+    from megassm.training.memory import GPU_NAMES
+
+    return next(k for k, v in GPU_NAMES.items() if v == card)
 
 
 def write_exit_status(run_dir: str, code: int, reason: str, trainer=None) -> None:
@@ -168,7 +245,10 @@ def write_exit_status(run_dir: str, code: int, reason: str, trainer=None) -> Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_intermixed_args(argv)  # overrides before, between and after the options
+    parser = build_parser()
+    args = parser.parse_intermixed_args(argv)  # overrides before, between and after the options
+    if not args.dry_run and (args.gpu or args.no_memory_check):
+        parser.error("--gpu and --no-memory-check go with --dry-run (a training run uses the GPUs it finds)")
     from megassm.training.logs import setup_logging
 
     setup_logging(args.log_level)  # rank 0 speaks, the other ranks warn; third-party INFO quiet
@@ -184,12 +264,15 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     if args.dry_run:
         try:
-            return dry_run(*_dry_run_config(args.config, overrides))
+            cfg, notes = _dry_run_config(args.config, overrides)
+            return dry_run(cfg, notes, gpu=args.gpu or DEFAULT_GPU, memory_check=not args.no_memory_check)
         except ConfigError as e:
             print(f"megassm-train: config error: {e}", file=sys.stderr)
             return EXIT_CONFIG
     preemption.reset()
     preemption.install()  # before anything slow: a preemption signal during setup must not kill the process
+    if hasattr(signal, "SIGXFSZ"):  # a file-size limit (ulimit -f): write() fails with EFBIG, which a save reports
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # as exit 4, instead of the signal killing the process
     preemption.install_stack_dump()  # kill -USR2: every thread's stack on stderr (docs/reliability.md)
     try:
         return _train(args.config, overrides)
@@ -255,8 +338,8 @@ def _failure(e: BaseException, trainer) -> tuple[int | None, str]:
     if isinstance(e, TokenIdError):
         return EXIT_CONFIG, f"data error: {e}"
     if isinstance(e, OSError):
-        return EXIT_IO, (f"I/O error: {describe_os_error(e)}; free space or fix the permissions, then resume "
-                         "with --resume auto")
+        return EXIT_IO, (f"I/O error: {describe_os_error(e)}; free space, raise the file-size limit or fix the "
+                         "permissions, then resume with --resume auto")
     if isinstance(e, KeyboardInterrupt):
         where = getattr(trainer, "last_checkpoint", None) or "the start (no checkpoint)"
         return EXIT_ABORTED, f"aborted by a second Ctrl-C at step {getattr(trainer, 'step', 0)}; nothing saved since {where}"
@@ -276,7 +359,8 @@ def _report_finish(run_dir: str, trainer) -> int:
         return EXIT_PREEMPTED
     write_exit_status(run_dir, EXIT_OK, "done", trainer)
     if speak:
-        print(f"megassm-train: done, {trainer.step} steps; run directory {run_dir}", file=sys.stderr)
+        # the result, on stdout (logs and progress are on stderr): what a script reads
+        print(f"megassm-train: done, {trainer.step} steps; run directory {run_dir}", flush=True)
     return EXIT_OK
 
 

@@ -30,7 +30,8 @@ def test_launcher_sets_threads_and_nccl_error_handling_unless_set(capsys, monkey
     monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
     env = launch_env(2)
     assert int(env["OMP_NUM_THREADS"]) >= 1 and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
-    assert main(["local", "--nproc-per-node", "2", "--config", "configs/tiny.yaml", "--dry-run"]) == 0
+    assert main(["local", "--nproc-per-node", "2", "--config", "configs/tiny.yaml", "--dry-run",
+                 "train.global_batch=16"]) == 0  # 8 a rank: the launcher checks the config at the job's world size
     printed = shlex.split(capsys.readouterr().out.strip())
     assert printed[:2] == [f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}", "TORCH_NCCL_ASYNC_ERROR_HANDLING=3"]
     assert launch_env(2, {"OMP_NUM_THREADS": "6", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}) == {}

@@ -185,8 +185,10 @@ def test_dry_run_names_bad_layouts():
     r = _dry("--config", "configs/hybrid-7b.yaml", "parallel.world_size=64", "parallel.engine=fsdp2", "parallel.pp=4")
     assert r.returncode == 2 and "trainer would refuse" in r.stderr and "parallel.engine=fsdp2 with parallel.pp=4" in r.stderr
     assert r.stdout.strip().splitlines()[-1].startswith("{")  # the estimate is still printed
+    # a layout that does not fit the card (default H100 80GB): exit 2, the nearest layouts that fit on stderr
     r = _dry("--config", "configs/mamba2-1.3b.yaml", "train.micro_batch=64", "train.global_batch=64")
-    assert r.returncode == 0 and "does not fit" in r.stdout
+    assert r.returncode == 2 and "does not fit H100 80GB" in r.stderr and "\n  train.micro_batch=8 " in r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1])["fit"]["fits"] is False
 
 
 def test_dry_run_checks_the_gpu_job_on_a_cpu_machine(capsys, monkeypatch):

@@ -57,9 +57,10 @@ def _write_scripts(tmp_path, runs: dict[str, list[str]]) -> dict[str, str]:
     for name, p in procs.items():
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
-        with open(tmp_path / name / "launch" / "job.sbatch") as f:
+        path = tmp_path / name / "launch" / "job.sbatch"
+        with open(path) as f:
             text = f.read()
-        assert text == out and text.count(GPU_LINE + "\n") == 1
+        assert out == f"{path}\n" and text.count(GPU_LINE + "\n") == 1  # stdout: the script's path
         scripts[name] = str(tmp_path / f"{name}.sbatch")
         with open(scripts[name], "w") as f:
             f.write(text.replace(GPU_LINE + "\n", ""))

@@ -1,11 +1,13 @@
 """Write a megassm model as a transformers directory: config.json + model.safetensors (sharded with an index
 above `max_shard_bytes`) + the tokenizer + README.md. Atomic: everything goes into a temporary directory beside
-the output, renamed at the end; on any error the temporary directory is removed and nothing is left at OUT.
+the output, renamed at the end; on any error the temporary directory is removed and nothing is left at OUT. Missing
+parent directories of OUT are created first, and removed again (when still empty) if the export fails.
 
     export_hf(model_cfg, state, out, tokenizer_spec="byte")
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -90,6 +92,34 @@ anyway). Ids at and above the tokenizer's vocabulary are padding of the embeddin
 """
 
 
+def _make_parents(path: str) -> list[str]:
+    """Create directory `path` and its missing ancestors; returns the ones this call made, innermost first (a
+    directory made meanwhile by another process is theirs). On an error nothing it made is left."""
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    made = []
+    try:
+        for d in reversed(missing):
+            try:
+                os.mkdir(d)
+                made.insert(0, d)
+            except FileExistsError:
+                if not os.path.isdir(d):
+                    raise
+    except OSError:
+        _remove_empty(made)
+        raise
+    return made
+
+
+def _remove_empty(dirs: list[str]) -> None:
+    for d in dirs:
+        with contextlib.suppress(OSError):  # only if empty: a file someone else put there stays
+            os.rmdir(d)
+
+
 def export_hf(m: ModelConfig, state: dict, out: str, tokenizer_spec: str | None = None, source: str = "",
               dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 << 30, no_tokenizer: bool = False) -> dict:
     """Export canonical `state` of a model with config `m` to the transformers directory `out` (must not exist).
@@ -101,18 +131,19 @@ def export_hf(m: ModelConfig, state: dict, out: str, tokenizer_spec: str | None 
     if os.path.lexists(out):
         raise ExportError(f"{out}: output exists; choose a new path")
     parent = os.path.dirname(out)
-    if not os.path.isdir(parent):
-        raise ExportError(f"{parent}: the output's parent directory does not exist")
+    if os.path.lexists(parent) and not os.path.isdir(parent):
+        raise ExportError(f"{parent}: the output's parent is not a directory")
     vocab_padded = state["embedding.weight"].shape[0]
     if m.vocab_size is not None and padded_vocab_size(m.vocab_size, m.pad_vocab_multiple) != vocab_padded:
         raise ExportError(f"the checkpoint's embedding has {vocab_padded} rows, its config's padded vocabulary is "
                           f"{padded_vocab_size(m.vocab_size, m.pad_vocab_multiple)}")
     kwargs, hf_state = mapping.to_hf(state, m, target, vocab_padded)
     hf_state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in hf_state.items()}
+    created = _make_parents(parent)  # `--output exports/x` where exports/ is new: made here, removed on failure
     tmp = os.path.join(parent, f".tmp-{os.path.basename(out)}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
     try:
+        os.makedirs(tmp)
         eos_id, tok_line, load_tok = None, "", ""
         if tokenizer_spec is not None:
             from megassm.data_tools.tokenizers import load_tokenizer
@@ -135,5 +166,6 @@ def export_hf(m: ModelConfig, state: dict, out: str, tokenizer_spec: str | None 
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(created)
         raise
     return {"target": target, "architecture": mapping.HF_ARCH[target], "files": files, "tokenizer": tok_line}

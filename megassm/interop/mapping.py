@@ -2,7 +2,8 @@
 
 Pure functions over state dicts and config dicts (torch and megassm.config only): no files, no transformers
 import. `export_target(model_cfg)` says which transformers architecture computes exactly what the model does,
-or raises NotExportable naming the first block (index and letter) or option it cannot express.
+or raises NotExportable naming, on one line, every block (index and letter) or option it cannot express and the
+keys to train with instead.
 
     target = export_target(cfg.model)                           # "mamba2" | "nemotron_h"
     hf_config, hf_state = to_hf(state, cfg.model, target, vocab_padded)
@@ -50,48 +51,65 @@ _NO_COUNTERPART = {
 }
 
 
-def _refuse(i: int, letter: str, why: str) -> NotExportable:
-    return NotExportable(f"block {i} '{letter}': {why}")
-
-
-def _mamba_refusals(m: ModelConfig) -> list[str]:
+def _mamba_refusals(m: ModelConfig) -> list[tuple[str, str]]:
+    """(why, the key that fixes it) of each option of `M` blocks transformers' Mamba-2 mixers lack."""
     mc = m.mamba
     out = []
     if mc.D_has_hdim:
-        out.append("model.mamba.D_has_hdim=true (D per channel); transformers' Mamba-2 mixers have D per head")
+        out.append(("model.mamba.D_has_hdim=true (D per channel), where transformers' Mamba-2 mixers have D per head",
+                    "model.mamba.D_has_hdim=false"))
     if mc.norm_before_gate:
-        out.append("model.mamba.norm_before_gate=true; transformers' Mamba-2 mixers gate before the norm")
+        out.append(("model.mamba.norm_before_gate=true, where transformers' Mamba-2 mixers gate before the norm",
+                    "model.mamba.norm_before_gate=false"))
     return out
 
 
 def export_target(m: ModelConfig) -> str:
     """'mamba2' for a pattern of `M` blocks only, 'nemotron_h' for `M` / `*` / `-` hybrids whose options
-    Nemotron-H expresses; otherwise NotExportable naming the block and the reason."""
+    Nemotron-H expresses; otherwise NotExportable, one line naming every reason (its first block by index and
+    letter, and how many more) and the keys to train with instead, so that one retraining is enough."""
     kinds = blocks_of(m.pattern)
+    found: dict[str, list] = {}  # reason -> [letter, block indices, the key that fixes it or None]
+
+    def refuse(i: int, k: str, why: str, fix: str | None = None) -> None:
+        found.setdefault(why, [k, [], fix])[1].append(i)
+
     for i, k in enumerate(kinds):
         if k in _NO_COUNTERPART:
-            raise _refuse(i, k, _NO_COUNTERPART[k] + "; nothing to export it to")
-    for i, k in enumerate(kinds):
-        if k == "M":
-            for why in _mamba_refusals(m):
-                raise _refuse(i, k, why)
-    if set(kinds) == {"M"}:
-        return "mamba2"
+            refuse(i, k, _NO_COUNTERPART[k] + ", nothing to export it to")
+        elif k == "M":
+            for why, fix in _mamba_refusals(m):
+                refuse(i, k, why, fix)
+    hybrid = set(kinds) != {"M"}
     a = m.attn
-    for i, k in enumerate(kinds):
+    for i, k in enumerate(kinds if hybrid else ()):
         if k == "*":
             if a.rope:
-                raise _refuse(i, k, "attention uses RoPE (model.attn.rope=true); NemotronHForCausalLM's attention "
-                                    "has no positional encoding: train with model.attn.rope=false to export")
+                refuse(i, k, "attention uses RoPE (model.attn.rope=true), where NemotronHForCausalLM's attention "
+                             "has no positional encoding", "model.attn.rope=false")
             if a.sliding_window:
-                raise _refuse(i, k, f"sliding-window attention (model.attn.sliding_window={a.sliding_window}); "
-                                    "NemotronHForCausalLM attends to every earlier token")
+                refuse(i, k, f"sliding-window attention (model.attn.sliding_window={a.sliding_window}), where "
+                             "NemotronHForCausalLM attends to every earlier token", "model.attn.sliding_window=0")
             if a.bias:
-                raise _refuse(i, k, "model.attn.bias=true; NemotronHForCausalLM's q/k/v/o projections have no bias")
+                refuse(i, k, "model.attn.bias=true, where NemotronHForCausalLM's q/k/v/o projections have no bias",
+                       "model.attn.bias=false")
         if k == "-" and m.mlp.activation != "relu2":
-            raise _refuse(i, k, f"model.mlp.activation={m.mlp.activation}; NemotronHForCausalLM's MLP is a squared "
-                                "ReLU without a gate: train with model.mlp.activation=relu2 to export")
-    return "nemotron_h"
+            refuse(i, k, f"model.mlp.activation={m.mlp.activation}, where NemotronHForCausalLM's MLP is a squared "
+                         "ReLU without a gate", "model.mlp.activation=relu2")
+    if not found:
+        return "nemotron_h" if hybrid else "mamba2"
+    parts = []
+    for why, (k, where, _) in found.items():
+        more = f" (and {len(where) - 1} more block{'s' if len(where) > 2 else ''})" if len(where) > 1 else ""
+        parts.append(f"block {where[0]} '{k}': {why}{more}")
+    fixes = [fix for _, _, fix in found.values() if fix]
+    if len(fixes) == len(found):
+        target = "NemotronHForCausalLM" if hybrid else "Mamba2ForCausalLM"
+        instead = f"To export, train with {' '.join(dict.fromkeys(fixes))} ({target})"
+    else:
+        instead = "Only M, * and - blocks export (Mamba2ForCausalLM, NemotronHForCausalLM)"
+    raise NotExportable(f"model.pattern {m.pattern!r} has no exact transformers counterpart: {'; '.join(parts)}. "
+                        f"{instead}; docs/interop.md \"What is refused\"")
 
 
 # ----------------------------------------------------------------------------------------------------

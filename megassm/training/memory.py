@@ -43,7 +43,8 @@ from megassm.config import Config, data_parallel_size, world_size
 from megassm.models.registry import ActivationContext, block_kind
 
 __all__ = ["ENGINE_BYTES", "engine_bytes", "deepspeed_zero_settings", "deepspeed_terms", "fsdp2_terms", "block_bytes", "head_bytes", "checkpointed_bytes", "inflight_microbatches",
-           "rank_models", "estimate", "layout_warnings", "format_table", "to_json", "GiB", "GPU_MEMORY_GIB"]
+           "rank_models", "estimate", "layout_warnings", "format_table", "to_json", "GiB", "GPU_MEMORY_GIB",
+           "GPU_NAMES", "CONTEXT_GIB", "reserve_factor", "needed_gib", "fits"]
 
 GiB = float(2 ** 30)
 
@@ -461,6 +462,9 @@ def estimate(cfg: Config, vocab: int | None = None, bf16: bool | None = None, do
 
 
 GPU_MEMORY_GIB = {"H100 80GB": 79.1, "H200 141GB": 139.8}  # what torch reports as total memory
+# the cards a job can be checked against (`--gpu` of `megassm-train --dry-run` and `megassm-launch`)
+GPU_NAMES = {"h100-80gb": "H100 80GB", "h200-141gb": "H200 141GB"}
+CONTEXT_GIB = 1.0  # CUDA context and NCCL's own buffers, outside max_memory_allocated
 
 
 def reserve_factor(cfg: Config) -> float:
@@ -470,9 +474,22 @@ def reserve_factor(cfg: Config) -> float:
     return 1.18 if cfg.parallel.engine == "deepspeed" else 1.09
 
 
-def layout_warnings(cfg: Config, est: dict) -> list[str]:
+def needed_gib(cfg: Config, est: dict) -> float:
+    """What a GPU must hold for this layout: the estimated peak times the engine's reserve factor (what the caching
+    allocator keeps beside it), plus the CUDA context."""
+    return est["peak_per_gpu"] / GiB * reserve_factor(cfg) + CONTEXT_GIB
+
+
+def fits(cfg: Config, est: dict, card: str) -> bool:
+    """Whether the layout's `needed_gib` stays under the memory of `card` (a GPU_MEMORY_GIB key)."""
+    return needed_gib(cfg, est) < GPU_MEMORY_GIB[card]
+
+
+def layout_warnings(cfg: Config, est: dict, gpu: str | None = None) -> list[str]:
     """Legal but costly layouts: pipeline stages out of balance, a pipeline with fewer micro-batches than
-    stages, a peak that no GPU of GPU_MEMORY_GIB holds."""
+    stages, a peak that no GPU of GPU_MEMORY_GIB holds. `gpu`: the card the job is checked against (a
+    GPU_MEMORY_GIB key); the fit to that card is then the caller's refusal, not a warning, and no fit warning is
+    given here."""
     p = cfg.parallel
     out = []
     if p.pp > 1:
@@ -487,16 +504,18 @@ def layout_warnings(cfg: Config, est: dict) -> list[str]:
             out.append(f"{n} micro-batch(es) per step for {p.pp} pipeline stages: the pipeline idles "
                        f"{100 * bubble:.0f}% of the step; raise train.global_batch or lower train.micro_batch "
                        f"(micro-batches per step = global_batch / (micro_batch x dp))")
+    if gpu is not None:
+        return out
     f = reserve_factor(cfg)
-    fits = [name for name, gib in GPU_MEMORY_GIB.items() if est["peak_per_gpu"] / GiB * f + 1 < gib]
-    if not fits:
+    held = [name for name in GPU_MEMORY_GIB if fits(cfg, est, name)]
+    if not held:
         out.append(f"estimated peak {est['peak_per_gpu_gib']:.1f} GiB per GPU does not fit "
                    f"{' or '.join(GPU_MEMORY_GIB)} (with the allocator's cached memory, x{f:.2f} for "
                    f"parallel.engine={cfg.parallel.engine}, and ~1 GiB of CUDA context): "
                    "raise parallel.tp / parallel.pp, shard states (parallel.engine=fsdp2 or deepspeed zero_stage), "
                    "turn on train.activation_checkpointing or lower train.micro_batch")
-    elif len(fits) < len(GPU_MEMORY_GIB):
-        out.append(f"estimated peak {est['peak_per_gpu_gib']:.1f} GiB per GPU fits only {' and '.join(fits)} (with "
+    elif len(held) < len(GPU_MEMORY_GIB):
+        out.append(f"estimated peak {est['peak_per_gpu_gib']:.1f} GiB per GPU fits only {' and '.join(held)} (with "
                    f"the allocator's cached memory, x{f:.2f} for parallel.engine={cfg.parallel.engine})")
     return out
 
