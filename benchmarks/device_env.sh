@@ -1,5 +1,6 @@
 # Source this on a GPU machine that has torch/triton but cannot pip-install the package (no network,
-# no editable install): it lays the package out as setup.py's package_dir does, in /tmp/site, copies
+# no editable install): it lays the package out as setup.py's package_dir does (setup.py run with setup()
+# recording its arguments: kernels/core/ is megassm/kernels, kernels/triton/ megassm/kernels/triton, ...), in /tmp/site, copies
 # the tests/configs/benchmarks to /tmp/w and cd's there, so `pytest -m gpu` and the benchmarks import
 # the megassm of this checkout. DEVICE_SITE / DEVICE_WORK name other folders, for two checkouts side by side.
 export PYTHONUNBUFFERED=1
@@ -7,10 +8,20 @@ _src=$(pwd)
 _site=${DEVICE_SITE:-/tmp/site}
 _work=${DEVICE_WORK:-/tmp/w}
 rm -rf "$_site" "$_work" && mkdir -p "$_site" "$_work"
-cp -r "$_src/megassm" "$_site/"
-cp -r "$_src/kernels" "$_site/megassm/kernels"
-cp -r "$_src/data_tools" "$_site/megassm/data_tools"
-cp -r "$_src/launch" "$_site/megassm/launch"
+python - "$_src" "$_site" <<'PY'
+import os, runpy, shutil, sys
+import setuptools
+src, site = sys.argv[1:]
+seen = {}
+setuptools.setup = lambda **kw: seen.update(kw)
+runpy.run_path(os.path.join(src, "setup.py"))
+for package, folder in seen["package_dir"].items():
+    dest = os.path.join(site, *package.split("."))
+    os.makedirs(dest, exist_ok=True)
+    for name in os.listdir(os.path.join(src, folder)):
+        if name.endswith(".py"):
+            shutil.copy2(os.path.join(src, folder, name), os.path.join(dest, name))
+PY
 cp -r "$_src/tests" "$_src/configs" "$_src/benchmarks" "$_src/pytest.ini" "$_work/"
 [ -d "$_src/.peers" ] && cp -r "$_src/.peers" "$_work/"
 export PYTHONPATH=$_site${PYTHONPATH:+:$PYTHONPATH}

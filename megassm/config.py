@@ -155,8 +155,9 @@ class ModelConfig:
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
     init_std: float = 0.02
-    # initial weights from a directory (transformers Mamba2 / Nemotron-H export, mamba_ssm checkpoint, megassm
-    # checkpoint or run) instead of the seeded init; step 0 and a fresh optimizer all the same (docs/interop.md)
+    # initial weights from a directory (transformers Mamba2 / Nemotron-H / GraniteMoeHybrid export, mamba_ssm
+    # checkpoint, megassm checkpoint or run) instead of the seeded init; step 0 and a fresh optimizer all the same
+    # (docs/interop.md)
     init_from: str | None = None
     mamba: MambaConfig = field(default_factory=MambaConfig)
     attn: AttentionConfig = field(default_factory=AttentionConfig)
@@ -180,7 +181,7 @@ class TrainConfig:
     activation_checkpointing_keep: str = "pair"  # pair: a block keeps (hidden, fp32 residual); sum: their fp32 sum
     cuda_graph: bool = False  # capture each micro-batch's forward + backward in a CUDA graph (training/cuda_graph.py)
     cast_weights_once: bool = False  # bf16: Linears compute with bf16 weight copies cast once per step (training/weight_cache.py)
-    fp8: bool = False  # the blocks' Linears compute in FP8, per-tensor dynamic scales (training/fp8.py, kernels/fp8.py)
+    fp8: bool = False  # the blocks' Linears compute in FP8, per-tensor dynamic scales (training/fp8.py, kernels/core/fp8.py)
     loss_chunk_tokens: int = 0  # > 0: LM head + loss in checkpointed chunks of about this many tokens (models/lm.py)
     seed: int = 1234
     precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32
@@ -272,6 +273,13 @@ class RunConfig:
     checkpoint_format: str = "canonical"  # canonical (rank 0 gathers single files) | sharded (DCP, every rank writes)
     async_save: bool = False  # sharded only: write in a background thread after a CPU snapshot at the step boundary
     tensorboard: bool = True
+    # Weights & Biases beside TensorBoard (training/wandb_sink.py): off | online | offline (written under
+    # run.dir/wandb/, `wandb sync` later); needs `pip install wandb`. Rank 0 logs; a resume continues the same
+    # wandb run (its id kept in run.dir/wandb_id)
+    wandb: str = "off"
+    wandb_project: str = "megassm"
+    wandb_name: str = ""  # "" = run.dir's last folder name
+    wandb_entity: str = ""  # "" = the logged-in user's default entity
     progress: bool = True
     profile_step: int = 0  # > 0: profile that step (GPU runs): RUN_DIR/profile/*.json (training/profiling.py)
     profile_trace: bool = False  # with profile_step: also write the Chrome trace
@@ -712,6 +720,8 @@ def validate(cfg: Config) -> None:
          "run.async_save=true needs run.checkpoint_format=sharded (the canonical format gathers to rank 0 and "
          "writes synchronously)")
     need(r.keep_last >= 0, f"run.keep_last must be >= 0 (0 keeps all), got {r.keep_last}")
+    need(r.wandb in ("off", "online", "offline"), f"run.wandb must be off, online or offline, got '{r.wandb}'")
+    need(r.wandb == "off" or bool(r.wandb_project.strip()), "run.wandb_project must not be empty with run.wandb on")
     need(r.save_interval >= 0, f"run.save_interval must be >= 0 (0: only at the end), got {r.save_interval}")
     resume = str(r.resume).strip()
     need(not r.overwrite or resume.lower() != "auto",

@@ -6,10 +6,11 @@
 stdout: the absolute path of the directory written (the one result line); what was written from what, and
 errors, go to stderr. Missing parent directories of --output are made (and removed again if the export fails).
 
-Patterns of `M` blocks become Mamba2ForCausalLM; `M` / `*` / `-` hybrids NemotronHForCausalLM (attention without
-RoPE, model.mlp.activation=relu2). Anything else is refused, naming the block, and nothing is written. Canonical
-and sharded checkpoints both work. The run's tokenizer travels when it is known (the builtin corpus's
-data.tokenizer, byte-level shards) or named with --tokenizer.
+Patterns of `M` blocks become Mamba2ForCausalLM; `M` / `*` / `-` hybrids the first transformers class that computes
+the same function: NemotronHForCausalLM (attention without RoPE, model.mlp.activation=relu2), else
+GraniteMoeHybridForCausalLM (SwiGLU, RoPE or none; each `-` right after an M or *). Anything else is refused, naming
+the block and the reason, and nothing is written. Canonical and sharded checkpoints both work. The run's tokenizer
+travels when it is known (the builtin corpus's data.tokenizer, byte-level shards) or named with --tokenizer.
 
 The checkpoint is verified against its integrity record before anything is written (training/checkpoint.py
 checkpoint_to_read, as every reader of checkpoints). Exit codes: 0 written; 2 a refusal (config, pattern,
@@ -47,7 +48,8 @@ def export(checkpoint: str | None, run: str | None, output: str, tokenizer: str 
     ckpt_dir, (cfg, state) = ckpt.checkpoint_to_read(checkpoint or run, who, model_only=True, load=read)
     spec = None if no_tokenizer else tokenizer_spec(cfg, tokenizer)
     info = export_hf(cfg.model, state, output, tokenizer_spec=spec, source=ckpt_dir, dtype=_DTYPES[dtype],
-                     max_shard_bytes=int(max_shard_gb * (1 << 30)), no_tokenizer=no_tokenizer)
+                     max_shard_bytes=int(max_shard_gb * (1 << 30)), no_tokenizer=no_tokenizer,
+                     max_positions=cfg.train.seq_len)
     info["checkpoint"] = ckpt_dir
     return info
 

@@ -49,7 +49,7 @@ from megassm.training.failures import (EXIT_ABORTED, EXIT_CONFIG, EXIT_IO, EXIT_
 
 EXIT_PREEMPTED = preemption.PREEMPT_EXIT_CODE  # 99: checkpointed, requeue me
 # --gpu of the dry run: the keys of megassm/training/memory.py GPU_NAMES, spelled out for the parser (and in
-# launch/cli.py, which imports no trainer code); tests/test_layout_fit.py checks that the three agree
+# launch/core/cli.py, which imports no trainer code); tests/test_layout_fit.py checks that the three agree
 GPU_CHOICES = ("h100-80gb", "h200-141gb")
 DEFAULT_GPU = "h100-80gb"
 

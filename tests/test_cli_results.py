@@ -1,7 +1,7 @@
 """What the commands print on stdout: their result and nothing else (logs, progress and errors go to stderr), so a
-script can read it without filtering; docs/interop.md's CPU commands run as written (the smoke run's hybrid,
-trained with the keys that make it exportable, exported into a folder that does not exist yet); a refused export
-says why in one line and leaves nothing, not even the parent folders it would have made."""
+script can read it without filtering; docs/interop.md's CPU commands run as written (the smoke run's hybrid as
+shipped, exported into a folder that does not exist yet); a refused export says why in one line and leaves nothing,
+not even the parent folders it would have made."""
 import json
 import os
 import shlex
@@ -48,21 +48,22 @@ def test_interop_doc_commands_run_as_written(tmp_path):
     assert outs[0] == "megassm-train: done, 2 steps; run directory runs/x\n"
     out = os.path.join(os.path.realpath(tmp_path), "exports", "x")
     assert outs[1] == f"{out}\n"
-    assert json.load(open(os.path.join(out, "config.json")))["architectures"] == ["NemotronHForCausalLM"]
+    assert json.load(open(os.path.join(out, "config.json")))["architectures"] == ["GraniteMoeHybridForCausalLM"]
     assert sorted(os.listdir(tmp_path / "exports")) == ["x"]  # no temporary directory left beside it
 
 
 def test_refused_export_is_one_line_and_leaves_nothing(tmp_path, capsys):
-    """configs/tiny.yaml as shipped (RoPE attention, SwiGLU MLP): exit 2, one line naming both blocks and the keys
-    to train with; the output's missing parents are not made."""
+    """configs/tiny.yaml with a squared-ReLU MLP and its RoPE attention, which no transformers class computes
+    (Nemotron-H has no RoPE, GraniteMoeHybrid no relu2): exit 2, one line naming both blocks and the key to train
+    with; the output's missing parents are not made."""
     from megassm.export_cli import main
 
-    path = _checkpoint(tmp_path)
+    path = _checkpoint(tmp_path, "model.mlp.activation=relu2")
     assert main(["--checkpoint", path, "--format", "hf", "--output", str(tmp_path / "new" / "deeper" / "x")]) == 2
     out = capsys.readouterr()
     assert out.out == "" and len(out.err.strip().splitlines()) == 1, out.err
-    assert "block 1 '*': attention uses RoPE" in out.err and "block 3 '-': model.mlp.activation=swiglu" in out.err
-    assert "To export, train with model.attn.rope=false model.mlp.activation=relu2 (NemotronHForCausalLM)" in out.err
+    assert "block 1 '*': attention uses RoPE" in out.err and "block 3 '-': model.mlp.activation=relu2" in out.err
+    assert "To export, train with model.attn.rope=false (NemotronHForCausalLM)" in out.err
     assert not (tmp_path / "new").exists()
 
 

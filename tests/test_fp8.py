@@ -1,4 +1,4 @@
-"""train.fp8 (training/fp8.py) and kernels.fp8_linear (kernels/fp8.py): the projections' three matmuls in FP8 with
+"""train.fp8 (training/fp8.py) and kernels.fp8_linear (kernels/core/fp8.py): the projections' three matmuls in FP8 with
 per-tensor power-of-two scales. The op is checked against a plain fp32 autograd emulation of the same
 quantization (outputs and gradients, odd token counts, bias, bf16 and fp32 inputs), and against the exact
 linear within FP8's rounding; the module swap keeps every name and weight; the trainer trains with it (CPU bf16

@@ -107,13 +107,18 @@ def test_transformers_loads_export_with_our_logits(tmp_path, kind):
     assert "AutoTokenizer" in (out / "README.md").read_text()
 
 
-def test_export_import_export_is_bit_identical(tmp_path):
+# configs/tiny.yaml's layout (RoPE, SwiGLU, mixers without an MLP): GraniteMoeHybridForCausalLM
+GRANITE = ["model.pattern=M*|M-", "model.attn.rope=true"]
+
+
+@pytest.mark.parametrize("layout", ["nemotron_h", "granitemoehybrid"])
+def test_export_import_export_is_bit_identical(tmp_path, layout):
     pytest.importorskip("transformers")
     from megassm.training.trainer import Trainer
 
-    tiny = [*HYBRID, "model.tie_embeddings=true", "train.seq_len=48", "train.micro_batch=2", "train.global_batch=2",
-            "train.eval_interval=0", "run.progress=false", "run.tensorboard=false", "train.steps=1",
-            "train.device=cpu"]
+    tiny = [*(HYBRID if layout == "nemotron_h" else GRANITE), "model.tie_embeddings=true", "train.seq_len=48",
+            "train.micro_batch=2", "train.global_batch=2", "train.eval_interval=0", "run.progress=false",
+            "run.tensorboard=false", "train.steps=1", "train.device=cpu"]
     cfg = _cfg(*tiny)
     _, path = _checkpoint(tmp_path, cfg, _model(cfg))
     assert _export("--checkpoint", path, "--output", str(tmp_path / "a")) == 0
@@ -125,6 +130,7 @@ def test_export_import_export_is_bit_identical(tmp_path):
     assert _export("--run", str(tmp_path / "cont"), "--output", str(tmp_path / "b")) == 0
     for f in ("model.safetensors", "config.json", "tokenizer.json"):
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["architectures"] == [mapping.HF_ARCH[layout]]
 
 
 @pytest.mark.parametrize("extra,block", [
@@ -132,9 +138,17 @@ def test_export_import_export_is_bit_identical(tmp_path):
     (["model.pattern=M|B"], "block 1 'B'"),
     (["model.pattern=LM"], "block 0 'L'"),
     (["model.pattern=MS"], "block 1 'S'"),
-    (["model.pattern=M*", "model.attn.rope=true"], "block 1 '*': attention uses RoPE"),
+    # RoPE: no Nemotron-H; relu2: no GraniteMoeHybrid
+    (["model.pattern=M*-", "model.attn.rope=true", "model.mlp.activation=relu2"],
+     "block 1 '*': attention uses RoPE (model.attn.rope=true), where NemotronHForCausalLM"),
     (["model.pattern=M*", "model.attn.rope=false", "model.attn.sliding_window=8"], "block 1 '*': sliding-window"),
-    (["model.pattern=M-"], "block 1 '-': model.mlp.activation=swiglu"),
+    # SwiGLU: no Nemotron-H; an MLP after an MLP: no GraniteMoeHybrid layer
+    (["model.pattern=M--"], "block 1 '-': model.mlp.activation=swiglu, where NemotronHForCausalLM's MLP is a "
+                            "squared ReLU without a gate (and 1 more block); block 2 '-': an MLP that does not "
+                            "directly follow"),
+    (["model.pattern=-M"], "block 0 '-': an MLP that does not directly follow an M or * block"),
+    (["model.pattern=M*-", "model.mlp.bias=true", "model.attn.rope=false"],
+     "block 2 '-': model.mlp.bias=true, where GraniteMoeHybridForCausalLM's MLP has no bias"),
     (["model.pattern=MM", "model.mamba.D_has_hdim=true"], "block 0 'M': model.mamba.D_has_hdim"),
 ])
 def test_refused_patterns_write_nothing_and_name_the_block(tmp_path, capsys, extra, block):
@@ -148,6 +162,42 @@ def test_refused_patterns_write_nothing_and_name_the_block(tmp_path, capsys, ext
         assert _export("--checkpoint", path, "--output", str(out)) == 2
         assert block in capsys.readouterr().err
         assert os.listdir(out.parent) == []
+
+
+def test_granite_layers_and_what_their_import_refuses():
+    """Each GraniteMoeHybrid layer is a mixer and the `-` right after it; a mixer without one gets an all-zero MLP
+    (or, with no `-` in the pattern, zero-width ones), which the import reads back as no block, refusing one that
+    is not zero. A GraniteMoeHybrid config.json that computes something else (experts, multipliers, another
+    attention scale, scaled RoPE) is refused by key; one without megassm_pattern is a mixer and an MLP per layer."""
+    assert mapping.granite_layers("M*M-") == [(0, None), (1, None), (2, 3)]
+    assert mapping.granite_layers("M-|*-") == [(0, 1), (2, 3)] and mapping.granite_layers("M--") == 2
+    cfg = _cfg("model.pattern=M*M-", "model.attn.rope=true", "model.attn.rope_theta=5000")
+    assert mapping.export_target(cfg.model) == "granitemoehybrid"
+    state = _model(cfg).state_dict()
+    kwargs, hf = mapping.to_hf(state, cfg.model, "granitemoehybrid", 384)
+    raw = {"model_type": "granitemoehybrid", **kwargs}
+    assert kwargs["layer_types"] == ["mamba", "attention", "mamba"] and kwargs["shared_intermediate_size"] == 96
+    assert not hf["model.layers.1.shared_mlp.input_linear.weight"].any()
+    m, back = mapping.from_hf(raw, hf)
+    assert m.pattern == "M*M-" and m.attn.rope and m.attn.rope_theta == 5000.0
+    assert sorted(back) == sorted(state) and all(torch.equal(back[k], state[k]) for k in state)
+    hf["model.layers.0.shared_mlp.output_linear.weight"] = torch.ones(64, 96)
+    with pytest.raises(mapping.MappingError, match=r"model.layers.0.shared_mlp.output_linear.weight' is not zero, "
+                                                   r"but megassm_pattern 'M\*M-' has no MLP after block 0"):
+        mapping.from_hf(raw, hf)
+    no_mlp = mapping.to_hf(_model(_cfg("model.pattern=M*")).state_dict(), _cfg("model.pattern=M*").model,
+                           "granitemoehybrid", 384)
+    assert no_mlp[0]["shared_intermediate_size"] == 0
+    assert no_mlp[1]["model.layers.0.shared_mlp.input_linear.weight"].shape == (0, 64)
+    foreign = {k: v for k, v in raw.items() if k != "megassm_pattern"}
+    assert mapping.hf_model_config(foreign)[1].pattern == "M-*-M-"
+    for key, value, why in (("num_local_experts", 4, "megassm builds no MoE layers"),
+                            ("embedding_multiplier", 12.0, "no such multiplier"),
+                            ("attention_multiplier", 0.015625, "scales by 1/sqrt"),
+                            ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4}, "the default \\(unscaled\\)"),
+                            ("megassm_pattern", "MM-M", "does not fit layer_types")):
+        with pytest.raises(mapping.MappingError, match=f"{key}=.*{why}|{why}"):
+            mapping.hf_model_config({**raw, key: value})
 
 
 def test_mamba_ssm_layout_imports_to_the_same_logits(tmp_path):

@@ -124,7 +124,7 @@ def test_generated_script_trains_preempts_requeues_and_resumes(tmp_path):
     assert r.stdout == f"{script}\n"  # the result: the script's path; the script itself is logged on stderr
     assert "memory check: none: train.device=cpu" in r.stderr  # CPU ranks: no GPU memory to fit
     version = json.load(open(os.path.join(run, "launch", "version.json")))
-    assert version["nodes"] == 2 and "git_commit" in version
+    assert version["nodes"] == 2 and "git_commit" in version and version["source"] == ROOT  # the checkout
     assert (version["gpu"], version["memory_check"]) == (None, False)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
            "SLURM_JOB_NODELIST": "node[1-2]", "FAKE_SLURM_LOG": str(tmp_path / "slurm.log"), "OMP_NUM_THREADS": "1",

@@ -3,14 +3,14 @@ bottom and data_tools / launch beside the chain. Every module under megassm/, ke
 launch/ is parsed (every import statement, function-level ones included); an import of a group the
 module's group may not use fails, naming the module, the line and the import."""
 import ast
+import functools
 import os
+import runpy
 
 import pytest
+import setuptools
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# source folder -> package name (setup.py installs kernels/, data_tools/, launch/ inside megassm)
-SOURCES = {"megassm": "megassm", "kernels": "megassm.kernels", "data_tools": "megassm.data_tools",
-           "launch": "megassm.launch"}
 # group -> the groups its modules may import besides their own
 ALLOWED = {
     "config": set(),
@@ -46,21 +46,35 @@ def group_of(module: str) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def setup_kwargs() -> dict:
+    """What setup.py passes to setuptools.setup (read-only): setup.py run with setup() replaced by a recorder."""
+    seen: dict = {}
+    real = setuptools.setup
+    setuptools.setup = lambda **kw: seen.update(kw)
+    try:
+        runpy.run_path(os.path.join(ROOT, "setup.py"), run_name="setup")
+    finally:
+        setuptools.setup = real
+    return seen
+
+
+def package_dirs() -> dict[str, str]:
+    """{package: folder} as setup.py gives them to setuptools (kernels/core/ is megassm.kernels, kernels/triton/
+    megassm.kernels.triton, ...)."""
+    seen = setup_kwargs()
+    assert set(seen["package_dir"]) == set(seen["packages"]), "every package has its folder in package_dir"
+    return seen["package_dir"]
+
+
 def modules() -> dict[str, tuple[str, bool]]:
     """{module name: (file, is package)} of every module the build installs."""
     found = {}
-    for folder, pkg in SOURCES.items():
-        for root, dirs, files in os.walk(os.path.join(ROOT, folder)):
-            dirs[:] = [d for d in dirs if not d.startswith((".", "__"))]
-            for f in files:
-                if not f.endswith(".py"):
-                    continue
-                rel = os.path.relpath(os.path.join(root, f), os.path.join(ROOT, folder))[:-3].replace(os.sep, ".")
-                if rel == "__init__":
-                    found[pkg] = (os.path.join(root, f), True)
-                else:
-                    name = pkg + "." + rel.removesuffix(".__init__")
-                    found[name] = (os.path.join(root, f), f == "__init__.py")
+    for pkg, folder in package_dirs().items():
+        for f in sorted(os.listdir(os.path.join(ROOT, folder))):
+            if f.endswith(".py"):
+                path = os.path.join(ROOT, folder, f)
+                found[pkg if f == "__init__.py" else f"{pkg}.{f[:-3]}"] = (path, f == "__init__.py")
     return found
 
 

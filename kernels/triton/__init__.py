@@ -1,4 +1,4 @@
-"""Triton kernels of megassm.kernels (imported lazily by kernels/dispatch.py: Triton reads TRITON_INTERPRET when
+"""Triton kernels of megassm.kernels (imported lazily by kernels/core/dispatch.py: Triton reads TRITON_INTERPRET when
 the kernels are decorated, i.e. at import). The ops' fake and autograd registrations live in ops.py."""
 import triton  # noqa: F401  (ImportError here means: no Triton backend)
 
@@ -17,13 +17,13 @@ from .ssd_bwd import ssd_bwd  # noqa: E402
 from .ssd import supported as ssd_supported  # noqa: E402
 from .ssd import kept_state_shape as ssd_kept_state_shape  # noqa: E402
 from .step import causal_conv1d_step_fwd, ssd_step_fwd  # noqa: E402
-from . import fp8  # noqa: E402  (FP8 casts: kernels/fp8.py calls fp8.cast_transpose)
+from . import fp8  # noqa: E402  (FP8 casts: kernels/core/fp8.py calls fp8.cast_transpose)
 
 HAS_SSD_BWD = True
 HAS_SSD_STEP = True
 HAS_CONV_STEP = True
 
-# what ops.py and kernels/fp8.py reach through triton_kernels()
+# what ops.py and kernels/core/fp8.py reach through triton_kernels()
 __all__ = ["swiglu_bwd", "swiglu_fwd", "coffee_scan_bwd", "coffee_scan_fwd", "causal_conv1d_bwd", "causal_conv1d_fwd",
            "cross_entropy_bwd", "cross_entropy_fwd", "selective_scan_bwd", "selective_scan_fwd",
            "selective_scan_step_fwd", "add_rmsnorm_bwd", "add_rmsnorm_fwd", "gated_rmsnorm_bwd", "gated_rmsnorm_fwd",

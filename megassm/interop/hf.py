@@ -38,10 +38,26 @@ def require(*packages: str) -> None:
 def _config_object(target: str, kwargs: dict, eos_id: int | None):
     import transformers
 
-    cls = getattr(transformers, {"mamba2": "Mamba2Config", "nemotron_h": "NemotronHConfig"}[target])
+    cls = getattr(transformers, {"mamba2": "Mamba2Config", "nemotron_h": "NemotronHConfig",
+                                 "granitemoehybrid": "GraniteMoeHybridConfig"}[target])
     cfg = cls(**kwargs, eos_token_id=eos_id, bos_token_id=None, pad_token_id=None)
     cfg.architectures = [mapping.HF_ARCH[target]]
     return cfg
+
+
+def _legacy_layer_types(out: str, target: str, m: ModelConfig) -> None:
+    """config.json's GraniteMoeHybrid layer_types in the names vLLM's implementation keys its layers by (mamba /
+    attention); transformers >= 5 saves its own names (linear_attention / full_attention) but reads these too."""
+    if target != "granitemoehybrid":
+        return
+    path = os.path.join(out, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    kinds = blocks_of(m.pattern)
+    cfg["layer_types"] = [mapping.GRANITE_TYPES[kinds[b]] for b, _ in mapping.granite_layers(m.pattern)]
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
 
 
 def _write_weights(state: dict, out: str, max_shard_bytes: int) -> list[str]:
@@ -71,12 +87,24 @@ def _write_weights(state: dict, out: str, max_shard_bytes: int) -> list[str]:
     return names + ["model.safetensors.index.json"]
 
 
+def _layout_note(target: str, m: ModelConfig) -> str:
+    """GraniteMoeHybrid: which layers carry an all-zero (or zero-width) MLP for a mixer without a `-` block."""
+    if target != "granitemoehybrid":
+        return ""
+    empty = [j for j, (_, f) in enumerate(mapping.granite_layers(m.pattern)) if f is None]
+    if not empty:
+        return ""
+    return (f" Each layer is a mixer and an MLP; layers {', '.join(map(str, empty))} stand for mixers with no MLP "
+            "block after them, so their MLP weights are zeros (zero-width where the pattern has no MLP block at "
+            "all) and add exactly nothing (`megassm_pattern` in config.json).")
+
+
 def _readme(target: str, m: ModelConfig, source: str, tok_line: str, load_tok: str) -> str:
-    arch = mapping.HF_ARCH[target]
+    arch, note = mapping.HF_ARCH[target], _layout_note(target, m)
     return f"""# megassm export
 
 Exported by `megassm-export` from `{source}`: pattern `{m.pattern}` ({len(blocks_of(m.pattern))} blocks), d_model
-{m.d_model}, as transformers `{arch}`. The logits (over the padded vocabulary) are those of the megassm model.
+{m.d_model}, as transformers `{arch}`. The logits (over the padded vocabulary) are those of the megassm model.{note}
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -121,10 +149,13 @@ def _remove_empty(dirs: list[str]) -> None:
 
 
 def export_hf(m: ModelConfig, state: dict, out: str, tokenizer_spec: str | None = None, source: str = "",
-              dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 << 30, no_tokenizer: bool = False) -> dict:
+              dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 << 30, no_tokenizer: bool = False,
+              max_positions: int | None = None) -> dict:
     """Export canonical `state` of a model with config `m` to the transformers directory `out` (must not exist).
     Returns {"target", "architecture", "files", "tokenizer"}. Raises mapping.NotExportable (naming the block)
-    before anything is written, ExportError for a missing package or an existing output."""
+    before anything is written, ExportError for a missing package or an existing output. `max_positions`: the
+    trained sequence length, written where the class has a max_position_embeddings that computes nothing
+    (GraniteMoeHybrid's; vLLM's default longest sequence)."""
     target = mapping.export_target(m)  # refuses first: nothing is created for a model with no counterpart
     require("transformers", "safetensors")
     out = os.path.abspath(out)
@@ -137,7 +168,7 @@ def export_hf(m: ModelConfig, state: dict, out: str, tokenizer_spec: str | None 
     if m.vocab_size is not None and padded_vocab_size(m.vocab_size, m.pad_vocab_multiple) != vocab_padded:
         raise ExportError(f"the checkpoint's embedding has {vocab_padded} rows, its config's padded vocabulary is "
                           f"{padded_vocab_size(m.vocab_size, m.pad_vocab_multiple)}")
-    kwargs, hf_state = mapping.to_hf(state, m, target, vocab_padded)
+    kwargs, hf_state = mapping.to_hf(state, m, target, vocab_padded, max_positions)
     hf_state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in hf_state.items()}
     created = _make_parents(parent)  # `--output exports/x` where exports/ is new: made here, removed on failure
     tmp = os.path.join(parent, f".tmp-{os.path.basename(out)}-{os.getpid()}")
@@ -160,6 +191,7 @@ def export_hf(m: ModelConfig, state: dict, out: str, tokenizer_spec: str | None 
         hf_cfg = _config_object(target, kwargs, eos_id)
         hf_cfg.dtype = dtype
         hf_cfg.save_pretrained(tmp)
+        _legacy_layer_types(tmp, target, m)
         files = _write_weights(hf_state, tmp, max_shard_bytes)
         with open(os.path.join(tmp, "README.md"), "w") as f:
             f.write(_readme(target, m, source, tok_line, load_tok))

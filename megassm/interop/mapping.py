@@ -1,17 +1,18 @@
-"""Parameter names and configs: megassm <-> transformers (Mamba2ForCausalLM, NemotronHForCausalLM) <-> mamba_ssm.
+"""Parameter names and configs: megassm <-> transformers (Mamba2ForCausalLM, NemotronHForCausalLM,
+GraniteMoeHybridForCausalLM) <-> mamba_ssm.
 
 Pure functions over state dicts and config dicts (torch and megassm.config only): no files, no transformers
 import. `export_target(model_cfg)` says which transformers architecture computes exactly what the model does,
 or raises NotExportable naming, on one line, every block (index and letter) or option it cannot express and the
 keys to train with instead.
 
-    target = export_target(cfg.model)                           # "mamba2" | "nemotron_h"
+    target = export_target(cfg.model)                           # "mamba2" | "nemotron_h" | "granitemoehybrid"
     hf_config, hf_state = to_hf(state, cfg.model, target, vocab_padded)
     model_cfg, state = from_hf(hf_config, hf_state)             # back to megassm names and a ModelConfig
     model_cfg, state = from_mamba_ssm(ssm_config, ssm_state)    # state-spaces/mamba2-* checkpoints
 
-The tensors are the same objects (or reshaped views) as the input: no value is changed, so export -> import
--> export is bit-identical.
+The tensors are the same objects (or reshaped views, or for GraniteMoeHybrid's fused MLP input the
+concatenation of w1 and w3) as the input: no value is changed, so export -> import -> export is bit-identical.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from megassm.config import ModelConfig, attn_dims, blocks_of, ffn_hidden, mamba_
 __all__ = ["NotExportable", "MappingError", "export_target", "to_hf", "from_hf", "from_mamba_ssm", "HF_ARCH",
            "to_mamba_ssm", "config_differences", "FOREIGN_KEYS"]
 
-HF_ARCH = {"mamba2": "Mamba2ForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
+HF_ARCH = {"mamba2": "Mamba2ForCausalLM", "nemotron_h": "NemotronHForCausalLM",
+           "granitemoehybrid": "GraniteMoeHybridForCausalLM"}
 # layers_block_type names of transformers >= 5 (older releases said mamba / attention; both are read back)
 _NEMOTRON_TYPES = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
 _INF = float("inf")
@@ -46,9 +48,12 @@ _NO_COUNTERPART = {
     "C": "COFFEE has no transformers implementation",
     "B": "B'MOJO has no transformers implementation",
     "L": "Longhorn has no transformers implementation",
-    "S": "Mamba-1 (`S`) blocks carry no norm/gate layout of Mamba2ForCausalLM or NemotronHForCausalLM, and no "
-         "transformers architecture mixes Mamba-1 blocks with these",
+    "S": "Mamba-1 (`S`) blocks carry no norm/gate layout of transformers' Mamba-2 classes, and no transformers "
+         "architecture mixes Mamba-1 blocks with these",
 }
+# hybrid classes in the order they are preferred when several compute the function exactly: Nemotron-H first (one
+# transformers block per letter, so a relu2 hybrid keeps the class it always had), then GraniteMoeHybrid
+_HYBRIDS = ("nemotron_h", "granitemoehybrid")
 
 
 def _mamba_refusals(m: ModelConfig) -> list[tuple[str, str]]:
@@ -56,58 +61,100 @@ def _mamba_refusals(m: ModelConfig) -> list[tuple[str, str]]:
     mc = m.mamba
     out = []
     if mc.D_has_hdim:
-        out.append(("model.mamba.D_has_hdim=true (D per channel), where transformers' Mamba-2 mixers have D per head",
+        out.append(("model.mamba.D_has_hdim=true (D per channel), where the Mamba-2 mixers of Mamba2ForCausalLM, "
+                    "NemotronHForCausalLM and GraniteMoeHybridForCausalLM have D per head",
                     "model.mamba.D_has_hdim=false"))
     if mc.norm_before_gate:
-        out.append(("model.mamba.norm_before_gate=true, where transformers' Mamba-2 mixers gate before the norm",
+        out.append(("model.mamba.norm_before_gate=true, where the Mamba-2 mixers of Mamba2ForCausalLM, "
+                    "NemotronHForCausalLM and GraniteMoeHybridForCausalLM gate before the norm",
                     "model.mamba.norm_before_gate=false"))
     return out
 
 
-def export_target(m: ModelConfig) -> str:
-    """'mamba2' for a pattern of `M` blocks only, 'nemotron_h' for `M` / `*` / `-` hybrids whose options
-    Nemotron-H expresses; otherwise NotExportable, one line naming every reason (its first block by index and
-    letter, and how many more) and the keys to train with instead, so that one retraining is enough."""
-    kinds = blocks_of(m.pattern)
-    found: dict[str, list] = {}  # reason -> [letter, block indices, the key that fixes it or None]
+def granite_layers(pattern: str) -> list[tuple[int, int | None]] | int:
+    """GraniteMoeHybrid layers of a pattern: (mixer block, its `-` block or None) per layer, each layer being one
+    mixer (`M` or `*`) then one MLP; or the index of the first `-` that does not directly follow a mixer."""
+    layers: list[list] = []
+    for i, k in enumerate(blocks_of(pattern)):
+        if k == "-":
+            if not layers or layers[-1][1] is not None or i != layers[-1][0] + 1:
+                return i
+            layers[-1][1] = i
+        else:
+            layers.append([i, None])
+    return [(a, b) for a, b in layers]
+
+
+def _refusals(m: ModelConfig, target: str) -> dict:
+    """why -> [letter, block indices, the key that fixes it or None] of everything `target` cannot express."""
+    found: dict[str, list] = {}
 
     def refuse(i: int, k: str, why: str, fix: str | None = None) -> None:
         found.setdefault(why, [k, [], fix])[1].append(i)
 
+    kinds, a = blocks_of(m.pattern), m.attn
     for i, k in enumerate(kinds):
         if k in _NO_COUNTERPART:
             refuse(i, k, _NO_COUNTERPART[k] + ", nothing to export it to")
         elif k == "M":
             for why, fix in _mamba_refusals(m):
                 refuse(i, k, why, fix)
-    hybrid = set(kinds) != {"M"}
-    a = m.attn
-    for i, k in enumerate(kinds if hybrid else ()):
-        if k == "*":
-            if a.rope:
+        elif k == "*" and a.sliding_window:
+            refuse(i, k, f"sliding-window attention (model.attn.sliding_window={a.sliding_window}), where "
+                         "NemotronHForCausalLM and GraniteMoeHybridForCausalLM attend to every earlier token",
+                   "model.attn.sliding_window=0")
+    if target == "nemotron_h":
+        for i, k in enumerate(kinds):
+            if k == "*" and a.rope:
                 refuse(i, k, "attention uses RoPE (model.attn.rope=true), where NemotronHForCausalLM's attention "
                              "has no positional encoding", "model.attn.rope=false")
-            if a.sliding_window:
-                refuse(i, k, f"sliding-window attention (model.attn.sliding_window={a.sliding_window}), where "
-                             "NemotronHForCausalLM attends to every earlier token", "model.attn.sliding_window=0")
-            if a.bias:
+            if k == "*" and a.bias:
                 refuse(i, k, "model.attn.bias=true, where NemotronHForCausalLM's q/k/v/o projections have no bias",
                        "model.attn.bias=false")
-        if k == "-" and m.mlp.activation != "relu2":
-            refuse(i, k, f"model.mlp.activation={m.mlp.activation}, where NemotronHForCausalLM's MLP is a squared "
-                         "ReLU without a gate", "model.mlp.activation=relu2")
-    if not found:
-        return "nemotron_h" if hybrid else "mamba2"
+            if k == "-" and m.mlp.activation != "relu2":
+                refuse(i, k, f"model.mlp.activation={m.mlp.activation}, where NemotronHForCausalLM's MLP is a "
+                             "squared ReLU without a gate", "model.mlp.activation=relu2")
+    elif target == "granitemoehybrid":
+        for i, k in enumerate(kinds):
+            if k == "-" and m.mlp.activation != "swiglu":
+                refuse(i, k, f"model.mlp.activation={m.mlp.activation}, where GraniteMoeHybridForCausalLM's MLP is "
+                             "SwiGLU", "model.mlp.activation=swiglu")
+            if k == "-" and m.mlp.bias:
+                refuse(i, k, "model.mlp.bias=true, where GraniteMoeHybridForCausalLM's MLP has no bias",
+                       "model.mlp.bias=false")
+        bad = granite_layers(m.pattern)
+        if isinstance(bad, int):
+            refuse(bad, "-", "an MLP that does not directly follow an M or * block, where each "
+                             "GraniteMoeHybridForCausalLM layer is one mixer then one MLP (model.pattern)")
+    return found
+
+
+def export_target(m: ModelConfig) -> str:
+    """'mamba2' for a pattern of `M` blocks only; for `M` / `*` / `-` hybrids the first of 'nemotron_h',
+    'granitemoehybrid' that computes the same function; otherwise NotExportable, one line naming every reason
+    (its first block by index and letter, and how many more; a reason names the class it is about) and the keys
+    to train with instead for the class that needs fewest, so that one retraining is enough."""
+    hybrid = set(blocks_of(m.pattern)) != {"M"}
+    targets = _HYBRIDS if hybrid else ("mamba2",)
+    found = {t: _refusals(m, t) for t in targets}
+    for t in targets:
+        if not found[t]:
+            return t
+    merged: dict[str, list] = {}
+    for t in targets:
+        for why, rec in found[t].items():
+            merged.setdefault(why, rec)
     parts = []
-    for why, (k, where, _) in found.items():
+    for why, (k, where, _) in sorted(merged.items(), key=lambda item: item[1][1][0]):  # by first block
         more = f" (and {len(where) - 1} more block{'s' if len(where) > 2 else ''})" if len(where) > 1 else ""
         parts.append(f"block {where[0]} '{k}': {why}{more}")
-    fixes = [fix for _, _, fix in found.values() if fix]
-    if len(fixes) == len(found):
-        target = "NemotronHForCausalLM" if hybrid else "Mamba2ForCausalLM"
-        instead = f"To export, train with {' '.join(dict.fromkeys(fixes))} ({target})"
+    fixable = [(len(f), t, f) for t, f in ((t, [fix for _, _, fix in found[t].values()]) for t in targets)
+               if all(f)]
+    if fixable:
+        _, t, fixes = min(fixable, key=lambda x: (x[0], targets.index(x[1])))
+        instead = f"To export, train with {' '.join(dict.fromkeys(fixes))} ({HF_ARCH[t]})"
     else:
-        instead = "Only M, * and - blocks export (Mamba2ForCausalLM, NemotronHForCausalLM)"
+        instead = f"Only M, * and - blocks export ({', '.join(HF_ARCH.values())})"
     raise NotExportable(f"model.pattern {m.pattern!r} has no exact transformers counterpart: {'; '.join(parts)}. "
                         f"{instead}; docs/interop.md \"What is refused\"")
 
@@ -129,8 +176,47 @@ def _mamba_config(m: ModelConfig, prefix: str = "") -> dict:
     }
 
 
-def hf_config(m: ModelConfig, target: str, vocab_padded: int) -> dict:
-    """The transformers config (keyword arguments of Mamba2Config / NemotronHConfig) of model config `m`."""
+# GraniteMoeHybrid layer types as vLLM's implementation keys them (vllm/model_executor/models/granitemoehybrid.py);
+# transformers >= 5 reads them as linear_attention / full_attention (configuration_utils._LEGACY_LAYER_TYPE_REMAP)
+GRANITE_TYPES = {"M": "mamba", "*": "attention"}
+
+
+def _granite_config(m: ModelConfig, vocab_padded: int, max_positions: int | None) -> dict:
+    """GraniteMoeHybridConfig kwargs: a dense model (no experts), every multiplier 1 and the attention scale
+    1/sqrt(head_dim), so that each layer is exactly x + mixer(norm(x)), then x + swiglu(norm(x))."""
+    kinds, mc, dims = blocks_of(m.pattern), m.mamba, mamba_dims(m)
+    layers = granite_layers(m.pattern)
+    # a pattern without `-` gets zero-width MLPs: transformers' Linear(d, 0) -> Linear(0, d) gives exact zeros and
+    # vLLM skips shared_intermediate_size == 0; with `-` blocks, a mixer with none after it gets an all-zero MLP
+    ffn = ffn_hidden(m) if "-" in kinds else 0
+    cfg = {"vocab_size": vocab_padded, "hidden_size": m.d_model, "rms_norm_eps": m.norm_eps,
+           "initializer_range": m.init_std, "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu",
+           "num_hidden_layers": len(layers), "layer_types": [GRANITE_TYPES[kinds[b]] for b, _ in layers],
+           "num_local_experts": 0, "shared_intermediate_size": ffn, "intermediate_size": ffn,
+           "embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_scaling": 1.0,
+           "mamba_n_heads": dims["nheads"], "mamba_d_head": mc.headdim, "mamba_n_groups": mc.ngroups,
+           "mamba_d_state": mc.d_state, "mamba_d_conv": mc.d_conv, "mamba_expand": mc.expand,
+           "mamba_chunk_size": mc.chunk_size, "mamba_conv_bias": mc.conv_bias, "mamba_proj_bias": mc.proj_bias,
+           "time_step_limit": _dt_limit(m),
+           # the blocks behind the layers: which mixers have no MLP (read back by model.init_from)
+           "megassm_pattern": "".join(kinds)}
+    a = attn_dims(m)
+    cfg.update(num_attention_heads=a["n_heads"], num_key_value_heads=a["n_kv_heads"], head_dim=a["head_dim"],
+               attention_multiplier=a["head_dim"] ** -0.5, attention_bias=m.attn.bias,
+               position_embedding_type="rope" if m.attn.rope else "nope")
+    if m.attn.rope:
+        cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": float(m.attn.rope_theta)}
+    if max_positions:
+        cfg["max_position_embeddings"] = int(max_positions)
+    return cfg
+
+
+def hf_config(m: ModelConfig, target: str, vocab_padded: int, max_positions: int | None = None) -> dict:
+    """The transformers config (keyword arguments of Mamba2Config / NemotronHConfig / GraniteMoeHybridConfig) of
+    model config `m`. `max_positions`: GraniteMoeHybrid's max_position_embeddings (the trained length), which
+    computes nothing here but is what vLLM takes as the default longest sequence."""
+    if target == "granitemoehybrid":
+        return _granite_config(m, vocab_padded, max_positions)
     common = {"vocab_size": vocab_padded, "hidden_size": m.d_model, "layer_norm_epsilon": m.norm_eps,
               "residual_in_fp32": True, "initializer_range": m.init_std}
     kinds = blocks_of(m.pattern)
@@ -157,8 +243,41 @@ def _block_rename(kind: str, target: str) -> dict:
     return {}
 
 
-def to_hf(state: dict, m: ModelConfig, target: str, vocab_padded: int) -> tuple[dict, dict]:
+def _to_granite(state: dict, m: ModelConfig) -> dict:
+    """GraniteMoeHybrid names: layer j = the j-th mixer (input_layernorm, mamba / self_attn) and the `-` block
+    right after it (post_attention_layernorm, shared_mlp with input_linear = [w1; w3], the gate rows first as its
+    forward chunks them); a mixer with no `-` after it gets a unit norm and an all-zero MLP: output exactly 0."""
+    kinds = blocks_of(m.pattern)
+    out = {"model.embed_tokens.weight": state["embedding.weight"], "model.norm.weight": state["norm_f.weight"]}
+    if "lm_head.weight" in state:
+        out["lm_head.weight"] = state["lm_head.weight"]
+    emb = state["embedding.weight"]
+    ffn = ffn_hidden(m) if "-" in kinds else 0
+    for j, (b, f) in enumerate(granite_layers(m.pattern)):
+        pre, sub = f"model.layers.{j}.", "mamba" if kinds[b] == "M" else "self_attn"
+        out[pre + "input_layernorm.weight"] = state[f"layers.{b}.norm.weight"]
+        mix = f"layers.{b}.mixer."
+        for name, t in state.items():
+            if name.startswith(mix):
+                rest = name[len(mix):]
+                out[f"{pre}{sub}.{rest}"] = t.unsqueeze(1) if rest == "conv1d.weight" else t
+        if f is not None:
+            w = f"layers.{f}.mixer."
+            out[pre + "post_attention_layernorm.weight"] = state[f"layers.{f}.norm.weight"]
+            out[pre + "shared_mlp.input_linear.weight"] = torch.cat([state[w + "w1.weight"], state[w + "w3.weight"]])
+            out[pre + "shared_mlp.output_linear.weight"] = state[w + "w2.weight"]
+        else:
+            out[pre + "post_attention_layernorm.weight"] = torch.ones(m.d_model, dtype=emb.dtype)
+            out[pre + "shared_mlp.input_linear.weight"] = torch.zeros(2 * ffn, m.d_model, dtype=emb.dtype)
+            out[pre + "shared_mlp.output_linear.weight"] = torch.zeros(m.d_model, ffn, dtype=emb.dtype)
+    return out
+
+
+def to_hf(state: dict, m: ModelConfig, target: str, vocab_padded: int,
+          max_positions: int | None = None) -> tuple[dict, dict]:
     """(config kwargs, state dict with the target's names) of a canonical megassm model state."""
+    if target == "granitemoehybrid":
+        return hf_config(m, target, vocab_padded, max_positions), _to_granite(state, m)
     root = "backbone" if target == "mamba2" else "model"
     out = {f"{root}.embeddings.weight": state["embedding.weight"], f"{root}.norm_f.weight": state["norm_f.weight"]}
     if "lm_head.weight" in state:
@@ -211,9 +330,86 @@ def _ssm_dims(m: ModelConfig, heads: int, where: str, key: str) -> None:
                            f"hidden_size {m.d_model}: megassm's Mamba-2 has d_inner = expand x d_model")
 
 
+_GRANITE_LETTERS = {"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*"}
+
+
+def _granite_model_config(cfg: dict, where: str) -> ModelConfig:
+    """ModelConfig of a GraniteMoeHybrid config.json; MappingError for what computes something megassm's blocks do
+    not (experts, multipliers other than 1, an attention scale other than 1/sqrt(head_dim), scaled or partial
+    RoPE). Missing keys take GraniteMoeHybridConfig's defaults."""
+    m = ModelConfig()
+    m.d_model = int(_get(cfg, "hidden_size", where=where))
+    m.vocab_size = int(_get(cfg, "vocab_size", where=where))
+    m.pad_vocab_multiple = 1
+    m.norm_eps = float(cfg.get("rms_norm_eps", 1e-6))
+    m.tie_embeddings = bool(cfg.get("tie_word_embeddings", False))
+    if int(cfg.get("num_local_experts", 8)) > 0:
+        raise MappingError(f"{where}: num_local_experts={cfg.get('num_local_experts', 8)}: megassm builds no MoE "
+                           "layers (only dense GraniteMoeHybrid models, num_local_experts=0, import)")
+    for key in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+        if _num(cfg.get(key, 1.0)) != 1.0:
+            raise MappingError(f"{where}: {key}={cfg[key]}: megassm's model has no such multiplier (it needs 1)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise MappingError(f"{where}: hidden_act={cfg['hidden_act']!r}; megassm's Mamba-2 and SwiGLU use silu")
+    types = cfg.get("layer_types") or cfg.get("layers_block_type")
+    if not types:
+        raise MappingError(f"{where}: no 'layer_types'")
+    bad = next((i for i, t in enumerate(types) if t not in _GRANITE_LETTERS), None)
+    if bad is not None:
+        raise MappingError(f"{where}: layer {bad} is '{types[bad]}', which megassm has no block for")
+    mixers = "".join(_GRANITE_LETTERS[t] for t in types)
+    ffn = int(cfg.get("shared_intermediate_size", 1024))
+    pattern = cfg.get("megassm_pattern")
+    if pattern is None:  # not a megassm export: every layer is a mixer and its MLP (none at width 0)
+        pattern = "".join(k + ("-" if ffn else "") for k in mixers)
+    layers = granite_layers(pattern)
+    if (isinstance(layers, int) or "".join(blocks_of(pattern)[b] for b, _ in layers) != mixers
+            or (ffn > 0) != ("-" in pattern)):
+        raise MappingError(f"{where}: megassm_pattern {pattern!r} does not fit layer_types {types} and "
+                           f"shared_intermediate_size={ffn}")
+    m.pattern = pattern
+    mc = m.mamba
+    mc.d_state = int(cfg.get("mamba_d_state", 256))
+    mc.d_conv = int(cfg.get("mamba_d_conv", 4))
+    mc.expand = int(cfg.get("mamba_expand", 2))
+    mc.ngroups = int(cfg.get("mamba_n_groups", 1))
+    mc.chunk_size = int(cfg.get("mamba_chunk_size", 256))
+    mc.conv_bias = bool(cfg.get("mamba_conv_bias", True))
+    mc.proj_bias = bool(cfg.get("mamba_proj_bias", False))
+    mc.dt_limit = _limit(cfg.get("time_step_limit"))
+    heads = int(cfg.get("mamba_n_heads", 128))
+    head = cfg.get("mamba_d_head", "auto")
+    mc.headdim = mc.expand * m.d_model // heads if head == "auto" else int(head)
+    if "M" in mixers:
+        _ssm_dims(m, heads, where, "mamba_n_heads")
+    a = m.attn
+    a.n_heads = int(cfg.get("num_attention_heads", 32))
+    a.n_kv_heads = int(cfg.get("num_key_value_heads") or a.n_heads)
+    a.head_dim = int(cfg.get("head_dim") or m.d_model // a.n_heads)
+    a.bias = bool(cfg.get("attention_bias", False))
+    scale = _num(cfg.get("attention_multiplier", 1.0))
+    if "*" in mixers and not math.isclose(scale, a.head_dim ** -0.5, rel_tol=1e-9):
+        raise MappingError(f"{where}: attention_multiplier={scale}: megassm's attention scales by 1/sqrt(head_dim) "
+                           f"= {a.head_dim ** -0.5}")
+    a.rope = cfg.get("position_embedding_type") == "rope"
+    if a.rope:
+        rp = dict(cfg.get("rope_parameters") or {})
+        if rp.get("rope_type", "default") != "default" or float(rp.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise MappingError(f"{where}: rope_parameters={rp}: megassm's RoPE is the default (unscaled) one over the "
+                               "whole head")
+        a.rope_theta = float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    m.mlp.activation = "swiglu"
+    m.mlp.bias = False
+    if ffn:
+        m.mlp.ffn_hidden = ffn
+    return m
+
+
 def hf_model_config(cfg: dict, where: str = "config.json") -> tuple[str, ModelConfig]:
-    """(target, ModelConfig) of a transformers Mamba2 / Nemotron-H config.json."""
+    """(target, ModelConfig) of a transformers Mamba2 / Nemotron-H / GraniteMoeHybrid config.json."""
     mt = cfg.get("model_type")
+    if mt == "granitemoehybrid":
+        return mt, _granite_model_config(cfg, where)
     m = ModelConfig()
     m.d_model = int(_get(cfg, "hidden_size", where=where))
     m.vocab_size = int(_get(cfg, "vocab_size", where=where))
@@ -237,7 +433,8 @@ def hf_model_config(cfg: dict, where: str = "config.json") -> tuple[str, ModelCo
         m.pattern = "M" * int(_get(cfg, "num_hidden_layers", where=where))
         return "mamba2", m
     if mt != "nemotron_h":
-        raise MappingError(f"{where}: model_type {mt!r} is not one megassm imports (mamba2, nemotron_h)")
+        raise MappingError(f"{where}: model_type {mt!r} is not one megassm imports (mamba2, nemotron_h, "
+                           "granitemoehybrid)")
     types = cfg.get("layers_block_type")
     if types is None and "hybrid_override_pattern" in cfg:
         types = list(cfg["hybrid_override_pattern"])
@@ -270,9 +467,51 @@ def hf_model_config(cfg: dict, where: str = "config.json") -> tuple[str, ModelCo
     return "nemotron_h", m
 
 
+def _from_granite(m: ModelConfig, state: dict, where: str) -> dict:
+    """Canonical megassm state of GraniteMoeHybrid weights (the inverse of _to_granite). The MLP of a layer whose
+    mixer has no `-` after it must be all zeros (it then adds exactly nothing)."""
+    kinds, layers = blocks_of(m.pattern), granite_layers(m.pattern)
+    out = {}
+    for name, t in state.items():
+        if name == "model.embed_tokens.weight":
+            out["embedding.weight"] = t
+        elif name == "model.norm.weight":
+            out["norm_f.weight"] = t
+        elif name == "lm_head.weight":
+            out["lm_head.weight"] = t
+        elif name.startswith("model.layers."):
+            j, rest = name[len("model.layers."):].split(".", 1)
+            if int(j) >= len(layers):
+                raise MappingError(f"{where}: weight '{name}' is beyond the {len(layers)} layers of the config")
+            b, f = layers[int(j)]
+            sub, _, leaf = rest.partition(".")
+            if rest == "input_layernorm.weight":
+                out[f"layers.{b}.norm.weight"] = t
+            elif sub == {"M": "mamba", "*": "self_attn"}[kinds[b]]:
+                out[f"layers.{b}.mixer.{leaf}"] = t.squeeze(1) if leaf == "conv1d.weight" and t.dim() == 3 else t
+            elif f is None and sub in ("post_attention_layernorm", "shared_mlp"):
+                if sub == "shared_mlp" and t.count_nonzero():
+                    raise MappingError(f"{where}: '{name}' is not zero, but megassm_pattern {m.pattern!r} has no MLP "
+                                       f"after block {b}: importing would drop what it computes")
+            elif rest == "post_attention_layernorm.weight":
+                out[f"layers.{f}.norm.weight"] = t
+            elif rest == "shared_mlp.input_linear.weight":
+                out[f"layers.{f}.mixer.w1.weight"], out[f"layers.{f}.mixer.w3.weight"] = t.chunk(2, dim=0)
+            elif rest == "shared_mlp.output_linear.weight":
+                out[f"layers.{f}.mixer.w2.weight"] = t
+            else:
+                raise MappingError(f"{where}: weight '{name}' has no megassm counterpart")
+        else:
+            raise MappingError(f"{where}: weight '{name}' has no megassm counterpart")
+    return out
+
+
 def from_hf(cfg: dict, state: dict, where: str = "config.json") -> tuple[ModelConfig, dict]:
-    """(ModelConfig, canonical megassm state) of a transformers Mamba2 / Nemotron-H directory's contents."""
+    """(ModelConfig, canonical megassm state) of a transformers Mamba2 / Nemotron-H / GraniteMoeHybrid directory's
+    contents."""
     target, m = hf_model_config(cfg, where)
+    if target == "granitemoehybrid":
+        return m, _untie(m, _from_granite(m, state, where))
     root = "backbone" if target == "mamba2" else "model"
     out = {}
     inverse = {}
@@ -455,6 +694,8 @@ def config_differences(source: ModelConfig, run: ModelConfig, compared: set | No
                 out.append((key, src[key], now[key]))
         elif key == "tie_embeddings":
             continue  # decided from the weights themselves (interop/sources.py)
+        elif key == "attn.rope_theta" and not (src["attn.rope"] or now["attn.rope"]):
+            continue  # no RoPE on either side: the base computes nothing
         elif src[key] != now[key]:
             out.append((key, src[key], now[key]))
     return out
@@ -463,7 +704,7 @@ def config_differences(source: ModelConfig, run: ModelConfig, compared: set | No
 FOREIGN_KEYS = {"pattern", "d_model", "norm_eps", "mamba.d_state", "mamba.d_conv", "mamba.expand", "mamba.headdim",
                 "mamba.ngroups", "mamba.dt_limit", "mamba.conv_bias", "mamba.proj_bias", "mamba.D_has_hdim",
                 "mamba.norm_before_gate", "attn.n_heads", "attn.n_kv_heads", "attn.head_dim", "attn.rope",
-                "attn.sliding_window", "attn.bias", "mlp.ffn_hidden", "mlp.bias", "mlp.activation"}
+                "attn.rope_theta", "attn.sliding_window", "attn.bias", "mlp.ffn_hidden", "mlp.bias", "mlp.activation"}
 
 
 def equal_tensors(a: torch.Tensor, b: torch.Tensor) -> bool:

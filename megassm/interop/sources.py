@@ -5,8 +5,9 @@
     state = load_state(src, model)            # canonical megassm names, checked against the (meta) model's shapes
 
 Layouts: a megassm checkpoint directory (meta.json; canonical or sharded; it must verify) or run directory (its
-newest checkpoint that verifies: training/checkpoint.py checkpoint_to_read); a transformers Mamba2 / Nemotron-H
-directory (config.json with model_type, model.safetensors or pytorch_model.bin, optionally sharded with an index);
+newest checkpoint that verifies: training/checkpoint.py checkpoint_to_read); a transformers Mamba2 / Nemotron-H /
+GraniteMoeHybrid directory (config.json with model_type, model.safetensors or pytorch_model.bin, optionally sharded
+with an index);
 a mamba_ssm directory (config.json with d_model / n_layer, pytorch_model.bin in the state-spaces/mamba2-* naming).
 """
 from __future__ import annotations
@@ -93,12 +94,13 @@ def open_source(path: str, who: str = KEY) -> Source:
         raise InitFromError(f"{who}: {full} does not exist")
     if not os.path.isdir(full):
         raise InitFromError(f"{who}: {full} is not a directory (expected a megassm checkpoint or run directory, a "
-                            "transformers Mamba2 / Nemotron-H export or a mamba_ssm checkpoint directory)")
+                            "transformers Mamba2 / Nemotron-H / GraniteMoeHybrid export or a mamba_ssm checkpoint "
+                            "directory)")
     cfg_json = os.path.join(full, "config.json")
     if os.path.isfile(cfg_json):
         raw = _read_json(cfg_json, who)
         try:
-            if raw.get("model_type") in ("mamba2", "nemotron_h"):
+            if raw.get("model_type") in ("mamba2", "nemotron_h", "granitemoehybrid"):
                 _, m = mapping.hf_model_config(raw, cfg_json)
                 return Source(path, "hf", full, m, mapping.FOREIGN_KEYS, raw)
             if "d_model" in raw and "n_layer" in raw:
@@ -107,7 +109,7 @@ def open_source(path: str, who: str = KEY) -> Source:
         except mapping.MappingError as e:
             raise InitFromError(f"{who}: {e}") from None
         raise InitFromError(f"{who}: {cfg_json}: unrecognised layout: model_type {raw.get('model_type')!r} is not "
-                            "mamba2 or nemotron_h, and it has no d_model / n_layer (mamba_ssm)")
+                            "mamba2, nemotron_h or granitemoehybrid, and it has no d_model / n_layer (mamba_ssm)")
     ckpt_dir = checkpoint_of(full, who)
     return Source(path, "megassm", ckpt_dir, checkpoint_config(ckpt_dir, who).model, None)
 

@@ -182,7 +182,7 @@ def _padded_grad(g2: torch.Tensor, pad: int) -> torch.Tensor:
     matmuls of a padded Linear: cuBLAS runs its Hopper kernels only when the reduced width (dgrad) and the
     rows (wgrad) are multiples of ALIGN_FEATURES; a view of [M, n] rows n + pad apart is not enough (H100,
     n 2,836: 0.27 ms dgrad on an Ampere kernel vs 0.08). The gradient buffer of split_last(share_grads=True)
-    is such rows with the pad zeroed (kernels/grad_blocks.py GradBlocks): used as it is; anything else is copied in."""
+    is such rows with the pad zeroed (kernels/core/grad_blocks.py GradBlocks): used as it is; anything else is copied in."""
     m, n = g2.shape
     base = g2._base
     if (base is not None and getattr(base, PAD_ZEROED, False) and base.is_contiguous() and base.shape[-1] == n + pad

@@ -39,6 +39,9 @@ def check_supported(cfg: Config, device: torch.device | None = None) -> None:
                           f"(WORLD_SIZE={launched}): set parallel.world_size={launched}, or leave it unset to follow "
                           "the launcher")
     check_engine(cfg)  # DDP / FSDP2 / DeepSpeed layouts (parallel/engines.py)
+    if cfg.run.wandb != "off" and not _importable("wandb"):  # found, not imported: run.wandb=off never imports it
+        raise ConfigError(f"run.wandb={cfg.run.wandb} needs the wandb package: pip install wandb "
+                          "(or pip install 'megassm[wandb]'), or set run.wandb=off")
     if cfg.train.spike_action == "skip" and p.engine == "deepspeed" and data_parallel_size(cfg) > 1:
         raise ConfigError("train.spike_action=skip with parallel.engine=deepspeed: DeepSpeed's engine.step() reduces, "
                           "clips and steps in one call and its gradient norm exists only after it, so a spiking "
@@ -112,6 +115,15 @@ def _check_fp8(cfg: Config, device: torch.device) -> None:
                    "cores (8.9 or newer: Ada, Hopper, Blackwell)")
     if why is not None:
         raise ConfigError(f"train.fp8=true: {why}")
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ValueError:  # sys.modules[name] is None: importing it fails
+        return False
 
 
 def _check_group_builder(cfg: Config) -> None:

@@ -1,6 +1,6 @@
 """Exit codes of `megassm-train` and the failures a user can cause that are not config mistakes.
 
-docs/reliability.md lists what each code means and what to do after it; launch/slurm.py's batch script
+docs/reliability.md lists what each code means and what to do after it; launch/core/slurm.py's batch script
 requeues on EXIT_PREEMPTED only.
 """
 from __future__ import annotations

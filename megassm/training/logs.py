@@ -14,7 +14,7 @@
 
 torch keeps its own handler for the `torch` loggers (rank-prefixed by torch itself) and DeepSpeed its own for
 `DeepSpeed` (WARNING by default); both are left alone. torchrun's OMP_NUM_THREADS notice is avoided at its
-source: the launchers set OMP_NUM_THREADS (launch/cli.py, launch/slurm.py).
+source: the launchers set OMP_NUM_THREADS (launch/core/cli.py, launch/core/slurm.py).
 """
 from __future__ import annotations
 

@@ -264,9 +264,23 @@ def _fake_tp_group(tp: int):
         dist.destroy_process_group()
 
 
+_RANK_MODELS: dict = {}  # (model config, vocab, tp, sp, pp, virtual) -> the meta models; callers only read them
+
+
 def rank_models(cfg: Config, vocab: int) -> list:
     """One meta-device model per pipeline rank, split into that rank's stages and TP-sharded as rank 0 of
-    its TP group (every TP rank holds the same sizes)."""
+    its TP group (every TP rank holds the same sizes). Cached (the layout planner asks for the same cuts many times):
+    the models are shared, read only."""
+    p = cfg.parallel
+    key = (repr(cfg.model), vocab, p.tp, p.sp, p.pp, p.pp_virtual)
+    if key not in _RANK_MODELS:
+        if len(_RANK_MODELS) > 64:
+            _RANK_MODELS.clear()
+        _RANK_MODELS[key] = _rank_models(cfg, vocab)
+    return _RANK_MODELS[key]
+
+
+def _rank_models(cfg: Config, vocab: int) -> list:
     from megassm.models import build_model
     from megassm.parallel import pp as ppl
     from megassm.parallel.tp import apply_tensor_parallel

@@ -1,4 +1,5 @@
-"""Metrics: TensorBoard scalars + a JSON-lines file, a progress bar, step timing, peak memory.
+"""Metrics: TensorBoard scalars + a JSON-lines file (+ Weights & Biases with run.wandb), a progress bar, step
+timing, peak memory.
 
     metrics = MetricsLogger(run_dir, tensorboard=True, rank=rank, resume_step=start_step)
     metrics.log(step, {"loss/train": 2.31, "optim/lr": 3e-4, "throughput/tokens_per_s": 1.2e5})
@@ -70,7 +71,8 @@ def _line_ranges(numbers: list[int], most: int = 20) -> str:
 
 
 class MetricsLogger:
-    """Scalars to TensorBoard (run_dir/tensorboard) and run_dir/metrics.jsonl. Only rank 0 writes.
+    """Scalars to TensorBoard (run_dir/tensorboard), run_dir/metrics.jsonl and, with `wandb` (wandb_sink.py
+    wandb_settings: run.wandb=online|offline), a Weights & Biases run. Only rank 0 writes.
 
     The JSON file is opened in append mode, so a resumed run continues it. Pass `resume_step` (the step
     the run resumes from) to drop what a previous attempt logged after that step: jsonl lines with a
@@ -80,11 +82,12 @@ class MetricsLogger:
     """
 
     def __init__(self, run_dir: str | os.PathLike, *, tensorboard: bool = True, rank: int = 0,
-                 resume_step: int | None = None):
+                 resume_step: int | None = None, wandb: dict | None = None):
         self.run_dir = os.fspath(run_dir)
         self.enabled = rank == 0
         self.writer = None
         self._file = None
+        self.wandb = None
         if not self.enabled:
             return
         os.makedirs(self.run_dir, exist_ok=True)
@@ -99,6 +102,10 @@ class MetricsLogger:
 
             purge = None if resume_step is None else resume_step + 1
             self.writer = SummaryWriter(log_dir=os.path.join(self.run_dir, "tensorboard"), purge_step=purge)
+        if wandb is not None:  # the module imports wandb: only reached with run.wandb on
+            from megassm.training.wandb_sink import WandbSink
+
+            self.wandb = WandbSink(self.run_dir, **wandb, resuming=resume_step is not None)
 
     def _truncate_after(self, step: int) -> None:
         """Drop the lines logged after `step` (this attempt logs those steps again) and set aside every line that
@@ -145,13 +152,16 @@ class MetricsLogger:
         if not self.enabled or not scalars:
             return
         rec: dict[str, Any] = {"step": int(step)}
+        values: dict[str, float] = {}
         for tag, value in scalars.items():
             if value is None:
                 continue
-            v = _to_float(value)
+            v = values[tag] = _to_float(value)
             if self.writer is not None:
                 self.writer.add_scalar(tag, v, int(step))
             rec[short_name(tag)] = v if math.isfinite(v) else None
+        if self.wandb is not None and values:
+            self.wandb.log(int(step), values)
         rec["time"] = round(time.time(), 3)
         self._file.write(json.dumps(rec, allow_nan=False) + "\n")
         self._file.flush()
@@ -166,6 +176,9 @@ class MetricsLogger:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        if self.wandb is not None:
+            self.wandb.close()
+            self.wandb = None
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -141,7 +141,7 @@ def agreed_stop(device: torch.device) -> bool:
 
 
 def write_pid_file(run_dir: str) -> str:
-    """RUN_DIR/pids/<host>-<rank>.pid: how the SLURM batch script (launch/slurm.py) finds the training
+    """RUN_DIR/pids/<host>-<rank>.pid: how the SLURM batch script (launch/core/slurm.py) finds the training
     processes on each node to forward its SIGUSR1 to them, and to them only (the launcher between would die
     of the signal). Rank 0 clears the folder (clear_pid_files) once it holds the run directory's lock, before
     any rank writes its file."""

@@ -21,6 +21,7 @@ RUN_ONLY_KEYS = frozenset({
     "parallel.timeout_s", "run.profile_step", "run.profile_trace", "parallel.fsdp_prefetch",
     "train.eval_tokens", "train.eval_batches",  # what is measured, not what is trained
     "train.straggler_interval", "train.straggler_fraction",
+    "run.wandb", "run.wandb_project", "run.wandb_name", "run.wandb_entity",  # where metrics are shown
 })
 
 

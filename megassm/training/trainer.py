@@ -29,6 +29,7 @@ from megassm.training.failures import RunIOError, describe_os_error, one_line
 from megassm.training.guards import SpikeGuard, SpikeStopError, StragglerReport
 from megassm.training.flops import flops_per_sequence, mfu, peak_flops_for
 from megassm.training.metrics import MetricsLogger, ProgressBar, memory_scalars
+from megassm.training.wandb_sink import wandb_settings
 from megassm.training.optim import LRScheduler, build_optimizer
 from megassm.training.checks import autocast_dtype, check_supported, pick_device
 from megassm.training.run_config import (config_differences, config_hash, legacy_hash_matches,
@@ -215,7 +216,8 @@ class Trainer:
         # found no checkpoint to load starts at step 0, so every line an earlier attempt logged is superseded
         resuming = resume_path is not None or str(cfg.run.resume).strip().lower() not in ("", "none")
         self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.run.tensorboard, rank=self.groups.rank,
-                                     resume_step=self.step if resuming else None)
+                                     resume_step=self.step if resuming else None,
+                                     wandb=wandb_settings(cfg))  # rank 0 only: MetricsLogger
         log.info(
             "model: %s blocks '%s', %.2fM parameters, vocab %d (padded %d); device %s, %s; "
             "global batch %d = micro %d x accumulation %d x dp %d; %.3g train FLOPs/token",
@@ -662,7 +664,8 @@ class Trainer:
         self.straggler.restart()
         self.metrics.close()
         self.metrics = MetricsLogger(self.run_dir, tensorboard=self.cfg.run.tensorboard, rank=self.groups.rank,
-                                     resume_step=self.step)
+                                     resume_step=self.step,
+                                     wandb=wandb_settings(self.cfg))
         self._last_sync = None
 
     def fit(self) -> list[float]:

@@ -1,4 +1,4 @@
-"""The kernels' dispatch and autograd plumbing, shared by every op of kernels/ops.py: the backend chosen per call
+"""The kernels' dispatch and autograd plumbing, shared by every op of kernels/core/ops.py: the backend chosen per call
 from `MEGASSM_KERNELS`, the lazy import of kernels/triton, the saving / restoring of an op's inputs for its
 backward, the reference backward by recomputation, and the eager caller that skips the custom-op dispatcher.
 

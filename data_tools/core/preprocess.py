@@ -90,19 +90,22 @@ def existing_outputs(prefix: str) -> list[str]:
     return sorted(os.path.join(folder, n) for n in os.listdir(folder) if pattern.match(n))
 
 
-def _start_method() -> str:
+def _start_method(fork_ok: bool = True) -> str:
     """fork when it is safe (one thread, no CUDA: the command line), else spawn (the caller may be a
     trainer with prefetch threads or CUDA state). fork starts a worker in milliseconds instead of a
-    fresh interpreter importing numpy and the tokenizer."""
+    fresh interpreter importing numpy and the tokenizer. fork_ok=False (a Hugging Face datasets input): spawn,
+    since datasets' Arrow thread pools are native threads active_count() does not see, and its fsspec I/O
+    thread may start after this check; a fork can copy a lock one of them holds."""
     torch = sys.modules.get("torch")
     cuda = torch is not None and getattr(torch, "cuda", None) is not None and torch.cuda.is_initialized()
-    if threading.active_count() == 1 and not cuda and "fork" in mp.get_all_start_methods():
+    if fork_ok and threading.active_count() == 1 and not cuda and "fork" in mp.get_all_start_methods():
         return "fork"
     return "spawn"
 
 
 def _ordered_map(workers: int, opts: EncodeOptions, tok, tasks: Iterable, direct: dict | None = None,
-                 pieces_dir: str | None = None, piece_bytes: int = 0) -> Iterator[tuple[int, int, tuple]]:
+                 pieces_dir: str | None = None, piece_bytes: int = 0,
+                 fork_ok: bool = True) -> Iterator[tuple[int, int, tuple]]:
     """(tasks, input bytes, result) in task order, with at most a few results in flight per worker. In one
     process, one task per result: encode_task(task) = (tokens, lengths, counters), or with `direct`
     (bin_file, offset, hasher) encode_direct(task) = (lengths, counters, offset, nbytes), the tokens already
@@ -125,7 +128,7 @@ def _ordered_map(workers: int, opts: EncodeOptions, tok, tasks: Iterable, direct
             close_direct()
         return
 
-    pool = mp.get_context(_start_method()).Pool(workers, initializer=init_worker, initargs=(opts,))
+    pool = mp.get_context(_start_method(fork_ok)).Pool(workers, initializer=init_worker, initargs=(opts,))
     try:
         pending: collections.deque = collections.deque()
         # Pieces keep Parquet row groups whole (each worker decodes a whole row group for any slice of it) for
@@ -203,7 +206,8 @@ def _hash_prefix(h, path: str, nbytes: int) -> None:
 
 def _fingerprint(files: list[InputFile], tok, opts: EncodeOptions, shard_size, text_per_line) -> dict:
     return {
-        "inputs": [[f.path, f.size, os.stat(f.path).st_mtime_ns, f.format] for f in files],
+        "inputs": [[f.path, f.size, os.stat(f.path).st_mtime_ns, f.format] if f.source is None else f.source.record
+                   for f in files],
         "tokenizer_sha256": tok.sha256,
         "task_cutting": TASK_SCHEME,
         "options": {"text_key": opts.text_key, "append_eos": opts.append_eos, "skip_bad": opts.skip_bad,
@@ -211,7 +215,12 @@ def _fingerprint(files: list[InputFile], tok, opts: EncodeOptions, shard_size, t
     }
 
 
-def _progress_bar(total: int, initial: int, enabled: bool):
+def _known(files: list[InputFile], total: int) -> int | None:
+    """The progress bar's total: None (a counter) when a streamed dataset's size is unknown."""
+    return None if any(f.source is not None and f.source.record["streaming"] for f in files) else total
+
+
+def _progress_bar(total: int | None, initial: int, enabled: bool):
     from tqdm import tqdm
 
     class _Bar(tqdm):
@@ -231,6 +240,9 @@ def preprocess(
     text_key: str = "text",
     text_per_line: bool = False,
     input_format: str = "auto",
+    split: str | None = None,
+    dataset_config: str | None = None,
+    streaming: bool = False,
     append_eos: bool = True,
     skip_bad: bool = False,
     shard_size: int | str | None = None,
@@ -243,7 +255,8 @@ def preprocess(
 ) -> dict:
     """Tokenize `inputs` into `output_prefix`.bin/.idx (or numbered shards); returns the manifest.
     shard_size: numbered shards of about that many tokens (one writer). shard_input_size: numbered shards of
-    about that many input bytes, each written and hashed by one worker (group_shards.py)."""
+    about that many input bytes, each written and hashed by one worker (group_shards.py). split / dataset_config /
+    streaming: for Hugging Face datasets inputs (sources.py open_dataset)."""
     t0 = time.perf_counter()
     shard_size = parse_size(shard_size)
     shard_input_size = parse_size(shard_input_size)
@@ -258,7 +271,7 @@ def preprocess(
         raise TokenizerError(f"{tokenizer}: the tokenizer has no end-of-document token; pass --no-eos")
     dtype = dtype_for_vocab(tok.vocab_size)
     opts = EncodeOptions(tokenizer, text_key, append_eos, skip_bad, dtype.name)
-    files = expand_inputs(list(inputs), input_format)
+    files = expand_inputs(list(inputs), input_format, text_key, split, dataset_config, streaming)
     fingerprint = _fingerprint(files, tok, opts, shard_size, text_per_line)
 
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
@@ -303,7 +316,7 @@ def preprocess(
         writer.checkpoint(tasks_done, {"fingerprint": fingerprint, "stats": stats, "input_bytes_done": done_bytes})
 
     total_bytes = sum(f.size for f in files)
-    bar = _progress_bar(total_bytes, done_bytes, progress and not quiet)
+    bar = _progress_bar(_known(files, total_bytes), done_bytes, progress and not quiet)
     all_tasks = iter_tasks(files, text_key, text_per_line)
     for _ in range(tasks_done):  # deterministic task cutting: skip what the interrupted run wrote
         next(all_tasks)
@@ -326,11 +339,13 @@ def preprocess(
         _remove_pieces(work)
         # pieces of PIECE_BYTES, but at least 4 per worker: a small input (or compressed Parquet, whose tasks
         # count compressed bytes) must still spread over the workers
-        piece_bytes = min(PIECE_BYTES, max(1, (total_bytes - done_bytes) // (4 * max(workers, 1))))
-        results = _ordered_map(workers, opts, tok, all_tasks, direct, pieces_dir=work, piece_bytes=piece_bytes)
+        piece_bytes = (min(PIECE_BYTES, max(1, (total_bytes - done_bytes) // (4 * max(workers, 1))))
+                       if _known(files, total_bytes) is not None else PIECE_BYTES)
+        results = _ordered_map(workers, opts, tok, all_tasks, direct, pieces_dir=work, piece_bytes=piece_bytes,
+                               fork_ok=_fork_ok(files))
         # background input hashing starts after the pool (a fork start needs a single-threaded process)
         first = next(results, None)
-        input_hashes = _InputHashes([f.path for f in files], background=workers > 1)
+        input_hashes = _InputHashes(_hashed(files), background=workers > 1)
         for ntasks, nbytes, res in (_chain(first, results) if first is not None else ()):
             if direct is not None:
                 lengths, st, off, nb = res
@@ -423,16 +438,16 @@ def _preprocess_groups(files, output_prefix, work, tok, opts, fingerprint, group
             shutil.rmtree(work)
     os.makedirs(work, exist_ok=True)
     total_bytes = sum(f.size for f in files)
-    bar = _progress_bar(total_bytes, sum(r["input_bytes"] for r in done.values()), progress and not quiet)
+    bar = _progress_bar(_known(files, total_bytes), sum(r["input_bytes"] for r in done.values()), progress and not quiet)
     groups = ((g, tasks) for g, tasks in enumerate(gs.group_tasks(iter_tasks(files, opts.text_key, fingerprint[
         "options"]["text_per_line"]), group_bytes)) if g not in done)
     input_hashes = None
     succeeded = False
     try:
         gs.write_progress(work, fingerprint, done)
-        results = gs.run_groups(groups, work, opts, tok, workers, _start_method())
+        results = gs.run_groups(groups, work, opts, tok, workers, _start_method(_fork_ok(files)))
         first = next(results, None)  # the pool forks before the hashing and recording threads start
-        input_hashes = _InputHashes([f.path for f in files], background=workers > 1)
+        input_hashes = _InputHashes(_hashed(files), background=workers > 1)
         recorder = gs.ProgressRecorder(work, fingerprint, done)
         try:
             for n, r in enumerate(_chain(first, results) if first is not None else (), 1):
@@ -456,7 +471,7 @@ def _preprocess_groups(files, output_prefix, work, tok, opts, fingerprint, group
             exc = sys.exc_info()[1]
             if not isinstance(exc, KeyboardInterrupt) and os.path.isdir(work):
                 shutil.rmtree(work)  # bad input or a bug: nothing worth resuming, leave nothing behind
-    in_sha = input_hashes.get() if input_hashes is not None else _InputHashes([f.path for f in files], False).get()
+    in_sha = input_hashes.get() if input_hashes is not None else _InputHashes(_hashed(files), False).get()
     stats = dict.fromkeys(STAT_KEYS, 0)
     for r in done.values():
         for k in STAT_KEYS:
@@ -495,8 +510,18 @@ def _manifest(tok, dtype, opts, stats, shards, numbered, shard_size, text_per_li
         "shard_size": shard_size,
         "stats": {k: stats[k] for k in STAT_KEYS if k not in ("documents", "tokens")},
         "options": {"text_key": opts.text_key, "text_per_line": text_per_line, "skip_bad": opts.skip_bad},
-        "inputs": [{"path": f.path, "format": f.format, "bytes": f.size, "sha256": in_sha[f.path]} for f in files],
+        "inputs": [{"path": f.path, "format": f.format, "bytes": f.size, "sha256": in_sha[f.path]} if f.source is None
+                   else {**f.source.record, "bytes": f.size} for f in files],
     }
+
+
+def _fork_ok(files: list[InputFile]) -> bool:
+    return all(f.source is None for f in files)  # _start_method: no fork once a dataset is open
+
+
+def _hashed(files: list[InputFile]) -> list[str]:
+    """The input files whose sha256 the manifest records (a dataset input records datasets' fingerprint)."""
+    return [f.path for f in files if f.source is None]
 
 
 def _summary(m: dict, prefix: str, nbytes: int, seconds: float) -> None:
@@ -517,7 +542,7 @@ def _summary(m: dict, prefix: str, nbytes: int, seconds: float) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="megassm-preprocess",
-        description="Tokenize JSONL (.gz/.zst), Parquet, Arrow IPC or plain-text corpora into "
+        description="Tokenize JSONL (.gz/.zst), Parquet, Arrow IPC, plain-text corpora or Hugging Face datasets into "
         "Megatron-compatible .bin/.idx shards with a manifest.",
     )
     p.add_argument("--input", nargs="+", required=True, metavar="PATH", help="files, folders or globs")
@@ -526,8 +551,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=1, metavar="N", help="tokenizer worker processes (default 1)")
     p.add_argument("--text-key", default="text", help="JSON key / Parquet or Arrow column holding the text (default text)")
     p.add_argument("--text-per-line", action="store_true", help="plain-text inputs: one document per line, not per file")
-    p.add_argument("--format", default="auto", choices=["auto", "jsonl", "parquet", "arrow", "text"],
-                   help="input format for every input (default: by file name)")
+    p.add_argument("--format", default="auto", choices=["auto", "jsonl", "parquet", "arrow", "text", "datasets"],
+                   help="input format for every input (default: by file name; a save_to_disk folder is a Hugging Face "
+                        "dataset); datasets: each --input is a name or path for datasets.load_dataset")
+    p.add_argument("--split", default=None, help="Hugging Face datasets inputs: the split (default: train, or the "
+                                                 "only one)")
+    p.add_argument("--dataset-config", default=None, metavar="NAME",
+                   help="Hugging Face datasets inputs: load_dataset's configuration name (e.g. wikitext-103-raw-v1)")
+    p.add_argument("--streaming", action="store_true",
+                   help="Hugging Face datasets inputs (--format datasets): read with load_dataset(streaming=True), "
+                        "record by record, without downloading the whole dataset first")
     p.add_argument("--no-eos", dest="append_eos", action="store_false", help="do not append EOS to each document")
     p.add_argument("--skip-bad", action="store_true", help="skip and count malformed JSON lines instead of failing")
     p.add_argument("--shard-size", default=None, metavar="TOKENS",
@@ -550,7 +583,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         manifest = preprocess(
             args.input, args.output_prefix, tokenizer=args.tokenizer, workers=args.workers, text_key=args.text_key,
-            text_per_line=args.text_per_line, input_format=args.format, append_eos=args.append_eos,
+            text_per_line=args.text_per_line, input_format=args.format, split=args.split,
+            dataset_config=args.dataset_config, streaming=args.streaming, append_eos=args.append_eos,
             skip_bad=args.skip_bad, shard_size=args.shard_size, shard_input_size=args.shard_input_size,
             resume=args.resume, overwrite=args.overwrite,
             progress=not args.quiet, quiet=args.quiet,

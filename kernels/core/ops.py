@@ -2,13 +2,13 @@
 
 Every public op is one `torch.library.custom_op` with a fake (meta) implementation, so torch.compile and
 activation checkpointing see a single opaque op, and an autograd registration. Inside the op the backend is
-chosen per call from `MEGASSM_KERNELS` (kernels/dispatch.py: auto, triton, torch). Reference backward: the
+chosen per call from `MEGASSM_KERNELS` (kernels/core/dispatch.py: auto, triton, torch). Reference backward: the
 reference forward recomputed and differentiated (dispatch._reference_backward). Triton backward: the Triton
 backward kernels of the op (kernels/triton), which recompute what they need from the saved inputs (no
 activations beyond the op's inputs are kept).
 
 The decode-step ops have a Triton forward only; their backward (rarely needed) is the reference one.
-The public functions in kernels/__init__.py call these ops for every Triton call and under torch.compile; in
+The public functions in kernels/core/__init__.py call these ops for every Triton call and under torch.compile; in
 eager mode a call that resolves to the reference skips the op and runs the reference directly (no recompute),
 and a Triton call goes through the op's `*_call` (dispatch._eager_caller: a plain autograd.Function).
 """
@@ -22,7 +22,7 @@ from torch import Tensor
 from . import env, reference
 from .dispatch import (_cdt, _eager_caller, _empty_f32, _fresh, _fresh_all, _pick, _reference_backward, _restore,
                        _save, triton_kernels, use_triton)
-from .dispatch import _announce, mode, triton_available, triton_error  # noqa: F401  (kernels/__init__.py, tests)
+from .dispatch import _announce, mode, triton_available, triton_error  # noqa: F401  (kernels/core/__init__.py, tests)
 from .grad_blocks import grad_block, packed_rows, xbc_grad_buffer
 
 

@@ -6,9 +6,13 @@ never by timing or worker count, which is what makes the output identical for an
 
 Formats (by file name, after stripping .gz / .zst / .zstd):
     .jsonl .ndjson .json  JSON Lines, one object per line, text under --text-key
-    .parquet              Parquet, column --text-key, read a record batch at a time
-    .arrow .ipc .feather  Arrow IPC (file or stream format), column --text-key, a batch at a time
+    .parquet              Parquet, column --text-key, read a record batch at a time (needs pyarrow: [parquet])
+    .arrow .ipc .feather  Arrow IPC (file or stream format), column --text-key, a batch at a time (pyarrow too)
     anything else         plain text: one document per file, or per line with --text-per-line
+and Hugging Face datasets (needs the datasets package: [datasets]): a folder written by save_to_disk (found by
+its state.json / dataset_dict.json, read with load_from_disk), or with --format datasets any name or path
+load_dataset takes (a Hub dataset, a local folder of data files), --split picking the split, --streaming
+reading it without the full download.
 """
 from __future__ import annotations
 
@@ -36,9 +40,19 @@ class DataInputError(ValueError):
 @dataclass
 class InputFile:
     path: str
-    format: str  # jsonl | parquet | arrow | text
+    format: str  # jsonl | parquet | arrow | text | datasets
     compression: str | None
-    size: int
+    size: int  # bytes; datasets: the text column's Arrow bytes (0 when streamed: unknown)
+    source: "DatasetSource | None" = None  # format datasets: the opened dataset
+
+
+@dataclass
+class DatasetSource:
+    """A Hugging Face dataset input, opened once in the main process (datasets memory-maps local Arrow files;
+    a streamed one is read as it is iterated). `record` is what the manifest and the resume fingerprint keep."""
+
+    dataset: object  # datasets.Dataset | datasets.IterableDataset, one split, the text column checked
+    record: dict
 
 
 @dataclass
@@ -132,13 +146,45 @@ def _walk(folder: str) -> list[str]:
     return out
 
 
-def expand_inputs(inputs: list[str], forced_format: str = "auto") -> list[InputFile]:
+def is_saved_dataset(folder: str) -> bool:
+    """A folder written by datasets' save_to_disk (a Dataset: state.json + dataset_info.json; a DatasetDict:
+    dataset_dict.json)."""
+    return os.path.isfile(os.path.join(folder, "dataset_dict.json")) or (
+        os.path.isfile(os.path.join(folder, "state.json")) and os.path.isfile(os.path.join(folder, "dataset_info.json")))
+
+
+def _needs_pyarrow(files: list[InputFile]) -> None:
+    for f in files:
+        if f.format in ("parquet", "arrow"):
+            try:
+                import pyarrow  # noqa: F401
+            except ImportError:
+                raise DataInputError(f"{f.path}: {f.format} input needs pyarrow: pip install 'megassm[parquet]' "
+                                     "(or pip install pyarrow)") from None
+            return
+
+
+def expand_inputs(inputs: list[str], forced_format: str = "auto", text_key: str = "text",
+                  split: str | None = None, dataset_config: str | None = None,
+                  streaming: bool = False) -> list[InputFile]:
     """Paths, folders (walked recursively, hidden entries and __pycache__ skipped) and globs -> files, in a fixed order:
-    the order given, and sorted paths inside each folder or glob."""
+    the order given, and sorted paths inside each folder or glob. A folder written by datasets' save_to_disk, and
+    with forced_format "datasets" every input, is one Hugging Face dataset input (opened here: a missing package,
+    split or column is refused before any work)."""
     if not inputs:
         raise DataInputError("no inputs given (--input PATH [PATH ...])")
+    if forced_format != "datasets" and (split is not None or dataset_config is not None or streaming):
+        if not any(os.path.isdir(spec) and is_saved_dataset(spec) for spec in inputs):
+            raise DataInputError("--split, --dataset-config and --streaming are for Hugging Face datasets inputs "
+                                 "(--format datasets, or a folder written by save_to_disk)")
+    out: list[InputFile] = []
     files: list[str] = []
     for spec in inputs:
+        if forced_format == "datasets" or (os.path.isdir(spec) and is_saved_dataset(spec)):
+            out.extend(detect(f, forced_format) for f in _unique(files))
+            files = []
+            out.append(open_dataset(spec, text_key, split, dataset_config, streaming))
+            continue
         if any(c in spec for c in "*?["):
             matched = sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
             if not matched:
@@ -153,13 +199,74 @@ def expand_inputs(inputs: list[str], forced_format: str = "auto") -> list[InputF
             files.append(spec)
         else:
             raise DataInputError(f"{spec}: no such file or folder")
+    out.extend(detect(f, forced_format) for f in _unique(files))
+    seen: set = set()
+    kept = []
+    for f in out:  # a file (or dataset) named twice, by a folder and a glob say, is read once
+        key = os.path.abspath(f.path) if f.source is None else ("datasets", f.path)
+        if key not in seen:
+            seen.add(key)
+            kept.append(f)
+    _needs_pyarrow(kept)
+    return kept
+
+
+def _unique(files: list[str]) -> list[str]:
     seen, unique = set(), []
     for f in files:
         key = os.path.abspath(f)
         if key not in seen:
             seen.add(key)
             unique.append(f)
-    return [detect(f, forced_format) for f in unique]
+    return unique
+
+
+def open_dataset(spec: str, text_key: str, split: str | None, config: str | None, streaming: bool) -> InputFile:
+    """A Hugging Face dataset as an input: load_from_disk for a save_to_disk folder, else load_dataset(spec,
+    config, streaming=...) (a Hub name, or a local folder of data files). One split: --split, else 'train' where
+    there are several, and the text column must be a string column."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataInputError(f"{spec}: Hugging Face datasets input needs the datasets package: "
+                             "pip install 'megassm[datasets]' (or pip install datasets)") from None
+    saved = os.path.isdir(spec) and is_saved_dataset(spec)
+    if saved and (config is not None or streaming):
+        raise DataInputError(f"{spec}: a save_to_disk folder is memory-mapped, not downloaded: --dataset-config and "
+                             "--streaming do not apply")
+    try:
+        ds = datasets.load_from_disk(spec) if saved else datasets.load_dataset(spec, config, streaming=streaming)
+    except (FileNotFoundError, ValueError, ConnectionError) as e:  # a missing dataset, config, file; no network
+        raise DataInputError(f"{spec}: cannot open as a Hugging Face dataset: {e}") from None
+    if isinstance(ds, (datasets.DatasetDict, datasets.IterableDatasetDict)):
+        names = list(ds)
+        chosen = split if split is not None else ("train" if "train" in names else names[0] if len(names) == 1 else None)
+        if chosen not in names:
+            what = f"no split '{split}'" if split is not None else "several splits and none is 'train'"
+            raise DataInputError(f"{spec}: {what} (splits: {', '.join(names) or 'none'}); choose one with --split")
+        ds = ds[chosen]
+    elif split is not None:
+        raise DataInputError(f"{spec}: a single dataset without splits; drop --split {split}")
+    else:
+        chosen = None
+    fingerprint = getattr(ds, "_fingerprint", None)  # datasets' hash of the table and how it was made (not streamed)
+    features = ds.features  # None for a streamed dataset whose files do not say: checked batch by batch then
+    if features is not None:
+        if text_key not in features:
+            raise DataInputError(f"{spec}: no column '{text_key}' (columns: {', '.join(features) or 'none'}); "
+                                 "choose one with --text-key")
+        kind = getattr(features[text_key], "dtype", None)
+        if kind not in ("string", "large_string"):
+            raise DataInputError(f"{spec}: column '{text_key}' is {features[text_key]}, expected a string column")
+        ds = ds.select_columns([text_key])  # the other columns are never decoded
+    streamed = isinstance(ds, datasets.IterableDataset)
+    size = 0 if streamed else int(ds.data.column(text_key).nbytes)
+    record = {"path": spec, "format": "datasets", "loader": "load_from_disk" if saved else "load_dataset",
+              "config": config, "split": chosen, "streaming": streamed,
+              # what identifies the content: datasets' fingerprint of the table (not of a streamed dataset)
+              "fingerprint": None if streamed else fingerprint, "rows": None if streamed else ds.num_rows,
+              "datasets_version": datasets.__version__}
+    return InputFile(spec, "datasets", None, size, DatasetSource(ds, record))
 
 
 # --- opening --------------------------------------------------------------------------------------
@@ -372,6 +479,39 @@ def _arrow_tasks(inp: InputFile, key: str) -> Iterator[Task]:
         yield Task("strings", inp.path, 0, [], inp.size)
 
 
+def _dataset_tasks(inp: InputFile, key: str) -> Iterator[Task]:
+    """A dataset's text column in batches of RECORD_BATCH_ROWS rows (datasets' own iteration: the table's order,
+    or the stream's), cut into tasks of about TASK_BYTES; a batch accounts for its Arrow bytes (progress, and
+    --shard-input-size groups)."""
+    row = 0
+    for batch in inp.source.dataset.iter(batch_size=RECORD_BATCH_ROWS):
+        if key not in batch:  # a streamed dataset without a schema: its first batch says what it holds
+            raise DataInputError(f"{inp.path}: no column '{key}' (columns: {', '.join(batch) or 'none'}); "
+                                 "choose one with --text-key")
+        values = batch[key]
+        bad = next((v for v in values if v is not None and not isinstance(v, str)), None)
+        if bad is not None:
+            raise DataInputError(f"{inp.path}: row {row + values.index(bad)}: column '{key}' holds a "
+                                 f"{type(bad).__name__}, expected a string")
+        nbytes = sum(len(v) for v in values if v) if inp.size == 0 else None
+        start, size = 0, 0
+        for j, v in enumerate(values):
+            size += len(v) if v else 0
+            if size >= TASK_BYTES or j + 1 - start >= TASK_DOCS:
+                yield Task("strings", inp.path, row + start, values[start : j + 1], 0)
+                start, size = j + 1, 0
+        # the batch's share of the input goes with its last task (progress, --shard-input-size)
+        share = nbytes if nbytes is not None else _arrow_share(inp, row, len(values))
+        yield Task("strings", inp.path, row + start, values[start:], share)
+        row += len(values)
+
+
+def _arrow_share(inp: InputFile, row: int, n: int) -> int:
+    """Rows [row, row + n)'s part of the input's bytes, in exact integers (deterministic task cutting)."""
+    rows = max(inp.source.record["rows"], 1)
+    return inp.size * (row + n) // rows - inp.size * row // rows
+
+
 def iter_tasks(files: list[InputFile], text_key: str = "text", text_per_line: bool = False) -> Iterator[Task]:
     """Every input's tasks, in input order. Consecutive plain-text files share tasks."""
     pending_text: list[InputFile] = []
@@ -389,6 +529,8 @@ def iter_tasks(files: list[InputFile], text_key: str = "text", text_per_line: bo
             yield from _parquet_range_tasks(inp, text_key)
         elif inp.format == "arrow":
             yield from _arrow_tasks(inp, text_key)
+        elif inp.format == "datasets":
+            yield from _dataset_tasks(inp, text_key)
         else:
             raise DataInputError(f"{inp.path}: unknown format '{inp.format}'")
     if pending_text:

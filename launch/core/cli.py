@@ -7,7 +7,7 @@
 `local` runs `torchrun --standalone` on this machine with the same command line a cluster job runs
 (`python -m megassm.train --config FILE overrides`). `slurm` checks the config at the job's world size
 (before anything is queued), writes RUN_DIR/launch/{job.sbatch, config.yaml, version.json} and prints the
-script's path; `--submit` hands it to sbatch (launch/slurm.py has the script's design, docs/launch.md the recipes).
+script's path; `--submit` hands it to sbatch (launch/core/slurm.py has the script's design, docs/launch.md the recipes).
 
 Both run the job's dry run first (`megassm-train --dry-run --gpu CARD` at the job's world size, in a subprocess:
 launch/ imports no torch or trainer code) when the job runs on GPUs, and stop before writing or starting anything
@@ -143,7 +143,7 @@ def runs_on_gpus(device: str, local: bool) -> tuple[bool, str]:
 
 def _code_version() -> dict:
     """The megassm checkout a job runs: git commit and whether the tree had uncommitted changes."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # launch/core/cli.py
 
     def git(*a):
         r = subprocess.run(["git", "-C", here, *a], capture_output=True, text=True)
