@@ -97,6 +97,7 @@ setup(
             "megassm-checkpoint=megassm.checkpoint_cli:cli",
             "megassm-export=megassm.export_cli:cli",
             "megassm-generate=megassm.generate_cli:cli",
+            "megassm-plan=megassm.planner.cli:cli",
         ]
     },
 )

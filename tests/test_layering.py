@@ -28,6 +28,7 @@ GROUP_OF = {  # longest prefix wins
     "megassm.models": "models", "megassm.parallel": "parallel", "megassm.training": "training",
     "megassm.data_tools": "data_tools", "megassm.launch": "launch",
     "megassm.interop": "training", "megassm.export_cli": "entry", "megassm.generate_cli": "entry",
+    "megassm.planner": "entry",
 }
 # The one import allowed against the flow, each with its reason (docs/architecture.md, "Layers"):
 EXCEPTIONS = {
