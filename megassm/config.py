@@ -180,6 +180,7 @@ class TrainConfig:
     activation_checkpointing_blocks: int = 0  # > 0: recompute only the first N blocks (of each pipeline stage); 0: all
     activation_checkpointing_keep: str = "pair"  # pair: a block keeps (hidden, fp32 residual); sum: their fp32 sum
     cuda_graph: bool = False  # capture each micro-batch's forward + backward in a CUDA graph (training/cuda_graph.py)
+    compile: bool = False  # torch.compile over each block's forward: the glue between the kernels (training/compile.py)
     cast_weights_once: bool = False  # bf16: Linears compute with bf16 weight copies cast once per step (training/weight_cache.py)
     fp8: bool = False  # the blocks' Linears compute in FP8, per-tensor dynamic scales (training/fp8.py, kernels/core/fp8.py)
     loss_chunk_tokens: int = 0  # > 0: LM head + loss in checkpointed chunks of about this many tokens (models/lm.py)

@@ -139,6 +139,14 @@ def test_validation_against_every_measured_row(h100):
     assert all(g["ok"] for g in s["ranking"].values()), s["ranking"]  # the measured best layout ranked first
 
 
+def test_rerun_calibration_validates_in_its_band():
+    """The second H100 calibration (docs/planner.md "Repeatability"): its figures as measured, 13.5% median error."""
+    cal = Calibration.load(os.path.join(ROOT, "configs", "planner", "h100-80gb-rerun.json"))
+    s = summary(validate(cal))
+    assert s["median_abs_error"] <= 0.15 and s["max_abs_error"] <= ROW_MAX and s["within_25pct"] >= 26, s
+    assert all(g["ok"] for g in s["ranking"].values()), s["ranking"]
+
+
 def test_plan_ranks_layouts_and_writes_the_best_as_a_config(tmp_path):
     out = tmp_path / "recipe.yaml"
     r = subprocess.run([sys.executable, "-m", "megassm.planner.cli", "--config", "configs/hybrid-1.3b.yaml",

@@ -20,6 +20,7 @@ from typing import Callable, Optional
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from . import env
 
@@ -182,6 +183,93 @@ def triton_error():
 
 # --------------------------------------------------------------------------------------------------------
 # eager fast path
+
+
+# --------------------------------------------------------------------------------------------------------
+# The backward under torch.compile. AOTAutograd traces an op's registered backward formula with fake tensors
+# into the joint graph, and a Triton launch cannot take a fake tensor: so where the backward would launch Triton,
+# the formula calls a second custom op, megassm::backward, whose real implementation runs the same backward
+# function on the real tensors when the compiled graph runs. Its inputs: the tensors the forward saved, the
+# output gradients, which inputs need a gradient, and a key to the backward function and the saved constants
+# (ints, floats, dtypes: fixed for a compiled graph, so they live in a table rather than in the op's schema).
+# Its outputs: the gradients of the inputs that need one, each a tensor of its own (a custom op's outputs may not
+# share memory, so the backward writes no shared gradient buffers there: grad_blocks.SEPARATE).
+
+_BACKWARDS: dict = {}  # key -> (backward function, saved spec, number of saved inputs, the op's name)
+_BACKWARD_KEYS: dict = {}
+
+
+def _backward_key(name: str, backward: Callable, spec: list, n_in: int) -> int:
+    ident = (name, repr(spec), n_in)
+    key = _BACKWARD_KEYS.get(ident)
+    if key is None:
+        key = _BACKWARD_KEYS[ident] = len(_BACKWARDS)
+        _BACKWARDS[key] = (backward, spec, n_in, name)
+    return key
+
+
+def _needed(spec: list, saved, needs) -> list:
+    """The saved input tensors whose gradients the backward op returns, in input order."""
+    return [saved[s] for s, need in zip(spec, needs) if isinstance(s, int) and need]
+
+
+class _SavedCtx:
+    """What a backward function reads of its autograd ctx, rebuilt from the backward op's inputs."""
+
+    def __init__(self, saved, spec, n_in, needs):
+        self.saved_tensors, self._spec, self._n_in, self.needs_input_grad = tuple(saved), spec, n_in, tuple(needs)
+
+
+@torch.library.custom_op("megassm::backward", mutates_args=())
+def backward_op(key: int, saved: list[Tensor], grads: list[Optional[Tensor]], needs: list[bool]) -> list[Tensor]:
+    from . import grad_blocks
+
+    backward, spec, n_in, name = _BACKWARDS[key]
+    grad_blocks.SEPARATE.on = True
+    try:
+        out = backward(_SavedCtx(saved, spec, n_in, needs), *grads)
+    finally:
+        grad_blocks.SEPARATE.on = False
+    result, seen = [], {t.untyped_storage().data_ptr() for t in saved if t.numel()}
+    for s, need, g in zip(spec, needs, out):
+        if not (isinstance(s, int) and need):
+            continue
+        x = saved[s]
+        if g is None:  # an input the backward found no gradient for
+            g = torch.zeros_like(x)
+        g = g.contiguous()
+        ptr = g.untyped_storage().data_ptr()
+        if g.numel() and ptr in seen:  # a gradient that is an input's or another gradient's memory
+            g = g.clone()
+            ptr = g.untyped_storage().data_ptr()
+        seen.add(ptr)
+        result.append(g)
+    return result
+
+
+@backward_op.register_fake
+def _(key, saved, grads, needs):
+    _, spec, _, _ = _BACKWARDS[key]
+    return [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in _needed(spec, saved, needs)]
+
+
+def traceable_backward(name: str, backward: Callable, triton_for: Callable) -> Callable:
+    """The backward formula to register for op `name`: `backward` itself where it runs on real tensors (eager) or
+    would not launch Triton (the reference backward, plain torch ops, traces as it is), else megassm::backward.
+    `triton_for(args)`: whether the backward launches Triton for these inputs (args: the op's inputs as saved)."""
+
+    def formula(ctx, *grads):
+        saved = ctx.saved_tensors
+        # fake (or functional over fake) tensors: AOTAutograd is tracing; real ones: eager, or the graph running
+        if not any(is_fake(t) for t in saved) or not triton_for(_restore(ctx)[0]):
+            return backward(ctx, *grads)
+        needs = [bool(n) for n in ctx.needs_input_grad]
+        key = _backward_key(name, backward, ctx._spec, ctx._n_in)
+        got = iter(backward_op(key, list(saved), list(grads), needs))
+        return tuple(next(got) if isinstance(s, int) and need else None for s, need in zip(ctx._spec, needs))
+
+    formula.__name__ = f"{name}_backward"
+    return formula
 
 
 def _eager_caller(op, setup_context, backward):

@@ -10,6 +10,7 @@ Mamba-2 layer).
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import OrderedDict
 from typing import Optional
@@ -119,11 +120,20 @@ def _rows_of(x: Tensor) -> bool:
     return all(x.stride(i) == x.stride(i + 1) * x.shape[i + 1] for i in range(x.dim() - 2))
 
 
+# True inside a backward run as a custom op of its own (dispatch.traceable_backward: torch.compile), whose outputs
+# may not share memory: every gradient then gets its own tensor
+SEPARATE = threading.local()
+
+
+def _separate() -> bool:
+    return getattr(SEPARATE, "on", False)
+
+
 def _tag_by_memory(piece: Tensor):
     """(blocks, offset, width) of a piece found by where it lies: in the memory of the latest split tensor at its
     storage, at one of that split's column blocks, with the split tensor's strides; else None."""
     # a tensor subclass (fake / functional ones in torch.compile's tracing) has no memory of its own to look up
-    if not _BY_STORAGE or type(piece) is not torch.Tensor or torch.compiler.is_compiling():
+    if not _BY_STORAGE or type(piece) is not torch.Tensor or torch.compiler.is_compiling() or _separate():
         return None
     blocks = _BY_STORAGE.get(piece.untyped_storage().data_ptr())
     if blocks is None or piece.stride() != blocks.strides or piece.shape[:-1] != blocks.shape[:-1]:
@@ -187,6 +197,8 @@ def packed_rows(x: Tensor, B: Tensor, C: Tensor) -> bool:
     """Whether x [b, l, h, p], B and C [b, l, g, n] are the consecutive column blocks of one contiguous
     [b, l, h*p + 2*g*n] tensor (Mamba-2 splits its conv output so): their gradients can then be written as the
     same blocks of one buffer, which split_last's backward returns without a copy."""
+    if _separate():
+        return False
     _, l, h, p = x.shape
     gn = B.shape[-2] * B.shape[-1]
     w = h * p + 2 * gn

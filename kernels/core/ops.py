@@ -23,7 +23,13 @@ from . import env, reference
 from .dispatch import (_cdt, _eager_caller, _empty_f32, _fresh, _fresh_all, _pick, _reference_backward, _restore,
                        _save, triton_kernels, use_triton)
 from .dispatch import _announce, mode, triton_available, triton_error  # noqa: F401  (kernels/core/__init__.py, tests)
+from .dispatch import traceable_backward
 from .grad_blocks import grad_block, packed_rows, xbc_grad_buffer
+
+
+def _first_on_triton(args) -> bool:
+    """Whether an op's backward launches Triton (traceable_backward): its first input is on the Triton path."""
+    return use_triton(args[0])
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -88,7 +94,7 @@ def _ssd_setup(ctx, inputs, output):
 def _ssd_bwd(ctx, gy, gfinal, _gkept=None):
     args, kept = _restore(ctx)
     x = args[0]
-    if use_triton(x) and triton_kernels().HAS_SSD_BWD and _ssd_triton_takes(x, args[12]):
+    if _ssd_bwd_launches(args):
         (x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, init, seq_idx, chunk, ret) = args
         grads = triton_kernels().ssd_bwd(
             gy, gfinal if ret else None, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, init, seq_idx,
@@ -100,7 +106,11 @@ def _ssd_bwd(ctx, gy, gfinal, _gkept=None):
     return _reference_backward(_ssd_ref_full, ctx, args, (gy, gfinal))
 
 
-ssd_op.register_autograd(_ssd_bwd, setup_context=_ssd_setup)
+def _ssd_bwd_launches(args) -> bool:
+    return use_triton(args[0]) and triton_kernels().HAS_SSD_BWD and _ssd_triton_takes(args[0], args[12])
+
+
+ssd_op.register_autograd(traceable_backward("ssd", _ssd_bwd, _ssd_bwd_launches), setup_context=_ssd_setup)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -195,7 +205,8 @@ def _conv_bwd(ctx, gy, gfinal):
     return _reference_backward(_conv_ref_full, ctx, args, (gy, gfinal))
 
 
-causal_conv1d_op.register_autograd(_conv_bwd, setup_context=_conv_setup)
+causal_conv1d_op.register_autograd(traceable_backward("causal_conv1d", _conv_bwd, _first_on_triton),
+                                   setup_context=_conv_setup)
 
 
 def _conv_step_ref(state, x, weight, bias, activation):
@@ -280,7 +291,8 @@ def _scan_bwd(ctx, gy, gfinal):
     return _reference_backward(_scan_ref_full, ctx, args, (gy, gfinal))
 
 
-selective_scan_op.register_autograd(_scan_bwd, setup_context=_scan_setup)
+selective_scan_op.register_autograd(traceable_backward("selective_scan", _scan_bwd, _first_on_triton),
+                                    setup_context=_scan_setup)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -330,7 +342,8 @@ def _coffee_bwd(ctx, gy, gfin, gck):
     return _reference_backward(_coffee_ref_full, ctx, args, (gy, gfin, gck))
 
 
-coffee_scan_op.register_autograd(_coffee_bwd, setup_context=_coffee_setup)
+coffee_scan_op.register_autograd(traceable_backward("coffee_scan", _coffee_bwd, _first_on_triton),
+                                 setup_context=_coffee_setup)
 
 
 def _scan_step_ref(state, x, delta, A, B, C, D, z, delta_bias, delta_softplus, decay):
@@ -401,7 +414,8 @@ def _gated_bwd(ctx, gout):
     return _reference_backward(_gated_ref, ctx, args, (gout,))
 
 
-gated_rmsnorm_op.register_autograd(_gated_bwd, setup_context=_norm_setup)
+gated_rmsnorm_op.register_autograd(traceable_backward("gated_rmsnorm", _gated_bwd, _first_on_triton),
+                                   setup_context=_norm_setup)
 
 
 def _rmsnorm_ref(x, weight, eps, out_dtype):
@@ -430,7 +444,7 @@ def _rmsnorm_bwd(ctx, gout):
     return _reference_backward(_rmsnorm_ref, ctx, args, (gout,))
 
 
-rmsnorm_op.register_autograd(_rmsnorm_bwd, setup_context=_norm_setup)
+rmsnorm_op.register_autograd(traceable_backward("rmsnorm", _rmsnorm_bwd, _first_on_triton), setup_context=_norm_setup)
 
 
 def _add_ref(x, residual, weight, eps):
@@ -472,7 +486,8 @@ def _add_bwd(ctx, gout, gres):
     return _reference_backward(_add_ref, ctx, args, (gout, gres))
 
 
-add_rmsnorm_op.register_autograd(_add_bwd, setup_context=_add_setup)
+add_rmsnorm_op.register_autograd(traceable_backward("add_rmsnorm", _add_bwd, _first_on_triton),
+                                 setup_context=_add_setup)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -503,7 +518,7 @@ def _swiglu_bwd(ctx, gout):
     return _reference_backward(reference.swiglu, ctx, args, (gout,))
 
 
-swiglu_op.register_autograd(_swiglu_bwd, setup_context=_swiglu_setup)
+swiglu_op.register_autograd(traceable_backward("swiglu", _swiglu_bwd, _first_on_triton), setup_context=_swiglu_setup)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -542,7 +557,8 @@ def _ce_bwd(ctx, gloss, _glse):
     return _reference_backward(_ce_ref, ctx, args, (gloss, None))
 
 
-cross_entropy_op.register_autograd(_ce_bwd, setup_context=_ce_setup)
+cross_entropy_op.register_autograd(traceable_backward("cross_entropy", _ce_bwd, _first_on_triton),
+                                   setup_context=_ce_setup)
 
 
 ssd_call = _eager_caller(ssd_op, _ssd_setup, _ssd_bwd)

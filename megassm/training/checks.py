@@ -55,6 +55,8 @@ def check_supported(cfg: Config, device: torch.device | None = None) -> None:
             "windows would need one graph across several pipeline schedule runs; pipeline stages carry state with "
             "truncated BPTT (train.bptt_windows=1)"
         )
+    if cfg.train.compile:
+        _check_compile(cfg)
     if cfg.train.cuda_graph:
         _check_cuda_graph(cfg)
     if cfg.train.cast_weights_once:
@@ -66,6 +68,31 @@ def check_supported(cfg: Config, device: torch.device | None = None) -> None:
         raise ConfigError("train.device=cuda but no CUDA device is visible (use train.device=auto or cpu)")
     if cfg.train.precision == "bf16" and device.type == "cpu":
         log.warning("train.precision=bf16 on CPU: autocast to bf16 on CPU is slow; fp32 is the CPU default")
+
+
+def _check_compile(cfg: Config) -> None:
+    """train.compile=true (training/compile.py): blocks without collectives inside them, under the engines whose
+    hooks sit outside the block's forward; the combinations not tested are refused rather than tried."""
+    p, t = cfg.parallel, cfg.train
+    why = None
+    if p.tp > 1:
+        why = (f"parallel.tp={p.tp}: the TP plan's autograd functions (parallel/tp.py) run collectives inside the "
+               "block, which torch.compile cannot trace; leave train.compile off with TP")
+    elif p.cp > 1:
+        why = (f"parallel.cp={p.cp}: the blocks pass chunk states between ranks inside their forward "
+               "(parallel/cp.py), which torch.compile cannot trace; leave train.compile off with CP")
+    elif p.pp > 1:
+        why = f"parallel.pp={p.pp}: not built for pipeline stages (untested); leave train.compile off with PP"
+    elif t.cuda_graph:
+        why = "train.cuda_graph=true: pick one (both remove the glue's launch overhead; graphs are measured)"
+    elif t.fp8:
+        why = "train.fp8=true: the FP8 Linears' weight path is not built for compilation (untested)"
+    elif t.cast_weights_once:
+        why = "train.cast_weights_once=true: its weight copies' hooks are not built for compilation (untested)"
+    elif p.engine == "deepspeed" and data_parallel_size(cfg) > 1:
+        why = "parallel.engine=deepspeed: not built (untested); ddp, zero_stage=1 and fsdp2 take it"
+    if why is not None:
+        raise ConfigError(f"train.compile=true: {why}")
 
 
 def _check_cast_weights_once(cfg: Config, device: torch.device) -> None:

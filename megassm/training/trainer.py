@@ -135,6 +135,10 @@ class Trainer:
             log.info("model.init_from: initial weights from %s (%s layout)", init_source.where, init_source.kind)
         model = prt.split_stages(model, self.groups, cfg)  # PP: this rank's stages
         self.model = prt.prepare_model(model, self.groups, cfg)  # TP/SP, CP, PP plans, activation checkpointing
+        if cfg.train.compile:  # each block's forward compiled; the module tree and parameter names unchanged
+            from megassm.training.compile import compile_blocks
+
+            compile_blocks(self.model)
         if cfg.train.loss_chunk_tokens:  # head + loss in checkpointed chunks (models/lm.py head_loss)
             self.model.loss_chunk_tokens = cfg.train.loss_chunk_tokens
         if cfg.train.fp8:  # the blocks' Linears in FP8 (training/fp8.py); before the engine wraps the model
