@@ -56,6 +56,10 @@ _PARQUET = ["pyarrow>=6"]  # 6: the first with Python 3.10 wheels; the calls in 
 _DATASETS = ["datasets>=2.10"]  # select_columns on Dataset and IterableDataset (data_tools/core/sources.py)
 _WANDB = ["wandb>=0.10"]  # wandb.init(mode=), run.step, finish(exit_code=) (megassm/training/wandb_sink.py)
 _TOKENIZERS = ["sentencepiece>=0.1.97", "tokenizers>=0.11"]  # encode(num_threads=); first Python 3.10 wheels
+# transformers 5: the export writes its config names (Mamba2 / NemotronH / GraniteMoeHybrid); safetensors 0.4:
+# save_file / load_file on torch tensors of every dtype we write. Only 5.25 / 0.8 are tested (docs/dependencies.md).
+_HF = ["transformers>=5", "safetensors>=0.4"]
+_EVAL = ["lm_eval>=0.4", *_HF]  # megassm-eval harness: lm-evaluation-harness 0.4's LM API; tested with 0.4.13
 
 
 setup(
@@ -83,8 +87,10 @@ setup(
         "megatron": ["megatron-core>=0.12"],  # initialize_model_parallel(create_gloo_process_groups=)
         "triton": ["triton>=3.6"],
         "tokenizers": _TOKENIZERS,
+        "hf": _HF,  # megassm-export, model.init_from a transformers directory
+        "eval": _EVAL,
         "dev": ["pytest", "pytest-timeout", "pytest-xdist", "triton==3.6.0", "matplotlib", *_TOKENIZERS,
-                "megatron-core>=0.12", "mistral-common", "deepspeed>=0.12", "transformers", "safetensors", "lm_eval",
+                "megatron-core>=0.12", "mistral-common", "deepspeed>=0.12", *_EVAL,
                 *_PARQUET, *_DATASETS, *_WANDB],
     },
     entry_points={

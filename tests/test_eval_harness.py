@@ -168,4 +168,4 @@ def test_missing_lm_eval_is_named(monkeypatch, capsys):
 
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval now raises ImportError
     assert main(["harness", "--run", "x", "--tasks", "t"]) == 2
-    assert "pip install lm_eval" in capsys.readouterr().err
+    assert "pip install 'megassm[eval]'" in capsys.readouterr().err

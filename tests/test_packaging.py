@@ -56,6 +56,8 @@ def test_dependencies_doc_gives_every_floor_and_apex_is_nowhere():
     assert "apex" not in names and not any(n.startswith("pyarrow") for n in map(str.lower, required)), required
     extras = kw["extras_require"]
     assert extras["parquet"] == ["pyarrow>=6"] and set(extras["parquet"]) <= set(extras["dev"])
+    # the export's and the harness's packages are extras of their own, in dev too
+    assert {"transformers>=5", "safetensors>=0.4"} <= set(extras["hf"]) <= set(extras["eval"]) <= set(extras["dev"])
     doc = open(os.path.join(ROOT, "docs", "dependencies.md")).read()
     cells = [[c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]] for line in doc.splitlines() if line.startswith("| ")]
     rows = {c[0]: c[3] for c in cells if len(c) == 6}  # package | what for | required / extra | floor | why | tested

@@ -86,8 +86,7 @@ def harness_main(args) -> int:
     try:
         import lm_eval  # noqa: F401
     except ImportError:
-        print("megassm-eval harness: needs lm-evaluation-harness (the lm_eval package): pip install lm_eval "
-              "(megassm's dev extra includes it)", file=sys.stderr)
+        print("megassm-eval harness: needs lm-evaluation-harness (the lm_eval package): pip install 'megassm[eval]'", file=sys.stderr)
         return 2
     from megassm.evaluation.harness import run_harness
     from megassm.evaluation.loading import load_trained

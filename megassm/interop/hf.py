@@ -32,7 +32,7 @@ def require(*packages: str) -> None:
 
     for p in packages:
         if importlib.util.find_spec(p) is None:
-            raise ExportError(f"the export needs the '{p}' package: pip install {p} (or pip install 'megassm[dev]')")
+            raise ExportError(f"the export needs the '{p}' package: pip install 'megassm[hf]'")
 
 
 def _config_object(target: str, kwargs: dict, eos_id: int | None):

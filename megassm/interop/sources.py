@@ -131,7 +131,7 @@ def _load_file(path: str, who: str) -> dict:
         try:
             from safetensors.torch import load_file
         except ImportError:
-            raise InitFromError(f"{who}: {path} needs the safetensors package (pip install safetensors)") from None
+            raise InitFromError(f"{who}: {path} needs the safetensors package (pip install 'megassm[hf]')") from None
         return load_file(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
