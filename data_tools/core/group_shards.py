@@ -28,6 +28,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
+from .digest import sha256_file
 from .encode import STAT_KEYS, EncodeOptions, encode_task, init_worker
 from .indexed import write_index
 from .sources import runs_of_tasks
@@ -44,12 +45,6 @@ def group_tasks(tasks: Iterable, group_bytes: int) -> Iterator[list]:
 def _paths(work_dir: str, g: int) -> tuple[str, str]:
     base = os.path.join(work_dir, f"group-{g:05d}")
     return base + ".bin", base + ".idx"
-
-
-def _sha256(path: str) -> str:
-    from .preprocess import sha256_file
-
-    return sha256_file(path)
 
 
 def encode_group(job: tuple) -> dict:
@@ -80,7 +75,7 @@ def encode_group(job: tuple) -> dict:
             return {**result, "empty": True}
         write_index(tmp_idx, dtype, lens, np.arange(len(lens) + 1))
         result.update(empty=False, bin_bytes=os.path.getsize(tmp_bin), bin_sha256=h.hexdigest(),
-                      idx_bytes=os.path.getsize(tmp_idx), idx_sha256=_sha256(tmp_idx))
+                      idx_bytes=os.path.getsize(tmp_idx), idx_sha256=sha256_file(tmp_idx))
         os.replace(tmp_idx, final_idx)  # .bin last: a final .bin means the group is complete
         os.replace(tmp_bin, final_bin)
         return result
@@ -92,7 +87,7 @@ def encode_group(job: tuple) -> dict:
 
 
 def _file_matches(path: str, nbytes: int, digest: str) -> bool:
-    return os.path.exists(path) and os.path.getsize(path) == nbytes and _sha256(path) == digest
+    return os.path.exists(path) and os.path.getsize(path) == nbytes and sha256_file(path) == digest
 
 
 def read_done(work_dir: str, fingerprint: dict) -> tuple[dict[int, dict], list[int]]:

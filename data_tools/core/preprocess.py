@@ -36,6 +36,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from .digest import sha256_file
 from .encode import (STAT_KEYS, EncodeOptions, close_direct, encode_direct, encode_piece, encode_task, init_direct,
                      init_worker)
 from .indexed import CODE_OF_DTYPE, bin_path, dtype_for_vocab, idx_path
@@ -53,18 +54,6 @@ PIECE_BYTES = 4 << 20  # input bytes per piece: per-file costs (open, copy call,
 
 def manifest_path(prefix: str) -> str:
     return prefix + ".manifest.json"
-
-
-def sha256_file(path: str) -> str:
-    """sha256 of a file, read into one reused 1 MB buffer (it stays in cache: ~8% less CPU than fresh 4 MB
-    blocks, which counts when the input hash shares 2 cores with the workers)."""
-    h = hashlib.sha256()
-    buf = bytearray(1 << 20)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
 
 
 def parse_size(text: str | int | None) -> int | None:

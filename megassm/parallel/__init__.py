@@ -7,8 +7,8 @@
     cp.py      context parallel plan: apply_context_parallel (chunk states passed between ranks)
     pp.py      pipeline parallelism: split_model, apply_pipeline_parallel, train_step (torch.distributed.pipelining)
     checkpointing.py  per-block activation checkpointing: apply_activation_checkpointing
-    engines.py data-parallel engines: the base, torch DDP, the choice (parallel.engine); fsdp2.py torch FSDP2;
-               deepspeed_engine.py DeepSpeed ZeRO
+    engine_base.py  the data-parallel engines' base (Engine); engines.py torch DDP and the choice
+               (parallel.engine); fsdp2.py torch FSDP2; deepspeed_engine.py DeepSpeed ZeRO; distopt.py ZeRO-1
     dp.py      flat data-parallel gradient all-reduce (DDP's path under PP and multi-window BPTT)
     comm.py    counted collectives
 See docs/parallelism.md.

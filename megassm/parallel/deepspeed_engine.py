@@ -12,7 +12,7 @@ import torch
 
 from megassm.config import Config, ConfigError, data_parallel_size
 
-from .engines import Engine
+from .engine_base import Engine
 
 log = logging.getLogger("megassm.parallel.engines")
 

@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .engines import Engine
+from .engine_base import Engine
 
 log = logging.getLogger("megassm.parallel.distopt")
 

@@ -16,7 +16,7 @@ from megassm.models.registry import block_kinds
 
 from . import fsdp2_tp
 from .dp import allreduce_grads
-from .engines import Engine
+from .engine_base import Engine
 from .tp import plan_of
 
 log = logging.getLogger("megassm.parallel.engines")

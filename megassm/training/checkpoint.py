@@ -37,7 +37,8 @@ Carried recurrent states (BPTT) go in `extra["carried_states"]` like any other s
 tensors, lists, dicts and tuples is saved as is.
 
 The checkpoints folder itself (names, listing, completeness, pruning, leftovers of interrupted saves) is
-checkpoint_dir.py; its names are re-exported here.
+checkpoint_dir.py; its names are re-exported here, as are the errors (checkpoint_errors.py). A sharded checkpoint
+is read through sharded_read.py (below sharded.py, which builds on this module).
 """
 from __future__ import annotations
 
@@ -57,13 +58,15 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from megassm.config import ConfigError
 from megassm.training.checkpoint_dir import (CHECKPOINTS, META, _newest_first, _prune, check_writable,
                                              checkpoint_name, clean_temp_dirs, find_latest, is_complete,
                                              list_checkpoints, marked_complete, read_meta)
-from megassm.training.failures import RunIOError, one_line
+from megassm.training.checkpoint_errors import (CheckpointDamagedError, CheckpointError, CheckpointMismatchError,
+                                               CheckpointWriteError)
+from megassm.training.failures import one_line
 from megassm.training.integrity import (INTEGRITY_ALGO, HashingWriter, check_file, file_record,
                                         integrity_record, nonfinite_tensors)
+from megassm.training.sharded_read import read_canonical
 
 log = logging.getLogger("megassm.checkpoint")
 
@@ -103,24 +106,6 @@ OPTIM = "optim.pt"
 _RESERVED = {"model", "optim", "meta"}
 _KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _SCALARS = (str, int, float, bool, type(None))
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint that is missing, incomplete or unreadable; the message names the path.
-    (A ConfigError, so the CLI reports it cleanly: it usually comes from run.resume.)"""
-
-
-class CheckpointDamagedError(CheckpointError):
-    """A complete checkpoint whose files fail verification, cannot be read, or hold non-finite model or
-    optimizer values. The message names the checkpoint, the file and what was expected and found."""
-
-
-class CheckpointMismatchError(CheckpointError):
-    """An intact checkpoint that does not fit the model being trained (a changed model config)."""
-
-
-class CheckpointWriteError(RunIOError):
-    """A checkpoint could not be written (unwritable directory, full disk); its temp directory is removed."""
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -267,7 +252,7 @@ def _torch_save(obj: Any, path: str) -> dict:
             f.flush()
             os.fsync(f.fileno())
     except Exception as e:
-        _raise_naming(e, path)
+        raise_naming(e, path)
         raise
     return writer.record()
 
@@ -280,11 +265,11 @@ def _write_json(obj: dict, path: str) -> None:
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:
-        _raise_naming(e, path)
+        raise_naming(e, path)
         raise
 
 
-def _raise_naming(e: BaseException, path: str) -> None:
+def raise_naming(e: BaseException, path: str) -> None:
     """Raise the OSError in `e`'s chain again with `path` as its file name (a write() through a Python file object
     fails without one), if there is one."""
     found = _chained_os_error(e)
@@ -388,7 +373,7 @@ def _free_bytes(where: str) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-def _write_error(e: BaseException, final: str, tmp: str) -> CheckpointWriteError | None:
+def write_error(e: BaseException, final: str, tmp: str) -> CheckpointWriteError | None:
     """CheckpointWriteError naming the checkpoint, the file (relative to the checkpoint) and the cause of a failed
     write under `tmp`, or None when `e` is not an I/O failure. Call before removing `tmp`."""
     if isinstance(e, CheckpointWriteError):
@@ -473,7 +458,7 @@ class PendingCheckpoint:
         try:
             publish(self.tmp, self.final, self.meta)
         except BaseException as e:
-            error = _write_error(e, self.final, self.tmp)
+            error = write_error(e, self.final, self.tmp)
             self.discard()
             if error is not None and error is not e:
                 raise error from e
@@ -509,7 +494,7 @@ def write_checkpoint(
     try:
         meta = _write_temp_checkpoint(tmp, step, model, optimizer, extra, model_state, optim_state)
     except BaseException as e:
-        error = _write_error(e, final, tmp)  # before the removal: it may look at the files and the free space
+        error = write_error(e, final, tmp)  # before the removal: it may look at the files and the free space
         shutil.rmtree(tmp, ignore_errors=True)  # a failed save leaves nothing half-written (a full disk stays full)
         if error is not None and error is not e:
             raise error from e
@@ -673,10 +658,8 @@ def load_model(path: str | os.PathLike, model: torch.nn.Module, map_location: An
 
 def _read_states(path: str, meta: dict, map_location: Any, model: bool, optim: bool) -> tuple[dict | None, dict | None]:
     """(model state, optimizer state) as asked for, None where not asked for or (optimizer) absent; a sharded
-    checkpoint's chunks are assembled in this process (training/sharded.py). Non-finite values are refused."""
+    checkpoint's chunks are assembled in this process (training/sharded_read.py). Non-finite values are refused."""
     if meta.get("format", "canonical") == "sharded":
-        from megassm.training.sharded import read_canonical
-
         model_state, optim_state = read_canonical(path, optim=optim) if model or optim else (None, None)
         model_rel = optim_rel = "the sharded chunks"
     else:

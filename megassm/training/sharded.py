@@ -14,7 +14,8 @@ training/checkpoint.py):
         <key>.pt               the extra states as in the canonical layout (scheduler, data, rng, carried_states)
         meta.json              "format": "sharded", files, "integrity" (sha256 of every other file), "complete"
 
-sharded_chunks.py builds the chunk lists; this module runs DCP over them. DCP keys are `model.<canonical name>`
+sharded_chunks.py builds the chunk lists; this module runs DCP over them (the reading part, which
+checkpoint.py's loaders share, in sharded_read.py). DCP keys are `model.<canonical name>`
 (the single-device state dict) and `optim.<canonical name>.<state key>`
 (AdamW exp_avg / exp_avg_sq in the parameter's canonical shape, and the 0-dim step). A rank describes what it
 holds as chunks of the canonical tensors (offsets + a view of its local tensor):
@@ -50,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from megassm.training import checkpoint as ckpt
+from megassm.training.sharded_read import DCP_DIR, LAYOUT, dcp_load, dcp_metadata, read_canonical, read_layout
 
 log = logging.getLogger("megassm.checkpoint")
 
@@ -58,8 +60,6 @@ __all__ = ["FORMATS", "checkpoint_format", "canonical_param_names", "ShardedChec
 
 CANONICAL, SHARDED = "canonical", "sharded"
 FORMATS = (CANONICAL, SHARDED)
-DCP_DIR = "dcp"
-LAYOUT = "layout.pt"
 
 
 def checkpoint_format(path: str) -> str:
@@ -110,37 +110,6 @@ def _save_planner(entries: dict):
     return _ChunkSavePlanner()
 
 
-def _load_planner(targets: dict):
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-    from torch.distributed.checkpoint.planner import LoadPlan
-    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-
-    class _ChunkLoadPlanner(DefaultLoadPlanner):
-        """Reads into the given target chunks (views): per target, the saved chunks that overlap it."""
-
-        def __init__(self):
-            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
-            self.state_dict, self.original_state_dict = {}, {}
-            self.metadata, self.is_coordinator = metadata, is_coordinator
-
-        def create_local_plan(self):
-            reqs = []
-            for key, pieces in targets.items():
-                md = self.metadata.state_dict_metadata[key]
-                chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=t.size()) for o, t in pieces]
-                reqs += create_read_items_for_chunk_list(key, md, chunks)
-            self.plan = LoadPlan(reqs)
-            return self.plan
-
-        def lookup_tensor(self, index):
-            return targets[index.fqn][index.index][1]
-
-    return _ChunkLoadPlanner()
-
-
 def _dcp_save(entries: dict, path: str, group, no_dist: bool) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
@@ -151,28 +120,6 @@ def _dcp_save(entries: dict, path: str, group, no_dist: bool) -> None:
         warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
         dcp.save({}, storage_writer=FileSystemWriter(path, single_file_per_rank=True, sync_files=True),
                  planner=_save_planner(entries), process_group=group, no_dist=no_dist)
-
-
-def _dcp_metadata(path: str):
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        return FileSystemReader(os.path.join(path, DCP_DIR)).read_metadata()
-    except (OSError, EOFError, ValueError) as e:
-        raise ckpt.CheckpointError(f"checkpoint {path}: cannot read {DCP_DIR}/.metadata: {e}") from e
-
-
-def _dcp_load(targets: dict, path: str) -> None:
-    """Fill `targets` ({key: [(offsets, tensor)]}) from the checkpoint at `path`; each rank on its own."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load({}, storage_reader=FileSystemReader(os.path.join(path, DCP_DIR)), planner=_load_planner(targets),
-                 no_dist=True)
 
 
 def _check_shapes(md, targets: dict, shapes: dict, path: str) -> None:
@@ -189,43 +136,6 @@ def _check_shapes(md, targets: dict, shapes: dict, path: str) -> None:
 # ----------------------------------------------------------------------------------------------------
 # one-process readers / writers (megassm-eval, read_model_and_optim, the converter)
 # ----------------------------------------------------------------------------------------------------
-def read_layout(path: str) -> dict:
-    try:
-        return torch.load(os.path.join(path, LAYOUT), map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, EOFError) as e:
-        raise ckpt.CheckpointError(f"checkpoint {path}: cannot read {LAYOUT}: {e}") from e
-
-
-def read_canonical(path: str, optim: bool = True) -> tuple[dict, dict | None]:
-    """The canonical model and optimizer state dicts (optim.pt's format) of a sharded checkpoint, in this
-    process (reads every chunk; CPU tensors)."""
-    layout = read_layout(path)
-    md = _dcp_metadata(path)
-    keys = ["model." + k for k in layout["model_keys"]]
-    if optim:
-        keys += [k for k in md.state_dict_metadata if k.startswith("optim.")]
-    targets = {}
-    for k in keys:
-        if k not in md.state_dict_metadata:
-            raise ckpt.CheckpointError(f"checkpoint {path}: {DCP_DIR}/.metadata has no '{k}'")
-        m = md.state_dict_metadata[k]
-        t = torch.empty(tuple(m.size), dtype=m.properties.dtype)
-        targets[k] = [((0,) * t.dim(), t)]
-    _dcp_load(targets, path)
-    model_state = {k: targets["model." + k][0][1] for k in layout["model_keys"]}
-    if not optim:
-        return model_state, None
-    state = {}
-    for i, name in enumerate(layout["param_names"]):
-        st = {sk: targets[f"optim.{name}.{sk}"][0][1] for sk in layout["state_keys"]
-              if f"optim.{name}.{sk}" in targets}
-        if st:
-            state[i] = st
-    if not layout["param_groups"]:  # saved without an optimizer
-        return model_state, None
-    return model_state, {"state": state, "param_groups": layout["param_groups"]}
-
-
 def _dir_files(root: str) -> list[str]:
     out = []
     for d, _, files in os.walk(root):
@@ -275,7 +185,7 @@ def load_sharded(path: str, model, optimizer, groups=None, engine=None) -> None:
         engine.load_states(*read_canonical(path, optim=optimizer is not None))
         return
     layout = read_layout(path)
-    md = _dcp_metadata(path)
+    md = dcp_metadata(path)
     inner, tplan, pplan = model_context(model)
     tp_rank = tplan.rank if tplan is not None else 0
     targets, shapes = {}, {}
@@ -289,7 +199,7 @@ def load_sharded(path: str, model, optimizer, groups=None, engine=None) -> None:
     if optimizer is not None:
         optim_fill = _optimizer_targets(optimizer, inner, tplan, layout, md, targets, shapes, DTensor)
     _check_shapes(md, targets, shapes, path)
-    _dcp_load(targets, path)
+    dcp_load(targets, path)
     if optim_fill is not None:
         optim_fill()
 
@@ -532,7 +442,7 @@ class ShardedCheckpointer:
         try:
             return self._write_files(entries, tmp, final, run_dir, step, payload, t0)
         except BaseException as e:
-            error = ckpt._write_error(e, final, tmp)  # before the removal: it may look at the files and free space
+            error = ckpt.write_error(e, final, tmp)  # before the removal: it may look at the files and free space
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             if error is not None and error is not e:
@@ -546,7 +456,7 @@ class ShardedCheckpointer:
             _dcp_save(entries, dcp_dir, self.group, no_dist=self.group is None)
         except BaseException as e:  # DCP's CheckpointException is a BaseException; it gathers every rank's failure,
             if not isinstance(e, (KeyboardInterrupt, SystemExit)):  # so which rank's file failed is not known here
-                ckpt._raise_naming(e, dcp_dir)
+                ckpt.raise_naming(e, dcp_dir)
             raise
         mine = [f for f in _dir_files(dcp_dir) if f.startswith(f"__{self.rank}_")]
         if self.rank == 0:
@@ -570,7 +480,7 @@ class ShardedCheckpointer:
                     f.flush()
                     os.fsync(f.fileno())
             except OSError as e:
-                ckpt._raise_naming(e, os.path.join(tmp, fname))
+                ckpt.raise_naming(e, os.path.join(tmp, fname))
                 raise
             merged[fname] = ckpt.file_record(os.path.join(tmp, fname))
         on_disk = set(_dir_files(tmp))
