@@ -288,6 +288,25 @@ class RunConfig:
 
 
 @dataclass
+class KernelsConfig:
+    """The kernels' switches (kernels/core/env.py SWITCHES: each key's variable, values and checks): the trainer
+    sets each variable from here at start-up unless it is set already, then the environment wins and config.yaml
+    records the value in effect (training/run_config.py apply_settings). Checked there, before any file is
+    written: the config cannot import the kernels."""
+
+    backend: str = "auto"  # MEGASSM_KERNELS: auto (Triton on CUDA tensors) | triton | torch (the reference)
+    ssd_precision: str = "bf16"  # MEGASSM_SSD_PRECISION: bf16 | split (fp32-class products)
+    ssd_state_segments: str = "auto"  # MEGASSM_SSD_STATE_SEGMENTS: auto | k, the chunk walks in k segments
+    ssd_save_states: bool = False  # MEGASSM_SSD_SAVE_STATES: keep the forward's chunk states for the backward
+    ssd_dbc_split: int = 1  # MEGASSM_SSD_DBC_SPLIT: 1 | 2 | 4 | 8 programs per dB / dC tile of the SSD backward
+    ssd_streams: bool = True  # MEGASSM_SSD_STREAMS: the SSD's walk-independent kernels on a second CUDA stream
+    conv_bwd: str = "two_pass_defer"  # MEGASSM_CONV_BWD: two_pass_defer | two_pass | fused
+    autotune: bool = True  # MEGASSM_TRITON_AUTOTUNE: tune the Triton SSD kernels' launch configs per shape
+    tune_log: bool = False  # MEGASSM_TRITON_TUNE_LOG: one JSON line on stderr per tuning decision
+    ssd_tiles: str = ""  # MEGASSM_SSD_TILES: "NAME=VALUE,..." overrides of the Triton SSD's tile table
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -295,6 +314,10 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    # written by the trainer: every MEGASSM_* variable set when the run started, NAME=value (the kernels' among
+    # them override kernels.*). A record, never applied: a run started from a config.yaml records its own
+    environment: list[str] = field(default_factory=list)
 
 
 # Pattern letters are the block kinds of megassm/models/registry.py (`block_letters()`); `|` is a
@@ -580,6 +603,7 @@ _COUNTS_FIRST = {
     "model.attn.head_dim": 1, "model.mlp.ffn_hidden": 1,
     "train.steps": 1, "train.seq_len": 1, "train.micro_batch": 1, "train.global_batch": 1, "train.log_interval": 1,
     "parallel.tp": 1, "parallel.cp": 1, "parallel.pp": 1, "parallel.pp_virtual": 1, "parallel.world_size": 1,
+    "kernels.ssd_dbc_split": 1,  # its values (1, 2, 4, 8) are checked with the other kernels.* (run_config.py)
 }
 # a float that may be infinite: the upper clamp of dt (mamba_ssm's "no clamp" is (0, inf)); NaN never
 _MAY_BE_INF = {"model.mamba.dt_limit[1]"}

@@ -4,10 +4,15 @@
     megassm-train --config configs/tiny.yaml --resume auto
     megassm-train --config configs/hybrid-7b.yaml --dry-run parallel.world_size=64 parallel.tp=2 parallel.pp=4
     megassm-train --config configs/hybrid-7b.yaml --dry-run --gpu h200-141gb parallel.world_size=4 parallel.tp=2
+    megassm-train --config configs/tiny.yaml --print-config kernels.ssd_precision=split
 
 Overrides and options may come in any order (`--resume auto train.steps=600` or the reverse). Results go to stdout
-(the closing `megassm-train: done, N steps; run directory DIR`; the dry run's table and JSON line); logs, the
-progress bar and errors to stderr.
+(the closing `megassm-train: done, N steps; run directory DIR`; the dry run's table and JSON line; the config of
+--print-config); logs, the progress bar and errors to stderr.
+
+The `kernels:` section becomes the kernels' MEGASSM_* variables at start-up, in each rank's process; a variable
+that is set already wins (one log line names it), and run.dir/config.yaml records the values in effect and every
+MEGASSM_* variable that was set (training/run_config.py apply_settings; docs/config.md "kernels").
 
 Exit codes (megassm/training/failures.py; docs/reliability.md says what to do after each):
   0   done
@@ -70,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "h100-80gb); a layout that does not fit exits 2 and names the nearest ones that do")
     p.add_argument("--no-memory-check", action="store_true",
                    help="with --dry-run: a layout that does not fit the card is a warning, not a refusal")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config as the run would save it (the kernels section after the "
+                   "environment's overrides, the MEGASSM_* variables recorded) and exit; writes nothing, never "
+                   "touches a GPU")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     return p
@@ -94,6 +103,7 @@ def _dry_run_config(config: str, overrides: list[str]):
     without data gets a stand-in source (noted), and data.paths that name no shards are noted, not fatal."""
     from megassm.config import validate
     from megassm.data_tools.indexed import shard_prefixes
+    from megassm.training.run_config import apply_settings
 
     cfg = load_config(config, overrides, validate_config=False)
     notes = []
@@ -102,6 +112,7 @@ def _dry_run_config(config: str, overrides: list[str]):
         notes.append("no data.paths or data.builtin: a training run needs one (the dry run checked the layout "
                      "without data)")
     validate(cfg)
+    apply_settings(cfg)  # the memory estimate reads the SSD's switches (models/mamba2.py)
     for prefix in cfg.data.paths:
         try:
             shard_prefixes(prefix)
@@ -249,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)  # overrides before, between and after the options
     if not args.dry_run and (args.gpu or args.no_memory_check):
         parser.error("--gpu and --no-memory-check go with --dry-run (a training run uses the GPUs it finds)")
+    if args.dry_run and args.print_config:
+        parser.error("--print-config and --dry-run: one of them (the dry run prints the resolved config too)")
     from megassm.training.logs import setup_logging
 
     setup_logging(args.log_level)  # rank 0 speaks, the other ranks warn; third-party INFO quiet
@@ -262,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"megassm-train: config error: environment: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    if args.print_config:
+        return print_config(args.config, overrides)
     if args.dry_run:
         try:
             cfg, notes = _dry_run_config(args.config, overrides)
@@ -281,9 +296,29 @@ def main(argv: list[str] | None = None) -> int:
         preemption.uninstall_stack_dump()
 
 
-def _train(config: str, overrides: list[str]) -> int:
+def print_config(config: str, overrides: list[str]) -> int:
+    """--print-config: the resolved config on stdout as run.dir/config.yaml would hold it (validated, the kernels
+    section after the environment's overrides, the MEGASSM_* variables recorded); nothing written or set."""
+    from megassm.training.run_config import resolve_settings
+
     try:
         cfg = load_config(config, overrides)
+        overrides_by_env = resolve_settings(cfg)
+    except ConfigError as e:
+        print(f"megassm-train: config error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if overrides_by_env:
+        print(f"megassm-train: the environment overrides the config: {'; '.join(overrides_by_env)}", file=sys.stderr)
+    print(dump_config(cfg), end="", flush=True)
+    return EXIT_OK
+
+
+def _train(config: str, overrides: list[str]) -> int:
+    from megassm.training.run_config import apply_settings
+
+    try:
+        cfg = load_config(config, overrides)
+        apply_settings(cfg)  # this rank's kernel variables, before the kernels are imported (the Trainer again)
     except ConfigError as e:
         print(f"megassm-train: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG

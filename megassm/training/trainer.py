@@ -32,7 +32,7 @@ from megassm.training.metrics import MetricsLogger, ProgressBar, memory_scalars
 from megassm.training.wandb_sink import wandb_settings
 from megassm.training.optim import LRScheduler, build_optimizer
 from megassm.training.checks import autocast_dtype, check_supported, pick_device
-from megassm.training.run_config import (config_differences, config_hash, legacy_hash_matches,
+from megassm.training.run_config import (apply_settings, config_differences, config_hash, legacy_hash_matches,
                                          write_resolved_config)
 from megassm.training.sharded import SHARDED, canonical_param_names, checkpoint_format, load_sharded
 from megassm.training.startup import materialize_held, peak_host_bytes
@@ -69,6 +69,7 @@ class StepResult:
 class Trainer:
     def __init__(self, cfg: Config):
         check_supported(cfg)
+        apply_settings(cfg)  # kernels.* into this rank's environment before any kernel runs; cfg: values in effect
         self.cfg = cfg
         # model.init_from: its layout and config checked before any device or rank is set up (weights come later)
         init_source = None
