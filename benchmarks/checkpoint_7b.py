@@ -1,4 +1,4 @@
-"""Checkpoint cost on a ~7B hybrid: today's canonical gather (rank 0 writes model.pt / optim.pt) against the sharded
+"""Checkpoint cost on a ~7B hybrid: the canonical gather (rank 0 writes model.pt / optim.pt) against the sharded
 format (every rank writes its DCP chunks) written synchronously and asynchronously; `megassm-train`'s Trainer
 itself under torchrun, one run per case, each printed as one JSON line.
 

@@ -1,5 +1,5 @@
 """The measured rows of docs/benchmarks.md the planner is validated against (docs/planner.md "Validation"):
-every one-GPU and multi-GPU training row measured on H100 80GB with today's trainer, as the document gives it.
+every one-GPU and multi-GPU training row measured on H100 80GB with the trainer as it is, as the document gives it.
 The calibration is measured apart (megassm-plan calibrate, block micro-benchmarks): nothing here feeds it.
 
 A row: the config, the overrides that make its layout (world size, batch, engine, ...), whether its collectives
@@ -88,7 +88,7 @@ ROWS = [
     *[_r(f"hybrid-7b, TP 2 x ZeRO-1 DP 2, graphs, {a} micro-batches", "configs/hybrid-7b.yaml",
          SEVEN + ["parallel.tp=2", "parallel.zero_stage=1", "train.cuda_graph=true", f"train.global_batch={2 * a}"], v,
          S7, date="2026-11-28", best_of="hybrid-7b 4 x H100" if a == 16 else "",
-         notes="measured with the ZeRO-1 of then (1.5x an all-reduce's bytes); predicted with today's distributed "
+         notes="measured with the ZeRO-1 of then (1.5x an all-reduce's bytes); predicted with the current distributed "
                "optimizer (1x)") for a, v in [(16, 8822), (8, 8527), (4, 7910)]],
     _r("hybrid-7b, TP 2 x ZeRO-1 DP 2, eager, 4 micro-batches", "configs/hybrid-7b.yaml",
        SEVEN + ["parallel.tp=2", "parallel.zero_stage=1", "train.global_batch=8"], 6301, S7, date="2026-11-28",
