@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megassm.config import ConfigError, dump_config, load_config
-from megassm.interop import mapping, sources
+from megassm.interop import mamba_ssm, mapping, sources
 from megassm.models import build_model
 from megassm.training import checkpoint as ckpt
 
@@ -203,7 +203,7 @@ def test_granite_layers_and_what_their_import_refuses():
 def test_mamba_ssm_layout_imports_to_the_same_logits(tmp_path):
     cfg = _cfg("model.pattern=MM", "model.pad_vocab_multiple=16")
     model = _model(cfg)
-    ssm_cfg, ssm_state = mapping.to_mamba_ssm(model.state_dict(), cfg.model, vocab=257)
+    ssm_cfg, ssm_state = mamba_ssm.to_mamba_ssm(model.state_dict(), cfg.model, vocab=257)
     d = tmp_path / "mamba2-tiny"
     d.mkdir()
     (d / "config.json").write_text(json.dumps(ssm_cfg))

@@ -302,16 +302,19 @@ def test_ssd_tuner_logs_each_decision(monkeypatch, capsys):
 
 
 @needs_triton
-def test_ssd_tiles_env_override():
-    from megassm.kernels.triton.ssd_common import _tiles_from_env
+def test_ssd_tiles_env_override(monkeypatch):
+    """MEGASSM_SSD_TILES (kernels.ssd_tiles) as kernels/triton/ssd_common.py applies it to its TILES at import."""
+    from megassm.kernels import env
 
     table = {"dx_bs": 32, "dbc_bs": 128}
-    _tiles_from_env(table, " dx_bs=64 , dbc_bs=16,")
+    monkeypatch.setenv("MEGASSM_SSD_TILES", " dx_bs=64 , dbc_bs=16,")
+    table.update(env.ssd_tiles())
     assert table == {"dx_bs": 64, "dbc_bs": 16}
     for bad, msg in (("dx_bz=64", "NAME one of"), ("dx_bs", "NAME one of"), ("dx_bs=48", "dx_bs='48'"),
                      ("dbc_bs=8", "power of two >= 16"), ("dx_bs=x", "dx_bs='x'")):
+        monkeypatch.setenv("MEGASSM_SSD_TILES", bad)
         with pytest.raises(ValueError, match=msg):
-            _tiles_from_env(dict(table), bad)
+            env.ssd_tiles()
 
 
 @needs_triton

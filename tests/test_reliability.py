@@ -26,35 +26,12 @@ from megassm.training.failures import (EXIT_ABORTED, EXIT_CONFIG, EXIT_IO, EXIT_
                                        EXIT_OK, RunIOError)
 
 from multiproc import stop, wait_until
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = ["model.pattern=M*M-", "model.d_model=32", "model.mamba.d_state=8", "model.mamba.headdim=16",
-         "model.mamba.chunk_size=16", "model.attn.n_heads=2", "model.attn.n_kv_heads=1", "model.mlp.ffn_hidden=64",
-         "train.seq_len=32", "train.micro_batch=2", "train.global_batch=4", "train.log_interval=1",
-         "train.eval_interval=0", "optim.warmup_steps=1", "run.progress=false", "run.tensorboard=false",
-         "train.device=cpu"]
-
-
-def _main(run_dir, *extra, resume=None):
-    args = ["--config", "configs/tiny.yaml", *SMALL, f"run.dir={run_dir}", *extra]
-    return T.main(args + (["--resume", resume] if resume else []))  # --resume after the overrides
-
-
-def _status(run_dir):
-    with open(os.path.join(run_dir, "last_exit.json")) as f:
-        return json.load(f)
+from reliability_cases import ROOT, SMALL, base_run, copy_run, flip_bytes, last_exit, run_main, small_model_ckpt  # noqa: F401 (base_run: a fixture)
 
 
 def _steps(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(x)["step"] for x in f if '"loss"' in x]
-
-
-def _flip(path, n=8):
-    b = bytearray(open(path, "rb").read())
-    mid = len(b) // 2
-    b[mid:mid + n] = bytes(x ^ 0xFF for x in b[mid:mid + n])
-    open(path, "wb").write(b)
 
 
 def _truncate(path, keep=0.6):
@@ -79,39 +56,13 @@ def _nan_with_valid_record(ckpt_dir, rel="model.pt"):
     json.dump(meta, open(os.path.join(ckpt_dir, "meta.json"), "w"))
 
 
-@pytest.fixture(scope="module")
-def base_run(tmp_path_factory):
-    """A 4-step run with checkpoints at steps 2 and 4; tests copy it."""
-    run = str(tmp_path_factory.mktemp("base") / "run")
-    assert _main(run, "train.steps=4", "run.save_interval=2") == EXIT_OK
-    return run
-
-
-def _copy(base_run, tmp_path):
-    dst = str(tmp_path / "run")
-    shutil.copytree(base_run, dst)
-    return dst
-
-
-def _small_model_ckpt(tmp_path, step=1, nan=False):
-    model = torch.nn.Linear(4, 3)
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.randn(2, 4)).sum().backward()
-    opt.step()
-    if nan:
-        with torch.no_grad():
-            model.weight[0, 0] = float("nan")
-    return model, opt, ckpt.save_checkpoint(tmp_path, step, model=model, optimizer=opt,
-                                            extra={"rng": ckpt.capture_rng_state(), "consumed_tokens": 3})
-
-
 # ----------------------------------------------------------------------------------------------------
 # the integrity record (the public functions other checkpoint formats use)
 # ----------------------------------------------------------------------------------------------------
 
 
 def test_integrity_record_names_damage_per_file(tmp_path, caplog):
-    model, opt, path = _small_model_ckpt(tmp_path)
+    model, opt, path = small_model_ckpt(tmp_path)
     meta = ckpt.read_meta(path)
     rec = meta["integrity"]
     assert rec["algo"] == "sha256" and set(rec["files"]) == set(meta["files"]) == {"model.pt", "optim.pt", "rng.pt"}
@@ -119,7 +70,7 @@ def test_integrity_record_names_damage_per_file(tmp_path, caplog):
     assert rec == ckpt.integrity_record(path, meta["files"])
     assert ckpt.verify_checkpoint(path) == []
 
-    _flip(os.path.join(path, "model.pt"))
+    flip_bytes(os.path.join(path, "model.pt"))
     _truncate(os.path.join(path, "optim.pt"))
     with pytest.raises(ckpt.CheckpointDamagedError, match="model.pt: expected"):
         ckpt.load_checkpoint(path, model=model, optimizer=opt)
@@ -149,7 +100,7 @@ def test_integrity_record_names_damage_per_file(tmp_path, caplog):
         ckpt.integrity_record(shard, ["../escape"])
 
     # a checkpoint from before the record: loads, with one warning that it cannot be verified
-    _, _, old = _small_model_ckpt(tmp_path / "old")
+    _, _, old = small_model_ckpt(tmp_path / "old")
     meta = ckpt.read_meta(old)
     del meta["integrity"]
     json.dump(meta, open(os.path.join(old, "meta.json"), "w"))
@@ -160,25 +111,25 @@ def test_integrity_record_names_damage_per_file(tmp_path, caplog):
 
 
 def test_loaders_refuse_unreadable_files_and_non_finite_values(tmp_path):
-    model, opt, path = _small_model_ckpt(tmp_path / "nan", nan=True)
+    model, opt, path = small_model_ckpt(tmp_path / "nan", nan=True)
     for load in (lambda: ckpt.load_checkpoint(path, model=model), lambda: ckpt.read_model_and_optim(path)):
         with pytest.raises(ckpt.CheckpointDamagedError, match=r"model.pt: non-finite values in 'weight' \(1 of 12"):
             load()
-    _, _, path = _small_model_ckpt(tmp_path / "inf")
+    _, _, path = small_model_ckpt(tmp_path / "inf")
     _nan_with_valid_record(path, "optim.pt")
     with pytest.raises(ckpt.CheckpointDamagedError, match=r"optim.pt: non-finite values in 'state.0.exp_avg'"):
         ckpt.load_checkpoint(path, model=model, optimizer=opt)
-    _, _, path = _small_model_ckpt(tmp_path / "cut")
+    _, _, path = small_model_ckpt(tmp_path / "cut")
     _truncate(os.path.join(path, "model.pt"))
     with pytest.raises(ckpt.CheckpointDamagedError, match=r"model.pt: unreadable \("):
         ckpt.load_checkpoint(path, model=model, verify=False)  # the loader alone, as for an unverifiable checkpoint
-    _, _, path = _small_model_ckpt(tmp_path / "shape")
+    _, _, path = small_model_ckpt(tmp_path / "shape")
     with pytest.raises(ckpt.CheckpointMismatchError, match=r"'weight' is \[3, 4\] in the checkpoint, \[5, 4\] in the model"):
         ckpt.load_checkpoint(path, model=torch.nn.Linear(4, 5))
 
 
 def test_temp_dirs_of_crashes_are_cleaned(tmp_path):
-    _, _, first = _small_model_ckpt(tmp_path)
+    _, _, first = small_model_ckpt(tmp_path)
     # what kills during a save leave: a temp dir, and a replaced checkpoint moved aside before its successor's rename
     root = tmp_path / "checkpoints"
     (root / ".tmp-step_00000003-4242").mkdir()
@@ -276,13 +227,13 @@ def _deny_writes(monkeypatch, under):
 def test_second_trainer_refuses_before_writing_anything(tmp_path, live_process, capsys):
     run = str(tmp_path / "run")
     _foreign_lock(run, live_process.pid)
-    assert _main(run, "train.steps=1") == EXIT_LOCKED
+    assert run_main(run, "train.steps=1") == EXIT_LOCKED
     err = capsys.readouterr().err
     assert f"pid {live_process.pid} on {socket.gethostname()}" in err and "in use by another trainer" in err
     assert os.listdir(run) == [runlock.LOCK_NAME]  # no config.yaml, metrics, pids, last_exit.json
     live_process.kill()
     live_process.wait()
-    assert _main(run, "train.steps=1") == EXIT_OK  # the owner is gone: its lock is stale
+    assert run_main(run, "train.steps=1") == EXIT_OK  # the owner is gone: its lock is stale
     assert not os.path.exists(os.path.join(run, runlock.LOCK_NAME))  # released at exit
 
 
@@ -294,13 +245,13 @@ def test_second_trainer_refuses_before_writing_anything(tmp_path, live_process, 
 @pytest.mark.parametrize("damage", ["model.pt flip", "optim.pt flip", "model.pt cut", "optim.pt cut", "rng.pt cut",
                                     "model.pt nan", "optim.pt nan"])
 def test_resume_auto_skips_a_damaged_checkpoint(base_run, tmp_path, caplog, damage):
-    run = _copy(base_run, tmp_path)
+    run = copy_run(base_run, tmp_path)
     rel, how = damage.split()
     latest = os.path.join(run, "checkpoints", "step_00000004")
-    {"flip": lambda: _flip(os.path.join(latest, rel)), "cut": lambda: _truncate(os.path.join(latest, rel)),
+    {"flip": lambda: flip_bytes(os.path.join(latest, rel)), "cut": lambda: _truncate(os.path.join(latest, rel)),
      "nan": lambda: _nan_with_valid_record(latest, rel)}[how]()
     with caplog.at_level(logging.WARNING):
-        assert _main(run, "train.steps=3", "run.save_final=false", resume="auto") == EXIT_OK
+        assert run_main(run, "train.steps=3", "run.save_final=false", resume="auto") == EXIT_OK
     assert f"checkpoint {latest} is damaged and is skipped: " in caplog.text
     assert (f"{rel}: expected" if how != "nan" else f"{rel}: non-finite values") in caplog.text
     assert "resumed from " + os.path.join(run, "checkpoints", "step_00000002") in caplog.text
@@ -311,30 +262,30 @@ def test_resume_auto_skips_a_damaged_sharded_checkpoint(tmp_path, caplog):
     """The sharded format (every rank's DCP file in meta.json's integrity record): a flipped chunk file is named
     and skipped like a canonical file."""
     run = str(tmp_path / "run")
-    assert _main(run, "train.steps=4", "run.save_interval=2", "run.checkpoint_format=sharded") == EXIT_OK
+    assert run_main(run, "train.steps=4", "run.save_interval=2", "run.checkpoint_format=sharded") == EXIT_OK
     latest = os.path.join(run, "checkpoints", "step_00000004")
     chunk = next(f for f in ckpt.read_meta(latest)["integrity"]["files"] if f.endswith(".distcp"))
-    _flip(os.path.join(latest, chunk))
+    flip_bytes(os.path.join(latest, chunk))
     with caplog.at_level(logging.WARNING):
-        assert _main(run, "train.steps=3", "run.save_final=false", "run.checkpoint_format=sharded",
+        assert run_main(run, "train.steps=3", "run.save_final=false", "run.checkpoint_format=sharded",
                      resume="auto") == EXIT_OK
     assert f"checkpoint {latest} is damaged and is skipped: {chunk}: expected" in caplog.text
     assert _steps(run) == [1, 2, 3]  # step 3 trained after the intact step 2 (the later lines superseded)
 
 
 def test_no_intact_checkpoint_exits_6_naming_each(base_run, tmp_path, capsys):
-    run = _copy(base_run, tmp_path)
+    run = copy_run(base_run, tmp_path)
     config_before = open(os.path.join(run, "config.yaml")).read()
-    _flip(os.path.join(run, "checkpoints", "step_00000004", "model.pt"))
+    flip_bytes(os.path.join(run, "checkpoints", "step_00000004", "model.pt"))
     _truncate(os.path.join(run, "checkpoints", "step_00000002", "optim.pt"))
-    assert _main(run, "train.steps=5", resume="auto") == EXIT_NO_CHECKPOINT
+    assert run_main(run, "train.steps=5", resume="auto") == EXIT_NO_CHECKPOINT
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "no intact checkpoint" in err and "step_00000004: model.pt: expected" in err
     assert "step_00000002: optim.pt: expected" in err
-    assert _status(run)["exit_code"] == EXIT_NO_CHECKPOINT
+    assert last_exit(run)["exit_code"] == EXIT_NO_CHECKPOINT
     assert open(os.path.join(run, "config.yaml")).read() == config_before
     # a checkpoint named by path gets no stand-in
-    assert _main(run, "train.steps=5", resume=os.path.join(run, "checkpoints", "step_00000004")) == EXIT_NO_CHECKPOINT
+    assert run_main(run, "train.steps=5", resume=os.path.join(run, "checkpoints", "step_00000004")) == EXIT_NO_CHECKPOINT
     assert "has no stand-in" in capsys.readouterr().err
 
 
@@ -349,7 +300,7 @@ def test_non_finite_stop_names_a_checkpoint_that_verifies(tmp_path):
         out = real_forward(*a, **k)
         calls["n"] += 1
         if calls["n"] == 4 * tr.accum + 1:  # step 5 begins; the step-4 checkpoint gets damaged on disk
-            _flip(os.path.join(tmp_path, "nf", "checkpoints", "step_00000004", "model.pt"))
+            flip_bytes(os.path.join(tmp_path, "nf", "checkpoints", "step_00000004", "model.pt"))
         if calls["n"] > 4 * tr.accum:
             out.loss = out.loss * float("nan")
         return out
@@ -369,273 +320,33 @@ def test_non_finite_stop_names_a_checkpoint_that_verifies(tmp_path):
 
 
 def test_resume_with_changed_shape_exits_2_and_keeps_config(base_run, tmp_path, capsys):
-    run = _copy(base_run, tmp_path)
+    run = copy_run(base_run, tmp_path)
     config_before = open(os.path.join(run, "config.yaml")).read()
-    assert _main(run, "train.steps=6", "model.d_model=64", resume="auto") == EXIT_CONFIG
+    assert run_main(run, "train.steps=6", "model.d_model=64", resume="auto") == EXIT_CONFIG
     lines = capsys.readouterr().err.strip().splitlines()
     assert "Traceback" not in "\n".join(lines)
     last = lines[-1]
     assert last.startswith("megassm-train: config error: run.resume: checkpoint ") and "does not fit the model" in last
     assert "model.d_model: 32 in the checkpoint, 64 now" in last
     assert open(os.path.join(run, "config.yaml")).read() == config_before
-    assert _status(run)["exit_code"] == EXIT_CONFIG
+    assert last_exit(run)["exit_code"] == EXIT_CONFIG
 
 
 def test_unwritable_checkpoints_exit_4(base_run, tmp_path, monkeypatch, capsys):
-    run = _copy(base_run, tmp_path)
+    run = copy_run(base_run, tmp_path)
     with monkeypatch.context() as m:
         _deny_writes(m, os.path.join(run, "checkpoints"))
-        assert _main(run, "train.steps=6", resume="auto") == EXIT_IO
+        assert run_main(run, "train.steps=6", resume="auto") == EXIT_IO
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("megassm-train: I/O error: cannot write checkpoints to ") and "Read-only" in err
-    assert _status(run)["exit_code"] == EXIT_IO
+    assert last_exit(run)["exit_code"] == EXIT_IO
 
     # a read-only run directory: the lock cannot be taken, nothing can be recorded there
     ro = tmp_path / "ro"
     with monkeypatch.context() as m:
         _deny_writes(m, ro)
-        assert _main(str(ro / "run"), "train.steps=1") == EXIT_IO
+        assert run_main(str(ro / "run"), "train.steps=1") == EXIT_IO
     assert "cannot lock run.dir" in capsys.readouterr().err
-
-
-# ----------------------------------------------------------------------------------------------------
-# a full disk or a file-size limit during a save: real ones (a small tmpfs, RLIMIT_FSIZE), not a raised OSError
-# ----------------------------------------------------------------------------------------------------
-UNEXPECTED_POS = "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"  # torch's words for both
-
-
-@pytest.fixture
-def small_fs(tmp_path):
-    """mount(size) -> a directory on a tmpfs of `size` bytes of its own, unmounted at the end. Skipped where
-    mounting is not allowed (not root, a container without CAP_SYS_ADMIN)."""
-    mounted = []
-
-    def mount(size: int):
-        if os.geteuid() != 0:
-            pytest.skip("a real full file system needs a small tmpfs, and mounting one needs root")
-        d = tmp_path / f"fs{len(mounted)}"
-        d.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], capture_output=True,
-                           text=True)
-        if r.returncode != 0:
-            pytest.skip(f"mount -t tmpfs is not permitted here: {r.stderr.strip()}")
-        mounted.append(d)
-        return d
-
-    yield mount
-    for d in mounted:
-        if subprocess.run(["umount", str(d)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(d)], capture_output=True)
-
-
-def _fill(fs):
-    """Write zeros into fs/filler until the file system is full (another writer took the space)."""
-    fd = os.open(fs / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    try:
-        while True:
-            os.write(fd, b"\0" * 65536)
-    except OSError as e:
-        assert e.errno == errno.ENOSPC, e
-    finally:
-        os.close(fd)
-
-
-def _pages(path):
-    """Bytes a tmpfs holds for the files under `path` (whole 4 KiB pages)."""
-    return sum(-(-os.path.getsize(os.path.join(d, f)) // 4096) * 4096 for d, _, fs in os.walk(path) for f in fs)
-
-
-def test_file_size_limit_during_a_save_exits_4(base_run, tmp_path):
-    """A real RLIMIT_FSIZE (`ulimit -f` in the shell that starts the trainer): the write of model.pt stops at the limit
-    and torch raises `RuntimeError: ... unexpected pos`; the trainer (which ignores SIGXFSZ itself) exits 4 naming the
-    file and the limit, the temp checkpoint is gone, the earlier ones verify, and the run resumes without the limit."""
-    from multiproc import run_bounded
-
-    run = _copy(base_run, tmp_path)
-    limit = 64 << 10  # above every other file a run writes, below model.pt (~150 kB)
-    train = [sys.executable, "-m", "megassm.train", "--config", "configs/tiny.yaml", *SMALL, f"run.dir={run}",
-             "train.steps=6", "run.save_interval=2", "--resume", "auto"]
-    # no .pyc writes in the limited process: a large one would meet the limit before the trainer ignores SIGXFSZ
-    r = run_bounded(["sh", "-c", f'ulimit -f {limit // 512} && exec "$@"', "sh", *train], 300, cwd=ROOT,
-                    env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
-    assert r.returncode == EXIT_IO, r.stderr[-3000:]
-    err = r.stderr.strip().splitlines()[-1]
-    assert err.startswith(f"megassm-train: I/O error: cannot write checkpoint {run}/checkpoints/step_00000006: "
-                          f"model.pt: File too large (the process's file-size limit, RLIMIT_FSIZE / ulimit -f, is "
-                          f"{limit} bytes); the partial checkpoint was removed"), err
-    status = _status(run)
-    assert status["exit_code"] == EXIT_IO and status["checkpoint"].endswith("step_00000004")
-    root = os.path.join(run, "checkpoints")
-    assert sorted(os.listdir(root)) == ["step_00000002", "step_00000004"]  # no .tmp-step_00000006-*
-    assert all(ckpt.verify_checkpoint(os.path.join(root, c)) == [] for c in os.listdir(root))
-    assert _main(run, "train.steps=6", resume="auto") == EXIT_OK
-
-
-def test_full_disk_during_a_sharded_save_exits_4(tmp_path, small_fs, capsys):
-    """A tmpfs with room for half a checkpoint more: the DCP chunk write of the next save fails (torch's
-    CheckpointException around `unexpected pos`, the ENOSPC chained); exit 4 naming the cause, the half-written
-    checkpoint removed (its space free again), the earlier one intact."""
-    base = tmp_path / "base"
-    sharded = ("run.checkpoint_format=sharded", "run.save_interval=2")
-    assert _main(base, "train.steps=2", *sharded) == EXIT_OK
-    one = _pages(base / "checkpoints" / "step_00000002")
-    fs = small_fs(_pages(base) + one // 2 + (64 << 10))  # 64 kB for the lines and records a run adds
-    run = fs / "run"
-    shutil.copytree(base, run)
-    assert _main(run, "train.steps=4", *sharded, resume="auto") == EXIT_IO
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert re.match(rf"megassm-train: I/O error: cannot write checkpoint {run}/checkpoints/step_00000004: "
-                    r"dcp(/__0_\d+\.distcp)?: No space left on device \(\d+ bytes free on its file system\); the "
-                    r"partial checkpoint was removed", err), err
-    assert os.listdir(run / "checkpoints") == ["step_00000002"]
-    assert ckpt.verify_checkpoint(run / "checkpoints" / "step_00000002") == []
-    assert os.statvfs(fs).f_bavail * os.statvfs(fs).f_frsize > one // 2  # the partial chunk's space is free again
-    assert _status(run)["exit_code"] == EXIT_IO
-
-
-def test_full_disk_while_meta_json_is_written(tmp_path, small_fs, monkeypatch):
-    """Every file of a save counts, meta.json too; and the failure is recognised without its errno (a DCP error
-    gathered from another rank arrives without the chain) from the disk itself: no space, or a file at the limit."""
-    import resource
-
-    fs = small_fs(8 << 20)
-    model, opt, first = _small_model_ckpt(fs)
-    real = ckpt._write_json
-
-    def fill_then_write(obj, path):  # the file system fills up (another writer) just before meta.json is written
-        _fill(fs)
-        real(obj, path)
-
-    monkeypatch.setattr(ckpt, "_write_json", fill_then_write)
-    with pytest.raises(ckpt.CheckpointWriteError, match=r"^cannot write checkpoint .*step_00000002: meta.json: No "
-                                                        r"space left on device \(\d+ bytes free on its file system\); "
-                                                        r"the partial checkpoint was removed"):
-        ckpt.save_checkpoint(fs, 2, model=model, optimizer=opt, extra={"rng": ckpt.capture_rng_state()})
-    assert os.listdir(fs / "checkpoints") == ["step_00000001"] and ckpt.verify_checkpoint(first) == []
-
-    assert ckpt.disk_failure(RuntimeError(UNEXPECTED_POS), str(fs / "checkpoints")).errno == errno.ENOSPC
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    gathered = CheckpointException("write", {1: (RuntimeError(UNEXPECTED_POS), None)})  # pickled from rank 1: no chain
-    assert ckpt.disk_failure(gathered, str(fs / "checkpoints")).errno == errno.ENOSPC
-    assert ckpt.disk_failure(ValueError("a bug"), str(fs / "checkpoints")) is None  # only torch's write errors
-    os.remove(fs / "filler")
-    assert ckpt.disk_failure(RuntimeError(UNEXPECTED_POS), str(fs / "checkpoints")) is None  # room: not the disk
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    largest = max((os.path.join(first, f) for f in os.listdir(first)), key=os.path.getsize)
-    size = os.path.getsize(largest)
-    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # nothing is written while the limit is this low
-    try:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
-        found = ckpt.disk_failure(RuntimeError(UNEXPECTED_POS), first)
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, handler)
-    assert found.errno == errno.EFBIG and found.filename == largest
-    assert f"RLIMIT_FSIZE / ulimit -f, is {size} bytes" in found.strerror
-
-
-# ----------------------------------------------------------------------------------------------------
-# every reader of checkpoints verifies as run.resume does: export, model.init_from, generate, eval, convert
-# ----------------------------------------------------------------------------------------------------
-EXPORTABLE = ("model.attn.rope=false", "model.mlp.activation=relu2")  # a hybrid transformers' NemotronH takes
-
-
-@pytest.fixture(scope="module")
-def exportable_run(tmp_path_factory):
-    run = str(tmp_path_factory.mktemp("exportable") / "run")
-    assert _main(run, *EXPORTABLE, "train.steps=4", "run.save_interval=2") == EXIT_OK
-    return run
-
-
-def _damage_newest(run):
-    """Flip bytes of the newest checkpoint's model.pt: (it, the older one, the problem as verification words it)."""
-    newest, older = (os.path.join(run, "checkpoints", f"step_0000000{s}") for s in (4, 2))
-    rec = ckpt.read_meta(newest)["integrity"]["files"]["model.pt"]
-    _flip(os.path.join(newest, "model.pt"))
-    found = ckpt.file_record(os.path.join(newest, "model.pt"))["sha256"]
-    return newest, older, (f"model.pt: expected {rec['bytes']} bytes sha256 {rec['sha256'][:12]}.., found sha256 "
-                           f"{found[:12]}.. (same size, other bytes)")
-
-
-def _one_error_line(capsys):
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err
-    return err[0]
-
-
-def test_export_and_convert_verify_the_checkpoint_they_read(exportable_run, tmp_path, capsys, caplog):
-    pytest.importorskip("transformers")
-    pytest.importorskip("safetensors")
-    from megassm.checkpoint_cli import main as convert
-    from megassm.export_cli import main as export
-
-    run = _copy(exportable_run, tmp_path)
-    newest, older, problem = _damage_newest(run)
-    out = tmp_path / "out"
-    out.mkdir()
-    assert export(["--checkpoint", newest, "--format", "hf", "--output", str(out / "hf")]) == EXIT_NO_CHECKPOINT
-    err = _one_error_line(capsys)
-    assert err.startswith(f"megassm-export: error: --checkpoint: checkpoint {newest} is damaged: {problem}"), err
-    assert os.listdir(out) == []  # nothing written
-    with caplog.at_level(logging.WARNING):
-        assert export(["--run", run, "--format", "hf", "--output", str(out / "hf")]) == EXIT_OK
-    assert f"checkpoint {newest} is damaged and is skipped: {problem}" in caplog.text
-    assert f"reading {older}, the newest intact checkpoint" in caplog.text
-    assert f"`{older}`" in (out / "hf" / "README.md").read_text()  # exported from the intact older one
-    capsys.readouterr()
-
-    # convert: a damaged input is refused (its copy would get a fresh record and pass for intact), nothing written
-    assert convert(["convert", "--input", newest, "--output", str(out / "c"), "--to", "sharded"]) == EXIT_NO_CHECKPOINT
-    assert problem in _one_error_line(capsys) and sorted(os.listdir(out)) == ["hf"]
-    # sharded checkpoints likewise: a changed chunk is named
-    assert convert(["convert", "--input", older, "--output", str(out / "sharded"), "--to", "sharded"]) == EXIT_OK
-    capsys.readouterr()
-    chunk = next(f for f in ckpt.read_meta(str(out / "sharded"))["integrity"]["files"] if f.endswith(".distcp"))
-    _flip(out / "sharded" / chunk)
-    assert export(["--checkpoint", str(out / "sharded"), "--format", "hf", "--output", str(out / "hf2")]) == 6
-    assert f"{chunk}: expected" in _one_error_line(capsys) and not os.path.exists(out / "hf2")
-    assert convert(["convert", "--input", str(out / "sharded"), "--output", str(out / "c"), "--to", "canonical"]) == 6
-    assert f"{chunk}: expected" in _one_error_line(capsys) and not os.path.exists(out / "c")
-
-
-def test_init_from_verifies_the_checkpoint_it_reads(exportable_run, tmp_path, capsys, caplog):
-    run = _copy(exportable_run, tmp_path)
-    newest, older, problem = _damage_newest(run)
-    new = tmp_path / "new"
-    assert _main(new, *EXPORTABLE, f"model.init_from={newest}", "train.steps=1") == EXIT_NO_CHECKPOINT
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err == (f"megassm-train: model.init_from: checkpoint {newest} is damaged: {problem}. A checkpoint named by "
-                   "path has no stand-in: restore it, or name another (a run directory takes its newest intact one)")
-    assert not os.path.exists(new)  # refused before the run directory was claimed
-    with caplog.at_level(logging.INFO):
-        assert _main(new, *EXPORTABLE, f"model.init_from={run}", "train.steps=1", "run.save_final=false") == EXIT_OK
-    assert f"checkpoint {newest} is damaged and is skipped: {problem}" in caplog.text
-    assert f"model.init_from: initial weights from {older} (megassm layout)" in caplog.text
-
-
-def test_generate_and_eval_verify_the_checkpoint_they_read(exportable_run, tmp_path, capsys, caplog):
-    from megassm.evaluation.cli import main as evaluate
-    from megassm.generate_cli import main as generate
-
-    run = _copy(exportable_run, tmp_path)
-    newest, older, problem = _damage_newest(run)
-    gen = ["--prompt", "def", "--max-new-tokens", "2", "--json"]
-    assert generate(["--checkpoint", newest, *gen]) == EXIT_NO_CHECKPOINT
-    err = _one_error_line(capsys)
-    assert err.startswith(f"megassm-generate: --checkpoint: checkpoint {newest} is damaged: {problem}"), err
-    with caplog.at_level(logging.WARNING):
-        assert generate(["--run", run, *gen]) == EXIT_OK
-    assert json.loads(capsys.readouterr().out.splitlines()[0])["step"] == 2
-    assert f"checkpoint {newest} is damaged and is skipped: {problem}" in caplog.text
-    ctx = ["context", "--run", run, "--max-tokens", "64", "--docs", "2", "--batch-size", "2", "--no-baseline"]
-    assert evaluate([*ctx, "--checkpoint", newest]) == EXIT_NO_CHECKPOINT
-    assert _one_error_line(capsys).startswith(f"megassm-eval: --checkpoint: checkpoint {newest} is damaged: {problem}")
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        assert evaluate(ctx) == EXIT_OK  # --checkpoint auto: the run's newest intact one
-    assert json.load(open(os.path.join(run, "eval", "context_step_00000002.json")))["checkpoint"] == older
-    assert f"checkpoint {newest} is damaged and is skipped: {problem}" in caplog.text
 
 
 def test_a_shard_with_another_shards_idx_exits_2(tmp_path, capsys):
@@ -647,7 +358,7 @@ def test_a_shard_with_another_shards_idx_exits_2(tmp_path, capsys):
     os.rename(a + ".idx", tmp_path / "swap")
     os.rename(b + ".idx", a + ".idx")
     os.rename(tmp_path / "swap", b + ".idx")
-    assert _main(tmp_path / "run", "data.builtin=null", f"data.paths=[{a}]", "train.steps=2") == EXIT_CONFIG
+    assert run_main(tmp_path / "run", "data.builtin=null", f"data.paths=[{a}]", "train.steps=2") == EXIT_CONFIG
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"megassm-train: config error: data: {a}.idx: sha256 ") and \
         f"but {a}.manifest.json records " in err and "swapped with another shard's .idx?" in err, err
@@ -655,12 +366,12 @@ def test_a_shard_with_another_shards_idx_exits_2(tmp_path, capsys):
 
 
 def test_temp_checkpoints_of_crashes_are_removed_at_start(base_run, tmp_path, caplog):
-    run = _copy(base_run, tmp_path)
+    run = copy_run(base_run, tmp_path)
     left = os.path.join(run, "checkpoints", ".tmp-step_00000006-999999")
     shutil.copytree(os.path.join(run, "checkpoints", "step_00000004"), left)
     os.remove(os.path.join(left, "meta.json"))
     with caplog.at_level(logging.WARNING):
-        assert _main(run, "train.steps=5", "run.save_final=false", resume="auto") == EXIT_OK
+        assert run_main(run, "train.steps=5", "run.save_final=false", resume="auto") == EXIT_OK
     assert not os.path.exists(left) and "removed .tmp-step_00000006-999999" in caplog.text
 
 
@@ -675,16 +386,16 @@ def test_bad_token_ids_are_named_with_their_file(tmp_path, monkeypatch, capsys):
     json.dump({"tokenizer": {"name": "byte", "sha256": "b", "vocab_size": 257, "eos_id": 256}},
               open(prefix + ".manifest.json", "w"))
     args = ("data.builtin=null", f"data.paths=[{prefix}]", "train.steps=30", "data.split=[90,5,5]")
-    assert _main(tmp_path / "a", *args) == EXIT_CONFIG  # scanned at start: before any compute
+    assert run_main(tmp_path / "a", *args) == EXIT_CONFIG  # scanned at start: before any compute
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"{prefix}.bin: token id 5000 in document 5 (token 0) is outside the model's vocabulary of 257" in err
     assert "manifest.json says vocabulary 257" in err and not os.path.exists(tmp_path / "a" / "metrics.jsonl")
 
     monkeypatch.setattr(dataset, "SCAN_TOKENS", 0)  # a corpus too large to scan: the read that meets the id fails
-    assert _main(tmp_path / "b", *args) == EXIT_CONFIG
+    assert run_main(tmp_path / "b", *args) == EXIT_CONFIG
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("megassm-train: data error: ") and "token id 5000 in document " in err
-    assert _status(tmp_path / "b")["exit_code"] == EXIT_CONFIG
+    assert last_exit(tmp_path / "b")["exit_code"] == EXIT_CONFIG
 
 
 def test_launcher_world_size_must_match_the_config(monkeypatch):
@@ -697,14 +408,14 @@ def test_launcher_world_size_must_match_the_config(monkeypatch):
 
 
 def test_config_differs_warning_names_keys_and_ignores_run_only_ones(base_run, tmp_path, caplog):
-    run = _copy(base_run, tmp_path)
+    run = copy_run(base_run, tmp_path)
     with caplog.at_level(logging.WARNING):
-        assert _main(run, "train.steps=4", "run.save_final=false", "run.keep_last=5", "data.prefetch=0",
+        assert run_main(run, "train.steps=4", "run.save_final=false", "run.keep_last=5", "data.prefetch=0",
                      resume="auto") == EXIT_OK
     assert "differs" not in caplog.text  # run.resume, run.keep_last, run.save_final, data.prefetch changed
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        assert _main(run, "train.steps=4", "optim.lr=1e-3", "run.save_final=false", resume="auto") == EXIT_OK
+        assert run_main(run, "train.steps=4", "optim.lr=1e-3", "run.save_final=false", resume="auto") == EXIT_OK
     assert "differs from the one it was saved with: optim.lr: 0.003 in the checkpoint, 0.001 now" in caplog.text
 
 
@@ -746,9 +457,9 @@ def test_aborted_run_exits_130_with_its_record(tmp_path, monkeypatch, capsys):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(Trainer, "fit", interrupted)
-    assert _main(tmp_path / "r", "train.steps=3") == EXIT_ABORTED
+    assert run_main(tmp_path / "r", "train.steps=3") == EXIT_ABORTED
     assert "aborted by a second Ctrl-C at step 1" in capsys.readouterr().err
-    assert _status(tmp_path / "r")["exit_code"] == EXIT_ABORTED
+    assert last_exit(tmp_path / "r")["exit_code"] == EXIT_ABORTED
 
 
 def test_sigint_checkpoints_and_exits_99(tmp_path):
@@ -764,7 +475,7 @@ def test_sigint_checkpoints_and_exits_99(tmp_path):
     finally:
         stop(p)
     assert p.returncode == T.EXIT_PREEMPTED, err[-2000:]
-    status = _status(run)
+    status = last_exit(run)
     assert status["signal"] == "SIGINT" and status["exit_code"] == T.EXIT_PREEMPTED
     assert ckpt.verify_checkpoint(status["checkpoint"]) == [] and "press Ctrl-C again" in err
     assert "Traceback" not in err
@@ -783,10 +494,10 @@ def _torchrun(args, timeout=300):
 
 
 def test_two_ranks_share_the_lock_refusal_and_the_fallback(base_run, tmp_path, live_process):
-    run = _copy(base_run, tmp_path)
+    run = copy_run(base_run, tmp_path)
     os.remove(os.path.join(run, "last_exit.json"))
     shutil.rmtree(os.path.join(run, "pids"))
-    _flip(os.path.join(run, "checkpoints", "step_00000004", "optim.pt"))
+    flip_bytes(os.path.join(run, "checkpoints", "step_00000004", "optim.pt"))
     lock = _foreign_lock(run, live_process.pid)
     r = _torchrun([f"run.dir={run}", "train.steps=5", "--resume", "auto"])
     assert r.returncode != 0
@@ -800,7 +511,7 @@ def test_two_ranks_share_the_lock_refusal_and_the_fallback(base_run, tmp_path, l
     r = _torchrun([f"run.dir={run}", "train.steps=5", "--resume", "auto"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stderr.count("step_00000004 is damaged and is skipped: optim.pt: expected") == 2  # both ranks agree
-    assert _steps(run) == [1, 2, 3, 4, 5] and _status(run)["exit_code"] == EXIT_OK
+    assert _steps(run) == [1, 2, 3, 4, 5] and last_exit(run)["exit_code"] == EXIT_OK
     assert len(os.listdir(os.path.join(run, "pids"))) == 2 and not os.path.exists(lock)
     assert ckpt.verify_checkpoint(os.path.join(run, "checkpoints", "step_00000005")) == []
 

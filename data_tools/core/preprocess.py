@@ -142,6 +142,13 @@ def _ordered_map(workers: int, opts: EncodeOptions, tok, tasks: Iterable, direct
         pool.join()
 
 
+def _discard_failed_work(work: str) -> None:
+    """In a `finally` after a failed run: the work directory goes, unless an interruption (progress kept for
+    --resume). Bad input or a bug leaves nothing worth resuming, so nothing is left behind."""
+    if not isinstance(sys.exc_info()[1], KeyboardInterrupt) and os.path.isdir(work):
+        shutil.rmtree(work)
+
+
 def _remove_pieces(work: str) -> None:
     """Piece files that an interrupted run's workers left (their tasks are redone)."""
     for name in os.listdir(work):
@@ -374,9 +381,7 @@ def preprocess(
     finally:
         if not succeeded:
             writer.close_files()
-            exc = sys.exc_info()[1]
-            if not isinstance(exc, KeyboardInterrupt) and os.path.isdir(work):
-                shutil.rmtree(work)  # bad input or a bug: nothing worth resuming, leave nothing behind
+            _discard_failed_work(work)
 
     # Hash, move into place, then write the manifest last: its presence marks a complete output.
     numbered = shard_size is not None
@@ -457,9 +462,7 @@ def _preprocess_groups(files, output_prefix, work, tok, opts, fingerprint, group
         raise
     finally:
         if not succeeded:
-            exc = sys.exc_info()[1]
-            if not isinstance(exc, KeyboardInterrupt) and os.path.isdir(work):
-                shutil.rmtree(work)  # bad input or a bug: nothing worth resuming, leave nothing behind
+            _discard_failed_work(work)
     in_sha = input_hashes.get() if input_hashes is not None else _InputHashes(_hashed(files), False).get()
     stats = dict.fromkeys(STAT_KEYS, 0)
     for r in done.values():

@@ -18,7 +18,7 @@ from .. import env
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
-_AUTOTUNE = os.environ.get("MEGASSM_TRITON_AUTOTUNE", "1").strip().lower() not in ("0", "false", "no", "off")
+_AUTOTUNE = env.triton_autotune()  # MEGASSM_TRITON_AUTOTUNE (kernels.autotune), read at import
 
 
 class _Tuned:
@@ -308,20 +308,7 @@ TILES = {
 }
 
 
-def _tiles_from_env(table, text):
-    """MEGASSM_SSD_TILES="dx_bs=64,dbc_bs=64": override TILES entries (tuning on another GPU). Unknown names and
-    values that are not powers of two >= 16 fail at import, naming the entry."""
-    for item in filter(None, (t.strip() for t in text.split(","))):
-        name, sep, val = (x.strip() for x in item.partition("="))
-        if not sep or name not in table:
-            raise ValueError(f"MEGASSM_SSD_TILES: {item!r} is not NAME=VALUE with NAME one of {sorted(table)}")
-        v = int(val) if val.isdigit() else 0
-        if v < 16 or v & (v - 1):
-            raise ValueError(f"MEGASSM_SSD_TILES: {name}={val!r} must be a power of two >= 16")
-        table[name] = v
-
-
-_tiles_from_env(TILES, os.environ.get("MEGASSM_SSD_TILES", ""))
+TILES.update(env.ssd_tiles())  # MEGASSM_SSD_TILES (kernels.ssd_tiles), checked by env.py; read at import
 
 
 def _tile(name, limit):

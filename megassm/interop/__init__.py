@@ -1,8 +1,9 @@
 """megassm.interop: export to Hugging Face transformers, and weights from other layouts to start a run from.
 
     mapping.py    names and configs, megassm <-> Mamba2ForCausalLM / NemotronHForCausalLM /
-                  GraniteMoeHybridForCausalLM / mamba_ssm; which class computes the same function, and what has no
-                  exact counterpart (models layer: torch and megassm.config only)
+                  GraniteMoeHybridForCausalLM; which class computes the same function, and what has no exact
+                  counterpart (models layer: torch and megassm.config only)
+    mamba_ssm.py  the same for mamba_ssm's Mamba-2 checkpoints (state-spaces/mamba2-*)
     sources.py    model.init_from: detect a directory's layout, check its config and shapes against the run's
     hf.py         write a transformers directory (config.json, safetensors, tokenizer, README), atomically
     tokenizer.py  the run's tokenizer as one AutoTokenizer loads, verified to give the same ids

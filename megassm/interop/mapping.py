@@ -1,5 +1,5 @@
 """Parameter names and configs: megassm <-> transformers (Mamba2ForCausalLM, NemotronHForCausalLM,
-GraniteMoeHybridForCausalLM) <-> mamba_ssm.
+GraniteMoeHybridForCausalLM); mamba_ssm's checkpoints in mamba_ssm.py.
 
 Pure functions over state dicts and config dicts (torch and megassm.config only): no files, no transformers
 import. `export_target(model_cfg)` says which transformers architecture computes exactly what the model does,
@@ -9,7 +9,6 @@ keys to train with instead.
     target = export_target(cfg.model)                           # "mamba2" | "nemotron_h" | "granitemoehybrid"
     hf_config, hf_state = to_hf(state, cfg.model, target, vocab_padded)
     model_cfg, state = from_hf(hf_config, hf_state)             # back to megassm names and a ModelConfig
-    model_cfg, state = from_mamba_ssm(ssm_config, ssm_state)    # state-spaces/mamba2-* checkpoints
 
 The tensors are the same objects (or reshaped views, or for GraniteMoeHybrid's fused MLP input the
 concatenation of w1 and w3) as the input: no value is changed, so export -> import -> export is bit-identical.
@@ -23,8 +22,8 @@ import torch
 
 from megassm.config import ModelConfig, attn_dims, blocks_of, ffn_hidden, mamba_dims
 
-__all__ = ["NotExportable", "MappingError", "export_target", "to_hf", "from_hf", "from_mamba_ssm", "HF_ARCH",
-           "to_mamba_ssm", "config_differences", "FOREIGN_KEYS"]
+__all__ = ["NotExportable", "MappingError", "export_target", "to_hf", "from_hf", "HF_ARCH",
+           "config_differences", "FOREIGN_KEYS"]
 
 HF_ARCH = {"mamba2": "Mamba2ForCausalLM", "nemotron_h": "NemotronHForCausalLM",
            "granitemoehybrid": "GraniteMoeHybridForCausalLM"}
@@ -304,7 +303,7 @@ def to_hf(state: dict, m: ModelConfig, target: str, vocab_padded: int,
 # ----------------------------------------------------------------------------------------------------
 # transformers -> megassm
 # ----------------------------------------------------------------------------------------------------
-def _get(cfg: dict, key: str, default=None, where: str = "config.json"):
+def config_value(cfg: dict, key: str, default=None, where: str = "config.json"):
     if key in cfg:
         return cfg[key]
     if default is None:
@@ -317,7 +316,7 @@ def _num(v) -> float:
     return float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else float(v)
 
 
-def _limit(v) -> list[float] | None:
+def limit_pair(v) -> list[float] | None:
     if v is None:
         return None
     lo, hi = _num(v[0]), _num(v[1])
@@ -338,8 +337,8 @@ def _granite_model_config(cfg: dict, where: str) -> ModelConfig:
     not (experts, multipliers other than 1, an attention scale other than 1/sqrt(head_dim), scaled or partial
     RoPE). Missing keys take GraniteMoeHybridConfig's defaults."""
     m = ModelConfig()
-    m.d_model = int(_get(cfg, "hidden_size", where=where))
-    m.vocab_size = int(_get(cfg, "vocab_size", where=where))
+    m.d_model = int(config_value(cfg, "hidden_size", where=where))
+    m.vocab_size = int(config_value(cfg, "vocab_size", where=where))
     m.pad_vocab_multiple = 1
     m.norm_eps = float(cfg.get("rms_norm_eps", 1e-6))
     m.tie_embeddings = bool(cfg.get("tie_word_embeddings", False))
@@ -376,7 +375,7 @@ def _granite_model_config(cfg: dict, where: str) -> ModelConfig:
     mc.chunk_size = int(cfg.get("mamba_chunk_size", 256))
     mc.conv_bias = bool(cfg.get("mamba_conv_bias", True))
     mc.proj_bias = bool(cfg.get("mamba_proj_bias", False))
-    mc.dt_limit = _limit(cfg.get("time_step_limit"))
+    mc.dt_limit = limit_pair(cfg.get("time_step_limit"))
     heads = int(cfg.get("mamba_n_heads", 128))
     head = cfg.get("mamba_d_head", "auto")
     mc.headdim = mc.expand * m.d_model // heads if head == "auto" else int(head)
@@ -411,8 +410,8 @@ def hf_model_config(cfg: dict, where: str = "config.json") -> tuple[str, ModelCo
     if mt == "granitemoehybrid":
         return mt, _granite_model_config(cfg, where)
     m = ModelConfig()
-    m.d_model = int(_get(cfg, "hidden_size", where=where))
-    m.vocab_size = int(_get(cfg, "vocab_size", where=where))
+    m.d_model = int(config_value(cfg, "hidden_size", where=where))
+    m.vocab_size = int(config_value(cfg, "vocab_size", where=where))
     m.pad_vocab_multiple = 1
     m.norm_eps = float(cfg.get("layer_norm_epsilon", 1e-5))
     m.tie_embeddings = bool(cfg.get("tie_word_embeddings", mt == "mamba2"))
@@ -422,15 +421,15 @@ def hf_model_config(cfg: dict, where: str = "config.json") -> tuple[str, ModelCo
     mc.d_conv = int(cfg.get("conv_kernel", 4))
     mc.conv_bias = bool(cfg.get("use_conv_bias", True))
     mc.proj_bias = bool(cfg.get("use_bias", False))
-    mc.dt_limit = _limit(cfg.get("time_step_limit"))
+    mc.dt_limit = limit_pair(cfg.get("time_step_limit"))
     mc.chunk_size = int(cfg.get("chunk_size", 256))
     if mt == "mamba2":
         if cfg.get("hidden_act", "silu") != "silu":
             raise MappingError(f"{where}: hidden_act={cfg['hidden_act']!r}; megassm's Mamba-2 uses silu")
         mc.d_state = int(cfg.get("state_size", 128))
         mc.headdim = int(cfg.get("head_dim", 64))
-        _ssm_dims(m, int(_get(cfg, "num_heads", where=where)), where, "num_heads")
-        m.pattern = "M" * int(_get(cfg, "num_hidden_layers", where=where))
+        _ssm_dims(m, int(config_value(cfg, "num_heads", where=where)), where, "num_heads")
+        m.pattern = "M" * int(config_value(cfg, "num_hidden_layers", where=where))
         return "mamba2", m
     if mt != "nemotron_h":
         raise MappingError(f"{where}: model_type {mt!r} is not one megassm imports (mamba2, nemotron_h, "
@@ -452,7 +451,7 @@ def hf_model_config(cfg: dict, where: str = "config.json") -> tuple[str, ModelCo
     mc.d_state = int(cfg.get("ssm_state_size", 128))
     mc.headdim = int(cfg.get("mamba_head_dim", 64))
     if "M" in m.pattern:
-        _ssm_dims(m, int(_get(cfg, "mamba_num_heads", where=where)), where, "mamba_num_heads")
+        _ssm_dims(m, int(config_value(cfg, "mamba_num_heads", where=where)), where, "mamba_num_heads")
     m.attn.rope = False
     m.attn.n_heads = int(cfg.get("num_attention_heads", 32))
     m.attn.n_kv_heads = int(cfg.get("num_key_value_heads") or m.attn.n_heads)
@@ -511,7 +510,7 @@ def from_hf(cfg: dict, state: dict, where: str = "config.json") -> tuple[ModelCo
     contents."""
     target, m = hf_model_config(cfg, where)
     if target == "granitemoehybrid":
-        return m, _untie(m, _from_granite(m, state, where))
+        return m, untie(m, _from_granite(m, state, where))
     root = "backbone" if target == "mamba2" else "model"
     out = {}
     inverse = {}
@@ -538,109 +537,14 @@ def from_hf(cfg: dict, state: dict, where: str = "config.json") -> tuple[ModelCo
             out[f"layers.{i}.{rest}"] = t
         else:
             raise MappingError(f"{where}: weight '{name}' has no megassm counterpart")
-    return m, _untie(m, out)
+    return m, untie(m, out)
 
 
-def _untie(m: ModelConfig, out: dict) -> dict:
+def untie(m: ModelConfig, out: dict) -> dict:
     """A tied source keeps one matrix (drop a stored lm_head copy)."""
     if m.tie_embeddings:
         out.pop("lm_head.weight", None)
     return out
-
-
-# ----------------------------------------------------------------------------------------------------
-# mamba_ssm (state-spaces/mamba2-*: MambaLMHeadModel's config.json + pytorch_model.bin)
-# ----------------------------------------------------------------------------------------------------
-_SSM_DEFAULTS = {"d_state": 128, "d_conv": 4, "expand": 2, "headdim": 64, "ngroups": 1, "chunk_size": 256,
-                 "D_has_hdim": False, "rmsnorm": True, "norm_before_gate": False, "bias": False, "conv_bias": True,
-                 "dt_limit": (0.0, _INF), "d_ssm": None}
-
-
-def mamba_ssm_model_config(cfg: dict, where: str = "config.json") -> ModelConfig:
-    """ModelConfig of a mamba_ssm MambaLMHeadModel config.json (Mamba-2 layers only)."""
-    ssm = dict(cfg.get("ssm_cfg") or {})
-    layer = ssm.pop("layer", "Mamba1")
-    if layer != "Mamba2":
-        raise MappingError(f"{where}: ssm_cfg.layer is '{layer}' (mamba_ssm's default is Mamba1); megassm imports "
-                           "Mamba-2 checkpoints (ssm_cfg.layer = Mamba2)")
-    if cfg.get("attn_layer_idx"):
-        raise MappingError(f"{where}: attn_layer_idx={cfg['attn_layer_idx']}: mamba_ssm's attention layers (packed "
-                           "qkv, partial rotary) are not mapped; only Mamba-2 layers are")
-    if cfg.get("d_intermediate", 0):
-        raise MappingError(f"{where}: d_intermediate={cfg['d_intermediate']}: mamba_ssm's in-block MLPs are not "
-                           "mapped; only Mamba-2 layers are")
-    if not cfg.get("rms_norm", True):
-        raise MappingError(f"{where}: rms_norm=false (LayerNorm blocks); megassm uses RMSNorm")
-    unknown = sorted(set(ssm) - set(_SSM_DEFAULTS) - {"dt_min", "dt_max", "dt_init_floor", "A_init_range",
-                                                       "conv_init", "use_mem_eff_path"})
-    if unknown:
-        raise MappingError(f"{where}: ssm_cfg.{unknown[0]} is not a Mamba-2 option megassm maps")
-    o = {**_SSM_DEFAULTS, **ssm}
-    for key, ok in (("rmsnorm", True), ("d_ssm", None)):
-        if o[key] != ok and not (key == "d_ssm" and o[key] == o["expand"] * cfg.get("d_model", 0)):
-            raise MappingError(f"{where}: ssm_cfg.{key}={o[key]!r} has no megassm counterpart (needs {ok!r})")
-    m = ModelConfig()
-    m.d_model = int(_get(cfg, "d_model", where=where))
-    m.pattern = "M" * int(_get(cfg, "n_layer", where=where))
-    mult = int(cfg.get("pad_vocab_size_multiple", 8))
-    m.vocab_size = int(_get(cfg, "vocab_size", where=where))
-    m.pad_vocab_multiple = mult
-    m.tie_embeddings = bool(cfg.get("tie_embeddings", True))
-    m.norm_eps = float(cfg.get("norm_epsilon", 1e-5))
-    mc = m.mamba
-    mc.d_state, mc.d_conv, mc.expand = int(o["d_state"]), int(o["d_conv"]), int(o["expand"])
-    mc.headdim, mc.ngroups, mc.chunk_size = int(o["headdim"]), int(o["ngroups"]), int(o["chunk_size"])
-    mc.D_has_hdim, mc.norm_before_gate = bool(o["D_has_hdim"]), bool(o["norm_before_gate"])
-    mc.proj_bias, mc.conv_bias = bool(o["bias"]), bool(o["conv_bias"])
-    mc.dt_limit = _limit(o["dt_limit"])
-    return m
-
-
-def from_mamba_ssm(cfg: dict, state: dict, where: str = "config.json") -> tuple[ModelConfig, dict]:
-    """(ModelConfig, canonical megassm state) of a mamba_ssm Mamba-2 checkpoint."""
-    m = mamba_ssm_model_config(cfg, where)
-    out = {}
-    for name, t in state.items():
-        if name == "backbone.embedding.weight":
-            out["embedding.weight"] = t
-        elif name == "backbone.norm_f.weight":
-            out["norm_f.weight"] = t
-        elif name == "lm_head.weight":
-            out["lm_head.weight"] = t
-        elif name.startswith("backbone.layers."):
-            i, rest = name[len("backbone.layers."):].split(".", 1)
-            if rest == "mixer.conv1d.weight" and t.dim() == 3:
-                t = t.squeeze(1)
-            elif rest == "mixer.D" and m.mamba.D_has_hdim and t.dim() == 1:
-                t = t.view(-1, m.mamba.headdim)  # mamba_ssm keeps per-channel D flat [d_inner]
-            out[f"layers.{i}.{rest}"] = t
-        else:
-            raise MappingError(f"{where}: weight '{name}' has no megassm counterpart")
-    return m, _untie(m, out)
-
-
-def to_mamba_ssm(state: dict, m: ModelConfig, vocab: int) -> tuple[dict, dict]:
-    """(config.json, state dict) in mamba_ssm's layout (Mamba-2 patterns only); used to build test fixtures."""
-    if set(blocks_of(m.pattern)) != {"M"}:
-        raise NotExportable("mamba_ssm layout: only patterns of `M` blocks map to MambaLMHeadModel")
-    out = {"backbone.embedding.weight": state["embedding.weight"], "backbone.norm_f.weight": state["norm_f.weight"],
-           "lm_head.weight": state.get("lm_head.weight", state["embedding.weight"])}
-    for name, t in state.items():
-        if name.startswith("layers."):
-            if name.endswith("mixer.conv1d.weight"):
-                t = t.unsqueeze(1)
-            out["backbone." + name] = t
-    mc = m.mamba
-    ssm_cfg = {"layer": "Mamba2", "d_state": mc.d_state, "d_conv": mc.d_conv, "expand": mc.expand,
-               "headdim": mc.headdim, "ngroups": mc.ngroups, "chunk_size": mc.chunk_size, "bias": mc.proj_bias,
-               "conv_bias": mc.conv_bias}
-    if mc.dt_limit is not None:
-        ssm_cfg["dt_limit"] = list(mc.dt_limit)
-    cfg = {"d_model": m.d_model, "d_intermediate": 0, "n_layer": len(m.pattern), "vocab_size": vocab,
-           "ssm_cfg": ssm_cfg, "attn_layer_idx": [], "attn_cfg": {}, "rms_norm": True, "residual_in_fp32": True,
-           "fused_add_norm": True, "pad_vocab_size_multiple": m.pad_vocab_multiple,
-           "tie_embeddings": m.tie_embeddings}
-    return cfg, out
 
 
 # ----------------------------------------------------------------------------------------------------

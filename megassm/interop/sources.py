@@ -20,7 +20,7 @@ import torch
 
 from megassm.config import Config, ConfigError, ModelConfig, config_from_dict
 
-from . import mapping
+from . import mamba_ssm, mapping
 
 __all__ = ["InitFromError", "Source", "open_source", "check_config", "load_state", "checkpoint_of",
            "checkpoint_config"]
@@ -104,7 +104,7 @@ def open_source(path: str, who: str = KEY) -> Source:
                 _, m = mapping.hf_model_config(raw, cfg_json)
                 return Source(path, "hf", full, m, mapping.FOREIGN_KEYS, raw)
             if "d_model" in raw and "n_layer" in raw:
-                return Source(path, "mamba_ssm", full, mapping.mamba_ssm_model_config(raw, cfg_json),
+                return Source(path, "mamba_ssm", full, mamba_ssm.mamba_ssm_model_config(raw, cfg_json),
                               mapping.FOREIGN_KEYS, raw)
         except mapping.MappingError as e:
             raise InitFromError(f"{who}: {e}") from None
@@ -167,7 +167,7 @@ def read_state(src: Source, who: str = KEY) -> dict:
     raw = _foreign_weights(src.where, who)
     where = os.path.join(src.where, "config.json")
     try:
-        _, state = (mapping.from_hf if src.kind == "hf" else mapping.from_mamba_ssm)(src.raw_config, raw, where)
+        _, state = (mapping.from_hf if src.kind == "hf" else mamba_ssm.from_mamba_ssm)(src.raw_config, raw, where)
     except mapping.MappingError as e:
         raise InitFromError(f"{who}: {e}") from None
     return state
