@@ -1,15 +1,18 @@
 """The planner's tables of docs/planner.md, from the committed calibration (no GPU):
   --beyond        the predicted best layout of mamba2-1.3b, hybrid-1.3b, mamba2-7b and hybrid-7b on 1 to 128 nodes
                   of 8 x H100, with 400 Gb/s InfiniBand and with 100 Gb/s Ethernet per GPU;
-  --before-runs   the predictions of the multi-GPU rows still to be measured (written down before the runs).
-Markdown on stdout.
+  --before-runs   the predictions of the multi-GPU rows still to be measured (written down before the runs);
+  --recipes       each recipe's predicted line (configs/recipes/*.yaml); with --write, rewritten in the files.
+Markdown on stdout; --calibration FILE replaces the committed H100 calibration.
 
     python benchmarks/plan_tables.py --beyond [--nodes 1 2 4 8 32 128]
     python benchmarks/plan_tables.py --before-runs
+    python benchmarks/plan_tables.py --recipes --write
 """
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import sys
 
@@ -19,6 +22,7 @@ sys.path.insert(0, ROOT)
 from megassm.config import load_config  # noqa: E402
 from megassm.planner.costs import Calibration, predict  # noqa: E402
 from megassm.planner.plan import default_calibration, plan  # noqa: E402
+from megassm.planner.validate import class_errors, layout_class, validate  # noqa: E402
 
 MODELS = {  # config, global batch (sequences), sequence: ~1M tokens a step
     "mamba2-1.3b": ("configs/mamba2-1.3b.yaml", 512, 2048),
@@ -28,8 +32,7 @@ MODELS = {  # config, global batch (sequences), sequence: ~1M tokens a step
 }
 
 
-def beyond(nodes_list: list[int]) -> None:
-    cal = Calibration.load(default_calibration("h100-80gb"))
+def beyond(nodes_list: list[int], cal: Calibration) -> None:
     print("| model | nodes x 8 H100 | network | predicted best layout | tokens/s per GPU | MFU | exposed comm "
           "inside / across (s a step) | memory |")
     print("|---|---|---|---|---|---|---|---|")
@@ -92,8 +95,7 @@ BEFORE = [
 ]
 
 
-def before_runs() -> None:
-    cal = Calibration.load(default_calibration("h100-80gb"))
+def before_runs(cal: Calibration) -> None:
     print("| row (4 x H100 80GB unless it says, NVLink) | predicted tokens/s per GPU | MFU | exposed comm (s a step) | "
           "measured |")
     print("|---|---|---|---|---|")
@@ -106,16 +108,55 @@ def before_runs() -> None:
               "not yet |", flush=True)
 
 
+RECIPE_LINE = "# megassm-plan (docs/planner.md"
+
+
+def _family_text(lo_hi) -> str:
+    if lo_hi is None:
+        return "no layout of this family was measured with its collectives"
+    lo, hi = (100 * x for x in lo_hi)
+    if abs(hi - lo) < 0.5:
+        return f"the one layout of this family measured came out {lo:+.0f}%"
+    return f"layouts of this family came out {lo:+.0f}..{hi:+.0f}% against measurements"
+
+
+def recipes(cal: Calibration, write: bool) -> None:
+    """Each recipe's predicted figures, with the validation's error range for its layout family."""
+    known = class_errors(validate(cal))
+    for path in sorted(glob.glob(os.path.join(ROOT, "configs", "recipes", "*.yaml"))):
+        cfg = load_config(path, ["data.builtin=stdlib"], validate_config=False)
+        p = predict(cfg, cal)
+        line = (f"{RECIPE_LINE}, calibration of {cal.data.get('date')}, H100 80GB): {p.tokens_per_s_per_gpu:,.0f} "
+                f"tokens/s per GPU, {100 * (p.mfu or 0):.1f}% MFU predicted for this layout; "
+                f"{_family_text(known.get(layout_class(cfg)))}")
+        print(f"{os.path.relpath(path, ROOT)}: {line}")
+        if write:
+            with open(path) as f:
+                lines = f.read().split("\n")
+            at = [i for i, x in enumerate(lines) if x.startswith(RECIPE_LINE)]
+            if len(at) != 1:
+                raise SystemExit(f"{path}: expected one line starting {RECIPE_LINE!r}, found {len(at)}")
+            lines[at[0]] = line
+            with open(path, "w") as f:
+                f.write("\n".join(lines))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--beyond", action="store_true")
     ap.add_argument("--before-runs", action="store_true")
+    ap.add_argument("--recipes", action="store_true")
+    ap.add_argument("--write", action="store_true", help="with --recipes: rewrite each recipe's predicted line")
     ap.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8, 32, 128])
+    ap.add_argument("--calibration", default=default_calibration("h100-80gb"))
     args = ap.parse_args()
+    cal = Calibration.load(args.calibration)
     if args.beyond:
-        beyond(args.nodes)
+        beyond(args.nodes, cal)
     if args.before_runs:
-        before_runs()
+        before_runs(cal)
+    if args.recipes:
+        recipes(cal, args.write)
 
 
 if __name__ == "__main__":

@@ -21,12 +21,13 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["block_signature", "head_signature", "calibrate", "SHAPES", "DEFAULT_CONFIGS", "FAKE_WORLD"]
+__all__ = ["block_signature", "head_signature", "calibrate", "median_of", "SHAPES", "DEFAULT_CONFIGS", "FAKE_WORLD"]
 
 FAKE_WORLD = 8  # the fake process group's size: every TP degree measured divides it
 DEFAULT_CONFIGS = ["configs/mamba2-1.3b.yaml", "configs/hybrid-1.3b.yaml", "configs/mamba2-2.7b.yaml",
@@ -378,6 +379,65 @@ def calibrate(configs: list[str], device: str = "cuda", budget_s: float = 420.0,
                                       tokens=seq // cp, block_ms=round((t3 - t1) / 2, 4), model1_ms=round(t1, 4)))
                 log(f"mamba2-1.3b M cp={cp} seq {seq}: block {(t3 - t1) / 2:.2f} ms")
     out["seconds"] = round(time.perf_counter() - t_start, 1)
+    return out
+
+
+# what identifies one measured entry in each table of a calibration file (the rest of the row is its figures)
+_ENTRY_KEYS = {
+    "blocks": ("config", "tp", "sp", "micro", "seq", "mode", "ac"),
+    "ends": ("config", "letter", "tp", "sp", "micro", "seq", "mode", "ac"),
+    "cp": ("config", "key", "cp", "seq"),
+}
+_FIGURES = {"blocks": ("block_ms", "model1_ms"), "ends": ("block_ms", "model1_ms", "ends_ms"),
+            "cp": ("block_ms", "model1_ms")}
+
+
+def _median_rows(table: str, row_lists: list[list[dict]]) -> list[dict]:
+    """The rows of one table entry across files, each figure the median of the files that measured it."""
+    keys, figs = _ENTRY_KEYS[table], _FIGURES[table]
+    merged: dict = {}
+    for rows in row_lists:
+        for r in rows:
+            merged.setdefault(tuple(r.get(k) for k in keys), []).append(r)
+    out = []
+    for same in merged.values():
+        row = dict(same[0])
+        for f in figs:
+            row[f] = round(statistics.median(r[f] for r in same), 4)
+        row["files"] = len(same)
+        out.append(row)
+    return out
+
+
+def median_of(tables: list[dict], names: list[str]) -> dict:
+    """One calibration from several of the same GPU kind: every entry's figures the median over the files that
+    measured it (an entry's run-to-run spread on one GPU kind is as large as the planner's error goal, so no single
+    file is chosen: docs/planner.md "Repeatability"). Refuses files of different GPUs, torch or Triton versions."""
+    if len(tables) < 2:
+        raise ValueError("megassm-plan calibrate --median: give at least two calibration files")
+    for what in ("gpu", "torch", "triton", "device", "format"):
+        seen = {t.get(what) for t in tables}
+        if len(seen) > 1:
+            raise ValueError(f"megassm-plan calibrate --median: the files differ in '{what}' ({sorted(map(str, seen))}); "
+                             "a median only makes sense over one GPU kind and software stack")
+    first = tables[0]
+    out = {k: first[k] for k in ("format", "gpu", "torch", "triton", "device", "iters", "warmup")}
+    out["date"] = max(t["date"] for t in tables)
+    out["median_of"] = [dict(file=n, date=t["date"], seconds=t.get("seconds")) for n, t in zip(names, tables)]
+    for table in ("blocks", "ends"):
+        keys = sorted({k for t in tables for k in t.get(table, {})})
+        out[table] = {k: _median_rows(table, [t[table][k] for t in tables if k in t.get(table, {})]) for k in keys}
+    out["cp"] = _median_rows("cp", [t.get("cp", []) for t in tables])
+    opt = [t["optimizer"]["ns_per_param"] for t in tables if t.get("optimizer")]
+    out["optimizer"] = {"ns_per_param": round(statistics.median(opt), 5)} if opt else {}
+    out["fsdp2"] = {}
+    for reshard in sorted({r for t in tables for r in t.get("fsdp2", {})}):
+        same = [t["fsdp2"][reshard] for t in tables if reshard in t.get("fsdp2", {})]
+        out["fsdp2"][reshard] = dict(same[0], ms=round(statistics.median(x["ms"] for x in same), 4), files=len(same))
+    # an entry is missing from the median only where no file measured it
+    out["not_measured"] = [m for m in first.get("not_measured", [])
+                           if all(m in t.get("not_measured", []) for t in tables[1:])]
+    out["seconds"] = round(sum(t.get("seconds") or 0 for t in tables), 1)
     return out
 
 
