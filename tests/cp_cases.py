@@ -146,6 +146,9 @@ def cp_equivalence_worker(rank, world, cp, tp, cases, out_path, device="cpu", to
             st0 = ref(pre["tokens"], seq_idx=pre["seq_idx"], return_states=True).states
         init_ref, init_par = _leaves(st0), _leaves(shard_states(st0, par))
         b1, b2 = cp_batch(V, seqlen, seed=1, device=dev), cp_batch(V, seqlen, seed=2, device=dev)
+        # window 2's rows hold other documents than window 1's (other boundaries at the rank cuts): with activation
+        # checkpointing window 1's blocks recompute after window 2's forward, and must find their own CP context
+        b2["seq_idx"] = b2["seq_idx"].flip(0).contiguous()
         loc = [{k: local_slice(v, cpg) for k, v in b.items()} for b in (b1, b2)]
 
         # outputs

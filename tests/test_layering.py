@@ -91,17 +91,25 @@ def _target(node: ast.ImportFrom, module: str, is_pkg: bool) -> str:
     return f"{base}.{node.module}" if node.module else base
 
 
+def import_statements(source: str, module: str, is_pkg: bool) -> list[tuple[int, str, list[str]]]:
+    """(line, module, names) of every import statement in `source`, function-level ones included: `import a.b`
+    is (line, "a.b", []), `from a import b, c` (line, "a", ["a.b", "a.c"]), relative ones resolved."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name, []) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            target = _target(node, module, is_pkg)
+            out.append((node.lineno, target, [f"{target}.{a.name}" for a in node.names]))
+    return out
+
+
 def imports(source: str, module: str, is_pkg: bool, known: set[str]) -> list[tuple[int, str]]:
     """(line, imported megassm module) of every import statement in `source`, relative ones resolved;
     `from a import b` counts as a.b where a.b is a module."""
     out = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            target = _target(node, module, is_pkg)
-            subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in known]
-            out += [(node.lineno, t) for t in subs] or [(node.lineno, target)]
+    for line, target, names in import_statements(source, module, is_pkg):
+        out += [(line, t) for t in names if t in known] or [(line, target)]
     return [(line, t) for line, t in out if t == "megassm" or t.startswith("megassm.")]
 
 
@@ -366,3 +374,100 @@ def test_a_private_import_is_caught(tmp_path, module, is_pkg, source, want):
     found[module] = (str(planted), is_pkg)
     bad = private_violations(found)
     assert any(b.startswith(f"{module} line ") and b.endswith(f"uses {want}") for b in bad), bad
+
+
+# ----------------------------------------------------------------------------------------------------
+# The models know nothing of parallelism (issue 63)
+# ----------------------------------------------------------------------------------------------------
+# Context and tensor parallelism are applied from outside (parallel/cp.py, parallel/tp.py): no model module
+# imports a parallel plan or torch.distributed, and no model function takes a `cp` / `tp` argument.
+PARALLEL_MODULES = ("megassm.parallel", "torch.distributed")
+PARALLEL_ARGS = {"cp", "tp"}
+
+
+def every_import(source: str, module: str, is_pkg: bool) -> list[tuple[int, str]]:
+    """(line, dotted name) of every import in `source`, function-level ones included, relative ones resolved:
+    `import a.b` gives a.b, `from a import b` gives a and a.b, `importlib.import_module("a")` and
+    `__import__("a")` with a constant name give a."""
+    out = [(line, t) for line, target, names in import_statements(source, module, is_pkg) for t in [target, *names]]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+            if name in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                out.append((node.lineno, node.args[0].value))
+    return out
+
+
+def model_sources(found: dict[str, tuple[str, bool]]):
+    """(module, is package, source) of every module of the models layer."""
+    for module, (path, is_pkg) in sorted(found.items()):
+        if group_of(module) == "models":
+            with open(path) as f:
+                yield module, is_pkg, f.read()
+
+
+def parallel_imports(found: dict[str, tuple[str, bool]]) -> list[str]:
+    bad = []
+    for module, is_pkg, src in model_sources(found):
+        for line, name in every_import(src, module, is_pkg):
+            if any(name == p or name.startswith(p + ".") for p in PARALLEL_MODULES):
+                bad.append(f"{module} line {line}: imports {name}")
+    return bad
+
+
+def parallel_args(found: dict[str, tuple[str, bool]]) -> list[str]:
+    bad = []
+    for module, _, src in model_sources(found):
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                a = node.args
+                names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs + [a.vararg, a.kwarg] if x]
+                for n in PARALLEL_ARGS.intersection(names):
+                    bad.append(f"{module} line {node.lineno}: {getattr(node, 'name', 'lambda')} takes `{n}`")
+    return bad
+
+
+def test_models_import_no_parallelism():
+    bad = parallel_imports(modules())
+    assert not bad, ("megassm/models imports parallel code (apply the plan from megassm/parallel instead):\n"
+                     + "\n".join(bad))
+
+
+def test_models_take_no_parallel_arguments():
+    bad = parallel_args(modules())
+    assert not bad, ("a model function takes a parallelism argument (the plans in megassm/parallel apply it from "
+                     "outside):\n" + "\n".join(bad))
+
+
+@pytest.mark.parametrize("source,want", [
+    ("from megassm.parallel.cp import CPContext\n", "megassm.parallel.cp"),
+    ("def f():\n    from ..parallel import tp\n", "megassm.parallel"),
+    ("import torch.distributed as dist\n", "torch.distributed"),
+    ("from torch import distributed\n", "torch.distributed"),
+    ("from torch.distributed.tensor import DTensor\n", "torch.distributed.tensor"),
+    ("import importlib\nimportlib.import_module('megassm.parallel.tp')\n", "megassm.parallel.tp"),
+])
+def test_a_parallel_import_in_models_is_caught(tmp_path, source, want):
+    """The checker itself: a planted import of parallel code into a model module (absolute, relative,
+    function-level, aliased, through importlib) is reported."""
+    found = modules()
+    planted = tmp_path / "planted.py"
+    planted.write_text(source)
+    found["megassm.models.lm"] = (str(planted), False)
+    bad = parallel_imports(found)
+    assert any(b.startswith("megassm.models.lm line ") and b.endswith(f"imports {want}") for b in bad), bad
+
+
+@pytest.mark.parametrize("source", [
+    "def forward(x, seq_idx=None, cp=None):\n    return x\n",
+    "class M:\n    def scan(self, x, *, tp):\n        return x\n",
+    "f = lambda x, cp: x\n",
+])
+def test_a_parallel_argument_in_models_is_caught(tmp_path, source):
+    found = modules()
+    planted = tmp_path / "planted.py"
+    planted.write_text(source)
+    found["megassm.models.mamba2"] = (str(planted), False)
+    bad = parallel_args(found)
+    assert any(b.startswith("megassm.models.mamba2 line ") for b in bad), bad

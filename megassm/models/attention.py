@@ -178,7 +178,6 @@ class Attention(nn.Module):
         state: KVCache | None = None,
         return_state: bool = False,
         single_doc: bool | None = None,
-        cp=None,  # the context-parallel context: read by parallel/cp.py's variant of this mixer
     ) -> tuple[torch.Tensor, KVCache | None]:
         """u [B, L, d_model] -> (out [B, L, d_model], new cache or None). `single_doc` (every row is one
         document) may be passed by the caller so that the host sync happens once per model call; None: found
@@ -307,23 +306,23 @@ def attn_activation_bytes(m, a: int, ctx) -> tuple[int, int]:
     return local, 0
 
 
-def attn_tp_layout(attn, tp: int, sp: bool) -> TPLayout:
-    """q heads split, K/V heads split (or replicated when n_kv_heads < tp), o_proj row-parallel. Also the
+def attn_tp_layout(attn, ranks: int, sp: bool) -> TPLayout:
+    """q heads split, K/V heads split (or replicated when n_kv_heads < ranks), o_proj row-parallel. Also the
     attention half of B'MOJO (same projection names)."""
     Hq, Hkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
-    if Hq % tp:
-        raise ValueError(f"tensor parallelism: tp={tp} must divide the attention heads ({Hq})")
-    if Hkv % tp and tp % Hkv:
-        raise ValueError(f"tensor parallelism: attention n_kv_heads={Hkv} and tp={tp}: one must divide the other")
+    if Hq % ranks:
+        raise ValueError(f"tensor parallelism: tp={ranks} must divide the attention heads ({Hq})")
+    if Hkv % ranks and ranks % Hkv:
+        raise ValueError(f"tensor parallelism: attention n_kv_heads={Hkv} and tp={ranks}: one must divide the other")
     q = Split(Hq * hd)
-    kv = Split(Hkv * hd) if Hkv % tp == 0 else Replicate(Hkv * hd, Hkv)
+    kv = Split(Hkv * hd) if Hkv % ranks == 0 else Replicate(Hkv * hd, Hkv)
     lay = TPLayout()
     for n, pc in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
         lay.params[n + ".weight"] = Cut(0, (pc,))
         lay.params[n + ".bias"] = Cut(0, (pc,))
     lay.params["o_proj.weight"] = Cut(1, (q,))
     lay.params["o_proj.bias"] = Cut(0, (Replicate(attn.o_proj.weight.shape[0], 1, partial=sp),))
-    lay.sizes = {"n_heads": Hq // tp, "n_kv_heads": max(Hkv // tp, 1)}
+    lay.sizes = {"n_heads": Hq // ranks, "n_kv_heads": max(Hkv // ranks, 1)}
     lay.row_parallel = {"o_proj": sp}
     return lay
 

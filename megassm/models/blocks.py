@@ -24,8 +24,8 @@ __all__ = ["Block", "MIXERS"]
 
 # Pattern letter -> mixer class, as the registry (models/registry.py) declares them. A mixer takes (cfg,
 # n_layer) and, when its class sets `stateful = True`, implements forward(u, seq_idx=None, state=None,
-# return_state=False, **kw) -> (out, state or None), step(u, state) -> (out, state) and
-# allocate_state(batch_size, device=None). Stateless mixers are forward(u) -> out.
+# return_state=False) -> (out, state or None) (a kind with single_doc_hint also takes single_doc=),
+# step(u, state) -> (out, state) and allocate_state(batch_size, device=None). Stateless mixers are forward(u) -> out.
 MIXERS = {k.letter: k.mixer for k in block_kinds()}
 
 
@@ -52,29 +52,24 @@ class Block(nn.Module):
         state=None,
         return_state: bool = False,
         single_doc: bool | None = None,
-        cp=None,
     ):
-        """Returns (hidden, residual fp32, new state or None). `cp`: the context-parallel context of this
-        forward (parallel/cp.py), handed to the mixer; None on one device."""
+        """Returns (hidden, residual fp32, new state or None)."""
         normed, residual = self.norm.add_forward(hidden, residual)
-        out, new_state = self._mix(normed, seq_idx, state, return_state, single_doc, cp)
+        out, new_state = self._mix(normed, seq_idx, state, return_state, single_doc)
         return out, residual, new_state
 
     def forward_summed(self, summed: torch.Tensor, out_dtype: torch.dtype, seq_idx: torch.Tensor | None = None,
-                       state=None, return_state: bool = False, single_doc: bool | None = None, cp=None):
+                       state=None, return_state: bool = False, single_doc: bool | None = None):
         """The block from the residual already summed (residual + hidden, fp32), its norm's output in `out_dtype`
         (the hidden's dtype): what forward computes after its add. Returns (hidden, new state or None).
         Activation checkpointing's one-tensor boundary (parallel/checkpointing.py)."""
-        return self._mix(self.norm(summed, out_dtype), seq_idx, state, return_state, single_doc, cp)
+        return self._mix(self.norm(summed, out_dtype), seq_idx, state, return_state, single_doc)
 
-    def _mix(self, normed, seq_idx, state, return_state, single_doc, cp):
-        kw = {} if cp is None else {"cp": cp}
+    def _mix(self, normed, seq_idx, state, return_state, single_doc):
         if block_kind(self.kind).single_doc_hint:  # attention: the batch's single-document hint skips the doc mask
-            return self.mixer(
-                normed, seq_idx=seq_idx, state=state, return_state=return_state, single_doc=single_doc, **kw
-            )
+            return self.mixer(normed, seq_idx=seq_idx, state=state, return_state=return_state, single_doc=single_doc)
         if self.has_state:
-            return self.mixer(normed, seq_idx=seq_idx, state=state, return_state=return_state, **kw)
+            return self.mixer(normed, seq_idx=seq_idx, state=state, return_state=return_state)
         return self.mixer(normed), None
 
     def step(self, hidden: torch.Tensor, residual: torch.Tensor | None, state=None):

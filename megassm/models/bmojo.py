@@ -413,14 +413,14 @@ def bmojo_activation_bytes(m, a: int, ctx) -> tuple[int, int]:
     return local, stream
 
 
-def bmojo_tp_layout(mixer, tp: int, sp: bool) -> TPLayout:
+def bmojo_tp_layout(mixer, ranks: int, sp: bool) -> TPLayout:
     """The SSM as a Mamba-2 layer whose out_proj all-reduces (never reduce-scatters: y is needed for every
     token on every rank, for the innovation scores -- identical on every rank, so every rank selects the same
     eidetic tokens -- and the fading tokens); the attention heads split, o_proj row-parallel. Two all-reduces
     per layer forward (SP: all-gather in, one all-reduce, reduce-scatter out). The `bmojo` variant feeds the
     full y to the column-parallel fading projections."""
-    lay = TPLayout().merge(mamba2_tp_layout(mixer.ssm, tp, False), "ssm.")
-    lay.merge(attn_tp_layout(mixer, tp, sp), "")
+    lay = TPLayout().merge(mamba2_tp_layout(mixer.ssm, ranks, False), "ssm.")
+    lay.merge(attn_tp_layout(mixer, ranks, sp), "")
     lay.params["fade_norm.weight"] = Cut(0, (Replicate(mixer.d_model, 1, partial=True),))
     lay.variants[""] = ("bmojo", {"sp": sp})
     return lay

@@ -280,20 +280,20 @@ def coffee_activation_bytes(m, a: int, ctx) -> tuple[int, int]:
     return local, 0
 
 
-def coffee_tp_layout(mixer, tp: int, sp: bool) -> TPLayout:
+def coffee_tp_layout(mixer, ranks: int, sp: bool) -> TPLayout:
     """Channels are independent: in_proj column-parallel, lam / w / C / w_out cut by channel, out_proj
     row-parallel (the layer's one all-reduce); each rank runs the recurrence / solver on its own channels."""
     D = mixer.lam.shape[0]
     if mixer.in_proj is None:
         raise ValueError("tensor parallelism: COFFEE with model.coffee.proj=false has its channels on the residual "
                          "stream and cannot be split; set model.coffee.proj=true")
-    if D % tp:
-        raise ValueError(f"tensor parallelism: tp={tp} must divide the COFFEE channels ({D})")
+    if D % ranks:
+        raise ValueError(f"tensor parallelism: tp={ranks} must divide the COFFEE channels ({D})")
     ch = Split(D)
     lay = TPLayout()
     lay.params = {n: Cut(0, (ch,)) for n in ("in_proj.weight", "lam", "w", "C", "w_out")}
     lay.params["out_proj.weight"] = Cut(1, (ch,))
-    lay.sizes = {"channels": D // tp}
+    lay.sizes = {"channels": D // ranks}
     lay.row_parallel = {"out_proj": sp}
     return lay
 

@@ -90,13 +90,17 @@ class LMOutput:
 
 
 class LanguageModel(nn.Module):
-    # Where the parallel plans plug in (they never retype the model):
-    #   vocab_parallel    parallel/tp.py: head and loss over this rank's vocabulary shard (.head(model, h),
-    #                     .loss_terms(logits, labels), .sp_ways)
-    #   context_parallel  parallel/cp.py: .begin(tokens, seq_idx) -> (seq_idx, context) once per forward, the
-    #                     context handed to every block as `cp=`; .finish_loss(total, count): the global mean
-    vocab_parallel = None
-    context_parallel = None
+    # Extension points, None for the single-device computation; plans applied from outside set them:
+    #   head_override   computes the head and the loss terms in place of the model's own: .head(model, h) ->
+    #                   logits, .loss_terms(logits, labels) -> (sum, count), .sp_ways (ranks the final hidden's
+    #                   sequence is split over). parallel/tp.py sets a vocabulary-sharded head.
+    #   loss_reduction  (sum, count) -> the loss, in place of sum / count. parallel/cp.py sets the mean over the
+    #                   tokens of every context-parallel rank.
+    # What a plan needs per forward it computes in a forward pre-hook on the model and keeps itself
+    # (parallel/cp.py: every rank's document boundaries, found by the seq_idx the hook hands on): the blocks
+    # and mixers take only the arguments of the single-device computation.
+    head_override = None
+    loss_reduction = None
     # capture_safe: the forward reads no tensor value on the host, as a CUDA graph capture needs
     # (training/cuda_graph.py; the trainer sets it under train.cuda_graph). Attention then never tests a batch
     # for the single-document fast path (`single_document`, a device -> host sync): with seq_idx it always
@@ -177,8 +181,8 @@ class LanguageModel(nn.Module):
                                "through megassm.parallel.pp.train_step / eval_losses")
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
-        if self.vocab_parallel is not None:
-            return self.vocab_parallel.head(self, h)
+        if self.head_override is not None:
+            return self.head_override.head(self, h)
         if self.lm_head is None:
             return F.linear(h, self.embedding.weight)
         return self.lm_head(h)
@@ -194,24 +198,21 @@ class LanguageModel(nn.Module):
         """tokens [B, L] int64; seq_idx [B, L] document ids (nondecreasing per row; no state crosses a
         change); labels [B, L] (-100 = ignored); states: per-block initial states, applied to the first
         document of each row (zero a row's state first if that row starts a new document)."""
-        cp = None
-        if self.context_parallel is not None:  # this rank's slice of the rows: the document boundaries of all
-            seq_idx, cp = self.context_parallel.begin(tokens, seq_idx)
         self._check_whole()
         if states is not None and len(states) != self.n_layers:
             raise ValueError(f"states has {len(states)} entries, the model has {self.n_layers} blocks")
         if seq_idx is not None and seq_idx.shape != tokens.shape:
             raise ValueError(f"seq_idx {tuple(seq_idx.shape)} must match tokens {tuple(tokens.shape)}")
         hidden, residual, new_states = self.forward_blocks(self.embedding(tokens), None, seq_idx=seq_idx, states=states,
-                                                           return_states=return_states, cp=cp)
+                                                           return_states=return_states)
         normed, _ = self.norm_f.add_forward(hidden, residual)
         if labels is None:
             return LMOutput(loss=None, logits=self._head(normed), states=new_states)
         return LMOutput(loss=self.head_loss(normed, labels), logits=None, states=new_states)
 
     def forward_blocks(self, hidden: torch.Tensor, residual: torch.Tensor | None, seq_idx: torch.Tensor | None = None,
-                       blocks: list[int] | None = None, states: list | None = None, return_states: bool = False,
-                       cp=None) -> tuple[torch.Tensor, torch.Tensor, list | None]:
+                       blocks: list[int] | None = None, states: list | None = None,
+                       return_states: bool = False) -> tuple[torch.Tensor, torch.Tensor, list | None]:
         """The block pair (hidden, fp32 residual) through `blocks` (global indices, in order; default: every
         block held), as the model's forward and a pipeline stage (parallel/pp.py) run them. `states`: one
         initial state per block of `blocks`; returns (hidden, residual, their final states or None)."""
@@ -234,29 +235,28 @@ class LanguageModel(nn.Module):
                 state=None if states is None else states[i],
                 return_state=return_states,
                 single_doc=single_doc,
-                cp=cp,
             )
             if return_states:
                 new_states.append(st)
         return hidden, residual, new_states
 
     # ------------------------------------------------------------------------------------------------
-    # loss: loss_terms (sum, count) -> finish_loss (mean; the CP plan makes it global); head_loss chunks
+    # loss: loss_terms (sum, count) -> finish_loss (the mean, or loss_reduction's); head_loss chunks
     loss_chunk_tokens = 0  # > 0: head + loss over chunks of about this many tokens (train.loss_chunk_tokens)
 
     def loss_terms(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of the fp32 cross-entropy over labels != -100, their count); no host sync."""
-        if self.vocab_parallel is not None:
-            return self.vocab_parallel.loss_terms(logits, labels)
+        if self.head_override is not None:
+            return self.head_override.loss_terms(logits, labels)
         flat = labels.reshape(-1)
         # per-row fp32 losses summed; the Triton path reads the logits without an fp32 copy (kernels/triton/ce.py)
         total = kernels.cross_entropy(logits.reshape(-1, logits.shape[-1]), flat, IGNORE_INDEX).sum()
         return total, (flat != IGNORE_INDEX).sum()
 
     def finish_loss(self, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-        """Mean over the labelled tokens (0 when every label is ignored; over every CP rank's under CP)."""
-        if self.context_parallel is not None:
-            return self.context_parallel.finish_loss(total, count)
+        """Mean over the labelled tokens (0 when every label is ignored), or the `loss_reduction` set."""
+        if self.loss_reduction is not None:
+            return self.loss_reduction(total, count)
         return total / count.clamp(min=1)
 
     def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -265,7 +265,7 @@ class LanguageModel(nn.Module):
 
     def _sp_ways(self) -> int:
         """Ranks the final hidden's sequence is split over (sequence parallelism), 1 without it."""
-        return 1 if self.vocab_parallel is None else self.vocab_parallel.sp_ways
+        return 1 if self.head_override is None else self.head_override.sp_ways
 
     def head_loss(self, normed: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The head and the loss of the final-norm output. With `loss_chunk_tokens` > 0 the tokens go

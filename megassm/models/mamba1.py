@@ -236,13 +236,13 @@ def scan_activation_bytes(m, a: int, letter: str) -> int:
     return local + (a * di if letter == "S" else 12 * di)
 
 
-def scan_tp_layout(mixer, tp: int, sp: bool) -> TPLayout:
+def scan_tp_layout(mixer, ranks: int, sp: bool) -> TPLayout:
     """Channels split across ranks; x_proj row-parallel with its small output (dt_low, B, C: R + 2N per
     token) all-reduced because every channel needs it (the first all-reduce), out_proj row-parallel (the
     second). SP: all-gather in, the x_proj all-reduce, reduce-scatter out."""
     di = mixer.d_inner
-    if di % tp:
-        raise ValueError(f"tensor parallelism: tp={tp} must divide the {type(mixer).__name__} channels ({di})")
+    if di % ranks:
+        raise ValueError(f"tensor parallelism: tp={ranks} must divide the {type(mixer).__name__} channels ({di})")
     ch = Split(di)
     lay = TPLayout()
     lay.params = {"in_proj.weight": Cut(0, (ch, ch)), "in_proj.bias": Cut(0, (ch, ch))}
@@ -252,7 +252,7 @@ def scan_tp_layout(mixer, tp: int, sp: bool) -> TPLayout:
     lay.params["x_proj.weight"] = Cut(1, (ch,))
     lay.params["out_proj.weight"] = Cut(1, (ch,))
     lay.params["out_proj.bias"] = Cut(0, (Replicate(mixer.d_model, 1, partial=sp),))
-    lay.sizes = {"d_inner": di // tp}
+    lay.sizes = {"d_inner": di // ranks}
     lay.replicated_row = ("x_proj",)
     lay.row_parallel = {"out_proj": sp}
     return lay

@@ -122,18 +122,16 @@ class Mamba2Mixer(nn.Module):
         seq_idx: torch.Tensor | None = None,
         state: MambaState | None = None,
         return_state: bool = False,
-        cp=None,
     ) -> tuple[torch.Tensor, MambaState | None]:
         """u [B, L, d_model]; seq_idx [B, L] int32 document ids; state: carried into the first document of
-        each row; cp: the context-parallel context (read by parallel/cp.py's conv and scan). Returns (out
-        [B, L, d_model], final state or None)."""
+        each row. Returns (out [B, L, d_model], final state or None)."""
         zxbcdt = self.in_proj(u)
         # the rows' length from the projection: under TP + SP with parallel.tp_overlap, in_proj all-gathers the
         # sequence shards itself (parallel/layers.py ColumnParallelLinear)
         bsz, seqlen, _ = zxbcdt.shape
         # the gated norm, the conv and the SSD write dz, dxBC, ddt as the blocks of one buffer: no cat backward
         z, xBC, dt = kernels.split_last(zxbcdt, [self.d_inner, self.conv_dim, self.nheads], share_grads=True)
-        xBC, conv_state = self.conv(xBC, seq_idx, None if state is None else state.conv, return_state, cp=cp)
+        xBC, conv_state = self.conv(xBC, seq_idx, None if state is None else state.conv, return_state)
         x, B, C = kernels.split_last(xBC, self.conv_sizes)  # no cat in the backward (the SSD writes dxBC whole)
         y, ssm_state = self.scan(
             x.reshape(bsz, seqlen, self.nheads, self.headdim),
@@ -143,14 +141,13 @@ class Mamba2Mixer(nn.Module):
             seq_idx,
             None if state is None else state.ssm,
             return_state,
-            cp=cp,
         )
         out = self.norm_out_proj(y.reshape(bsz, seqlen, self.d_inner), z)
         new_state = MambaState(conv=_fp32(conv_state), ssm=_fp32(ssm_state)) if return_state else None
         return out, new_state
 
-    # conv and scan are methods so that a context-parallel plan (parallel/cp.py) can replace them
-    def conv(self, xBC, seq_idx, conv_state, return_state, cp=None):
+    # conv and scan are methods so that a plan applied from outside can override them (parallel/cp.py)
+    def conv(self, xBC, seq_idx, conv_state, return_state):
         """silu(causal_conv1d(xBC)) [B, L, conv_dim] and, if asked, the final conv state (else None)."""
         out = kernels.causal_conv1d(
             xBC,
@@ -163,7 +160,7 @@ class Mamba2Mixer(nn.Module):
         )
         return out if return_state else (out, None)
 
-    def scan(self, x, dt, B, C, seq_idx, ssm_state, return_state, cp=None):
+    def scan(self, x, dt, B, C, seq_idx, ssm_state, return_state):
         """SSD with the D skip (the gate is applied later, in the grouped norm): x [B, L, H, P], dt [B, L, H],
         B/C [B, L, G, N]. Returns (y [B, L, H, P], final state [B, H, P, N] fp32 or None)."""
         out = kernels.ssd(
@@ -286,18 +283,18 @@ def _ssd_kept_state_bytes(m, a: int) -> int:
     return m.nheads * m.headdim * m.d_state * (2 if fast else 4) // m.chunk_size
 
 
-def mamba2_tp_layout(mixer: Mamba2Mixer, tp: int, sp: bool) -> TPLayout:
+def mamba2_tp_layout(mixer: Mamba2Mixer, ranks: int, sp: bool) -> TPLayout:
     """in_proj per component [z|x|B|C|dt] column-parallel, conv / A_log / dt_bias / D / norm weight
-    rank-local, grouped norm over local groups, out_proj row-parallel. tp > ngroups: B/C rows of in_proj and
+    rank-local, grouped norm over local groups, out_proj row-parallel. ranks > ngroups: B/C rows of in_proj and
     conv replicated, and the norm (whose group then spans ranks) becomes the `mamba2_norm_spans_ranks`
     variant."""
     H, G, N, di = mixer.nheads, mixer.ngroups, mixer.d_state, mixer.d_inner
-    if H % tp:
-        raise ValueError(f"tensor parallelism: tp={tp} must divide the Mamba-2 heads ({H})")
-    if G % tp and tp % G:
-        raise ValueError(f"tensor parallelism: Mamba-2 ngroups={G} and tp={tp}: one must divide the other")
+    if H % ranks:
+        raise ValueError(f"tensor parallelism: tp={ranks} must divide the Mamba-2 heads ({H})")
+    if G % ranks and ranks % G:
+        raise ValueError(f"tensor parallelism: Mamba-2 ngroups={G} and tp={ranks}: one must divide the other")
     gn = G * N
-    spans = G % tp != 0
+    spans = G % ranks != 0
     bc = Replicate(gn, G) if spans else Split(gn)
     zx, heads = Split(di), Split(H)
     in_pieces = (zx, zx, bc, bc, heads)
@@ -308,8 +305,8 @@ def mamba2_tp_layout(mixer: Mamba2Mixer, tp: int, sp: bool) -> TPLayout:
     lay.params["norm.weight"] = Cut(0, (zx,))
     lay.params["out_proj.weight"] = Cut(1, (zx,))
     lay.params["out_proj.bias"] = Cut(0, (Replicate(mixer.d_model, 1, partial=sp),))
-    g_local = 1 if spans else G // tp
-    dl, hl, gnl = di // tp, H // tp, g_local * N
+    g_local = 1 if spans else G // ranks
+    dl, hl, gnl = di // ranks, H // ranks, g_local * N
     lay.sizes = {"d_inner": dl, "nheads": hl, "ngroups": g_local, "conv_dim": dl + 2 * gnl,
                  "in_proj_sizes": [dl, dl, gnl, gnl, hl], "conv_sizes": [dl, gnl, gnl], "norm.ngroups": g_local}
     lay.row_parallel = {"out_proj": sp}

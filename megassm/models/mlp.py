@@ -66,10 +66,10 @@ def mlp_activation_bytes(m, a: int, ctx=None) -> tuple[int, int]:
     return a * (3 if m.w3 is not None else 2) * m.hidden, 0
 
 
-def mlp_tp_layout(mlp, tp: int, sp: bool) -> TPLayout:
+def mlp_tp_layout(mlp, ranks: int, sp: bool) -> TPLayout:
     """w1 / w3 column-parallel, w2 row-parallel (relu2 has no w3)."""
-    if mlp.hidden % tp:
-        raise ValueError(f"tensor parallelism: tp={tp} must divide the MLP hidden size ({mlp.hidden})")
+    if mlp.hidden % ranks:
+        raise ValueError(f"tensor parallelism: tp={ranks} must divide the MLP hidden size ({mlp.hidden})")
     h = Split(mlp.hidden)
     lay = TPLayout()
     for n in ("w1", "w3") if mlp.w3 is not None else ("w1",):
@@ -77,7 +77,7 @@ def mlp_tp_layout(mlp, tp: int, sp: bool) -> TPLayout:
         lay.params[n + ".bias"] = Cut(0, (h,))
     lay.params["w2.weight"] = Cut(1, (h,))
     lay.params["w2.bias"] = Cut(0, (Replicate(mlp.w2.weight.shape[0], 1, partial=sp),))
-    lay.sizes = {"hidden": mlp.hidden // tp}
+    lay.sizes = {"hidden": mlp.hidden // ranks}
     lay.row_parallel = {"w2": sp}
     lay.fan_out = ("mlp_fan_out", {})  # forward() reads u only through project_in
     return lay

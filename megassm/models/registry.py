@@ -135,7 +135,7 @@ class BlockKind:
     # bytes per token saved for the backward: activation_bytes(mixer, a, ActivationContext) -> (local,
     # stream): `local` the mixer's own tensors (already its TP shard), `stream` extra residual-stream-sized ones
     activation_bytes: Callable | None = None
-    tp_layout: Callable | None = None  # (mixer, tp, sp) -> TPLayout; None: no tensor-parallel plan
+    tp_layout: Callable | None = None  # (mixer, ranks, sp) -> TPLayout over `ranks` TP ranks; None: no TP plan
     cp: str | None = None  # parallel/cp.py treatment ("local": position-wise, nothing to exchange); None: refused
     bptt: Callable | None = None  # (mixer) -> what the BPTT carrier keeps ("mamba", "window", None); None: refused
     # "yes" (no host sync and no collective in its forward and backward at tp = cp = 1, under the model's

@@ -6,8 +6,9 @@ TP/SP, CP and PP plans:
 Each residual block keeps only its inputs in the forward and recomputes its activations in the backward
 (torch.utils.checkpoint, non-reentrant): activation memory drops from all of a block's intermediates to
 one [B, L, d_model] pair per block, for about one extra forward. Non-reentrant checkpointing calls the
-block again with the very same arguments (the context-parallel context `cp=` included), and it supports the
-block's (hidden, residual, state) outputs.
+block again with the very same arguments, and it supports the block's (hidden, residual, state) outputs. Under
+context parallelism the recomputed mixers find their forward's exchange context by that same seq_idx tensor
+(parallel/cp.py CPContexts), whatever forwards ran in between.
 
 keep="sum" (`train.activation_checkpointing_keep=sum`): the block's residual add runs outside the checkpoint
 and the checkpoint keeps only the fp32 sum (residual + hidden, what the block's fused add + norm computes

@@ -4,6 +4,11 @@
     apply_context_parallel(model, groups.cp_group)         # in place; parameters are untouched
     out = model(tokens_r, seq_idx=seq_idx_r, labels=labels_r, states=..., return_states=...)
 
+The model does not know about it: a forward pre-hook on the model gathers every rank's document boundaries
+(`CPContexts.begin`), the Mamba-2 and attention mixers are replaced by variants that read them
+(`CPContexts.of(seq_idx)`, keyed by the seq_idx the hook hands on), and the model's `loss_reduction` makes the
+loss the global mean.
+
 Rank r of the CP group holds the contiguous slice r of every row (`local_slice`): tokens, labels and
 seq_idx with the row's GLOBAL document ids. The model then computes exactly what one device computes on
 the whole rows:
@@ -37,12 +42,14 @@ boundaries (the whole seq_idx when the model has attention) and one all-reduce (
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from megassm import kernels
 from megassm.models.attention import Attention, doc_positions, rope_rotate
@@ -55,7 +62,7 @@ from . import comm
 from .dp import allreduce_grads
 from .substitute import substitute
 
-__all__ = ["CPPlan", "CPContext", "ContextParallel", "apply_context_parallel", "cp_plan_of", "local_slice", "global_mean_loss",
+__all__ = ["CPPlan", "CPContext", "CPContexts", "apply_context_parallel", "cp_plan_of", "local_slice", "global_mean_loss",
            "global_token_count", "allreduce_cp_grads"]
 
 
@@ -101,13 +108,6 @@ def local_slice(t: torch.Tensor, cp_group, dim: int = 1) -> torch.Tensor:
     if t.shape[dim] % n:
         raise ValueError(f"context parallelism: length {t.shape[dim]} is not divisible by cp={n}")
     return t.chunk(n, dim=dim)[comm.rank(cp_group)]
-
-
-def _context(cp: CPContext | None) -> CPContext:
-    if cp is None:
-        raise RuntimeError("context parallelism: a layer was called without its CP context (cp=); call the model "
-                           "itself (its forward gathers the document boundaries), not a layer alone")
-    return cp
 
 
 def _build_context(plan: CPPlan, sid: torch.Tensor) -> CPContext:
@@ -176,8 +176,10 @@ class _HaloTap(torch.autograd.Function):
 class _CPMamba2:
     """Mixin over Mamba2Mixer (or its TP variants): the conv halo and the chunk-state hand-off."""
 
-    def conv(self, xBC, seq_idx, conv_state, return_state, cp=None):
-        ctx = _context(cp)
+    cp_contexts: "CPContexts"  # set by apply_context_parallel
+
+    def conv(self, xBC, seq_idx, conv_state, return_state):
+        ctx = self.cp_contexts.of(seq_idx)
         R, r, k = ctx.plan.world, ctx.plan.rank, self.d_conv - 1
         bsz, L, _ = xBC.shape
         cdt = torch.promote_types(xBC.dtype, torch.float32)
@@ -195,8 +197,8 @@ class _CPMamba2:
             final = final.transpose(1, 2).to(cdt).contiguous()
         return y, final
 
-    def scan(self, x, dt, B, C, seq_idx, ssm_state, return_state, cp=None):
-        ctx = _context(cp)
+    def scan(self, x, dt, B, C, seq_idx, ssm_state, return_state):
+        ctx = self.cp_contexts.of(seq_idx)
         R, r = ctx.plan.world, ctx.plan.rank
         y, S = super().scan(x, dt, B, C, seq_idx, ssm_state if r == 0 else None, True)
         bsz, L, H, P = x.shape
@@ -229,8 +231,10 @@ class _CPMamba2:
 class _CPAttention:
     """Mixin over Attention: K/V all-gathered over the CP group, masks and RoPE positions offset."""
 
-    def forward(self, u, seq_idx=None, state=None, return_state=False, single_doc=None, cp=None):
-        ctx = _context(cp)
+    cp_contexts: "CPContexts"  # set by apply_context_parallel
+
+    def forward(self, u, seq_idx=None, state=None, return_state=False, single_doc=None):
+        ctx = self.cp_contexts.of(seq_idx)
         R, r = ctx.plan.world, ctx.plan.rank
         bsz, L, _ = u.shape
         Lg, dev = R * L, u.device
@@ -308,15 +312,23 @@ def global_token_count(model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
     return n if plan is None else comm.all_reduce(n.clone(), plan.group)
 
 
-class ContextParallel:
-    """The model's side of context parallelism (LanguageModel.context_parallel): per forward, the document
-    boundaries of every rank (the context handed to each block as `cp=`); the loss as the global mean."""
+class CPContexts:
+    """The CPContext of each forward of one context-parallel model, kept outside the model. `begin`, the model's
+    forward pre-hook, builds it (every rank's document boundaries: one small all-gather) and hands the blocks the
+    int32 seq_idx it is filed under; the CP mixers look it up by the seq_idx they are given (`of`). Filed by that
+    tensor (held weakly) rather than as "the last forward's": activation checkpointing recomputes a block in the
+    backward from the arguments it kept, whatever forwards ran since, and so finds its own forward's context."""
 
     def __init__(self, plan: CPPlan):
         self.plan = plan
+        self._by_seq_idx = WeakIdKeyDictionary()
 
-    def begin(self, tokens: torch.Tensor, seq_idx: torch.Tensor | None) -> tuple[torch.Tensor, CPContext]:
+    def begin(self, model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """LanguageModel.forward(tokens, seq_idx=None, ...)'s pre-hook: seq_idx becomes the int32 ids of this
+        rank's slice (zeros when none were given), filed with the forward's CPContext."""
         plan = self.plan
+        tokens = args[0] if args else kwargs["tokens"]
+        seq_idx = args[1] if len(args) > 1 else kwargs.get("seq_idx")
         if seq_idx is None:
             sid = torch.zeros(tokens.shape, dtype=torch.int32, device=tokens.device)
         else:
@@ -326,11 +338,18 @@ class ContextParallel:
         if tokens.shape[1] < plan.halo:
             raise ValueError(f"context parallelism: {tokens.shape[1]} tokens per rank, fewer than the conv halo "
                              f"({plan.halo}); use longer sequences or a smaller parallel.cp")
-        return sid, _build_context(plan, sid)
+        self._by_seq_idx[sid] = _build_context(plan, sid)
+        if len(args) > 1:
+            return (args[0], sid, *args[2:]), kwargs
+        return args, {**kwargs, "seq_idx": sid}
 
-    def finish_loss(self, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-        # this rank's sum over its labelled tokens -> the mean over every CP rank's
-        return global_mean_loss(total, count, self.plan.group)
+    def of(self, seq_idx: torch.Tensor | None) -> CPContext:
+        ctx = None if seq_idx is None else self._by_seq_idx.get(seq_idx)
+        if ctx is None:
+            raise RuntimeError("context parallelism: a layer was called with a seq_idx no model forward prepared; "
+                               "call the model itself (its forward gathers the document boundaries), not a layer "
+                               "alone")
+        return ctx
 
 
 @dataclass(frozen=True)
@@ -378,7 +397,7 @@ def apply_context_parallel(model: LanguageModel, cp_group) -> LanguageModel:
         return model
     if cp_plan_of(model) is not None:
         raise RuntimeError("apply_context_parallel: the model is already context-parallel")
-    halo, full = 1, False
+    halo, full, mixers = 1, False, []
     for i, layer in model.layers.items():
         kind = block_kind(layer.kind)
         if kind.cp is None or kind.cp not in CP_TREATMENTS:
@@ -390,9 +409,13 @@ def apply_context_parallel(model: LanguageModel, cp_group) -> LanguageModel:
             raise ValueError(f"context parallelism: layer {i} is not a {treat.base.__name__}")
         halo = max(halo, treat.halo(layer.mixer))
         full = full or treat.full_seq_idx
-        substitute(layer, "mixer", _with(treat.mixin, type(layer.mixer)))
+        mixers.append((layer, treat.mixin))
     model.cp_plan = CPPlan(group=cp_group, world=R, rank=comm.rank(cp_group), halo=halo, full_seq_idx=full)
-    model.context_parallel = ContextParallel(model.cp_plan)
+    contexts = CPContexts(model.cp_plan)
+    for layer, mixin in mixers:
+        substitute(layer, "mixer", _with(mixin, type(layer.mixer)), cp_contexts=contexts)
+    model.register_forward_pre_hook(contexts.begin, with_kwargs=True)
+    model.loss_reduction = functools.partial(global_mean_loss, cp_group=cp_group)
     return model
 
 

@@ -207,7 +207,7 @@ class _SpanningNormMamba2Mixer(Mamba2Mixer):
 
 
 class VocabParallelHead:
-    """The model's vocab-parallel head and loss (LanguageModel.vocab_parallel): logits are this rank's
+    """The model's vocab-parallel head and loss (LanguageModel.head_override): logits are this rank's
     vocabulary shard, the cross-entropy is reduced over the TP group."""
 
     def __init__(self, plan: TPPlan):
@@ -305,9 +305,17 @@ TP_VARIANTS = {"mamba2_norm_spans_ranks": _variant_mamba2_norm_spans_ranks, "bmo
                "mlp_fan_out": _variant_mlp_fan_out}
 
 
-def _set_path(module: nn.Module, path: str, value) -> None:
+def _set_size(mixer: nn.Module, path: str, value) -> None:
+    """One of the layout's `sizes`: a shape attribute the mixer's forward reads (d_inner, nheads, ...) set to its
+    per-rank value. Only an existing size of the same type is set, so a layout resizes and never adds or
+    replaces behaviour."""
     owner, _, attr = path.rpartition(".")
-    setattr(module.get_submodule(owner) if owner else module, attr, value)
+    module = mixer.get_submodule(owner) if owner else mixer
+    old = getattr(module, attr, None)
+    if type(old) is not type(value) or not isinstance(value, (int, list)):
+        raise ValueError(f"tensor parallelism: layout size {path!r} of {type(mixer).__name__} is not an int or list "
+                         f"size the module has (it has {old!r})")
+    setattr(module, attr, value)
 
 
 def apply_layout(block: nn.Module, layout: TPLayout, pre: str, plan: TPPlan, overlap: bool = False) -> bool:
@@ -321,7 +329,7 @@ def apply_layout(block: nn.Module, layout: TPLayout, pre: str, plan: TPPlan, ove
         plan.specs[pre + name] = ShardSpec(cut.dim, tuple(_piece(pc, tp) for pc in cut.pieces))
     mixer = block.mixer
     for path, value in layout.sizes.items():
-        _set_path(mixer, path, value)
+        _set_size(mixer, path, value)
     for path, sp in layout.row_parallel.items():
         substitute(mixer, path, RowParallelLinear, tp_group=plan.group, sp=sp)
     for path in layout.replicated_row:
@@ -407,7 +415,7 @@ def apply_tensor_parallel(model: LanguageModel, tp_group, sp: bool = False, over
     names = {n for n, _ in model.named_parameters()}
     plan.specs = {k: v for k, v in specs.items() if k in names}
     model.tp_plan = plan
-    model.vocab_parallel = VocabParallelHead(plan)
+    model.head_override = VocabParallelHead(plan)
     return model
 
 
