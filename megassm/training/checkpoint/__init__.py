@@ -49,7 +49,8 @@ The package, by module:
     state.py           unwrap_model, the RNG states
     errors.py          the checkpoint errors
     sharded.py         the sharded format (run.checkpoint_format=sharded, DCP, async); sharded_chunks.py what
-                       each rank holds as chunks, sharded_read.py reading it back
+                       each rank holds as chunks, sharded_load.py loading it into a live model, sharded_read.py
+                       reading it in one process
 
 The names other code uses are exported here (`from megassm.training import checkpoint as ckpt`); the sharded
 format and the manager are imported from their modules.

@@ -2,11 +2,11 @@
 
     checkpoints = CheckpointManager(cfg, groups, model=..., optimizer=..., engine=..., scheduler=..., data=...,
                                     guard=..., carrier=..., tokens_per_step=...)
-    path, step = checkpoints.restore()      # run.resume: the newest intact checkpoint, loaded on every rank
-    checkpoints.after_step(step)            # run.save_interval / run.save_final: save (sync or async), publish, prune
-    checkpoints.save_now(step)              # a preemption: this step's checkpoint unless it exists
-    path, problems, step = checkpoints.roll_back()   # train.spike_action=rollback: the last checkpoint back
-    checkpoints.wait()                      # the async save in flight completes (end of fit, errors re-raised)
+    path, step = checkpoints.restore()     # run.resume: the newest intact checkpoint, loaded on every rank
+    checkpoints.after_step(step)           # run.save_interval / save_final: save (sync or async), publish, prune
+    checkpoints.save_now(step)             # a preemption: this step's checkpoint unless it exists
+    path, problems, step = checkpoints.roll_back()  # train.spike_action=rollback: the last checkpoint back
+    checkpoints.wait()                     # the async save in flight completes (end of fit; its error raised)
 
 Saving: the canonical format is gathered to rank 0, written to a temp directory and published only once every rank
 has agreed that its step succeeded (consensus.py), then pruned to run.keep_last; the sharded format
@@ -31,7 +31,8 @@ from megassm.training.checkpoint.folder import (CHECKPOINTS, META, checkpoint_na
                                                 marked_complete, read_meta)
 from megassm.training.checkpoint.load import load_checkpoint, read_model_and_optim, refuse_nonfinite, verify_checkpoint
 from megassm.training.checkpoint.save import write_checkpoint
-from megassm.training.checkpoint.sharded import SHARDED, canonical_param_names, checkpoint_format, load_sharded
+from megassm.training.checkpoint.sharded import SHARDED, ShardedCheckpointer, canonical_param_names, checkpoint_format
+from megassm.training.checkpoint.sharded_load import load_sharded
 from megassm.training.checkpoint.state import capture_rng_state, restore_rng_state
 from megassm.training.failures import RunIOError, one_line
 from megassm.training.run_config import config_differences, config_hash, legacy_hash_matches
@@ -55,8 +56,6 @@ class CheckpointManager:
         self.loaded_step = 0  # the step of the checkpoint last loaded
         self.sharded = None  # run.checkpoint_format=sharded: DCP, every rank writes (sharded.py)
         if cfg.run.checkpoint_format == "sharded":
-            from megassm.training.checkpoint.sharded import ShardedCheckpointer
-
             self.sharded = ShardedCheckpointer(groups, async_save=cfg.run.async_save, keep_last=cfg.run.keep_last)
 
     def after_step(self, step: int) -> str | None:
