@@ -56,10 +56,10 @@ def worker(a) -> None:
     tr = Trainer(cfg)
     cuda = tr.device.type == "cuda"
     steps, saves = [], []
-    orig_step, orig_save = tr.train_step, tr.save
+    orig_step, orig_save = tr.train_step, tr.checkpoints.save
 
     def pending() -> bool:
-        fut = tr.checkpointer.pending if tr.checkpointer is not None else None
+        fut = tr.checkpoints.sharded.pending if tr.checkpoints.sharded is not None else None
         return fut is not None and not fut.done()
 
     def timed_step():
@@ -68,17 +68,17 @@ def worker(a) -> None:
         steps.append({"step": tr.step + 1, "s": r.step_time, "writing": writing})
         return r
 
-    def timed_save():
-        rec = {"step": tr.step, "rss_before_gib": _rss_gib()}
+    def timed_save(step):
+        rec = {"step": step, "rss_before_gib": _rss_gib()}
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        path = orig_save()
+        path = orig_save(step)
         if cuda:
             torch.cuda.synchronize()
         t1 = time.perf_counter()
         rec.update(stall_s=t1 - t0, path=path)
-        fut = tr.checkpointer.pending if tr.checkpointer is not None else None
+        fut = tr.checkpoints.sharded.pending if tr.checkpoints.sharded is not None else None
         if fut is None:
             rec["complete_s"] = t1 - t0
         else:
@@ -86,7 +86,7 @@ def worker(a) -> None:
         saves.append(rec)
         return path
 
-    tr.train_step, tr.save = timed_step, timed_save
+    tr.train_step, tr.checkpoints.save = timed_step, timed_save
     tr.fit()  # waits for the last async save
     out = {"rank": tr.groups.rank, "steps": steps, "saves": saves, "rss_peak_gib": _rss_gib()}
     if tr.groups.rank == 0 and saves:

@@ -30,7 +30,7 @@ import shutil
 import sys
 
 from megassm.training import checkpoint as ckpt
-from megassm.training import sharded
+from megassm.training.checkpoint import sharded
 from megassm.training.failures import EXIT_NO_CHECKPOINT
 
 
@@ -54,7 +54,7 @@ def _param_names(src: str, meta: dict, model_state: dict, optim_state: dict | No
         return []
     n = sum(len(g["params"]) for g in optim_state["param_groups"])
     if "param_names" in meta.get("extra_files", []):
-        names = ckpt._torch_load(os.path.join(src, "param_names.pt"), "cpu")
+        names = ckpt.torch_load(os.path.join(src, "param_names.pt"), "cpu")
         how = os.path.join(src, "param_names.pt")
     else:
         config = config or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(src))), "config.yaml")
@@ -114,7 +114,7 @@ def convert(src: str, dst: str, to: str, config: str | None = None, tp: int = 1,
         del model_state, optim_state
         for key in meta.get("extra_files", []):
             shutil.copyfile(os.path.join(src, f"{key}.pt"), os.path.join(tmp, f"{key}.pt"))
-        files = sharded._dir_files(tmp)
+        files = sharded.dir_files(tmp)
         out = {k: v for k, v in meta.items() if k not in ("files", "format", "integrity", "complete", "world_size")}
         if to == sharded.SHARDED:
             out["format"] = sharded.SHARDED

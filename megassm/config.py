@@ -269,7 +269,7 @@ class RunConfig:
     keep_last: int = 3
     resume: str = "none"  # none | auto | path of a checkpoint directory
     # a fresh start (run.resume=none) in a run.dir that holds an earlier run: move that run aside into
-    # run.dir/previous-<UTC time>/ instead of refusing (training/checkpoint_dir.py earlier_run, move_aside)
+    # run.dir/previous-<UTC time>/ instead of refusing (training/checkpoint/folder.py earlier_run, move_aside)
     overwrite: bool = False
     checkpoint_format: str = "canonical"  # canonical (rank 0 gathers single files) | sharded (DCP, every rank writes)
     async_save: bool = False  # sharded only: write in a background thread after a CPU snapshot at the step boundary

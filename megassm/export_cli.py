@@ -12,7 +12,7 @@ GraniteMoeHybridForCausalLM (SwiGLU, RoPE or none; each `-` right after an M or 
 the block and the reason, and nothing is written. Canonical and sharded checkpoints both work. The run's tokenizer
 travels when it is known (the builtin corpus's data.tokenizer, byte-level shards) or named with --tokenizer.
 
-The checkpoint is verified against its integrity record before anything is written (training/checkpoint.py
+The checkpoint is verified against its integrity record before anything is written (training/checkpoint/choose.py
 checkpoint_to_read, as every reader of checkpoints). Exit codes: 0 written; 2 a refusal (config, pattern,
 tokenizer, output) naming what; 6 no checkpoint that verifies (the file, expected and found hash named).
 """

@@ -144,10 +144,11 @@ def test_checkpoint_writer_killed_mid_save_leaves_no_complete_looking_checkpoint
     """The writer (rank 0) SIGKILLed before the completion marker (meta.json) or before the rename: the new
     step is not listed, `--resume auto` picks the previous checkpoint, the temp directory stays for inspection.
     One interpreter (torch imported once) forks a writer per stage."""
-    stages = {"meta": "ckpt._write_json = die", "rename": "ckpt.os.rename = die"}
+    stages = {"meta": "disk.write_json = die", "rename": "os.rename = die"}
     code = textwrap.dedent(f"""
         import os, signal, sys, torch
         from megassm.training import checkpoint as ckpt
+        from megassm.training.checkpoint import disk
 
         def die(*args, **kwargs):
             os.kill(os.getpid(), signal.SIGKILL)

@@ -277,15 +277,8 @@ PRIVATE_ALLOWED = {
     ("megassm.models.longhorn", "megassm.models.mamba1"): "pending: mamba1._linear",
     ("megassm.parallel.distopt", "megassm.parallel.pp"): "pending: pp._unwrap / pp._tied_copy",
     ("megassm.parallel.pp", "megassm.parallel.tp"): "pending: tp._optimizer_params",
-    ("megassm.training.checkpoint", "megassm.training.checkpoint_dir"):
-        "pending: checkpoint_dir._newest_first / _prune (re-exported: tests call checkpoint._prune)",
-    ("megassm.training.sharded", "megassm.training.checkpoint"):
-        "checkpoint._torch_save: tests patch it under that name to crash a save (tests/test_training_utils.py); "
-        "_prune: checkpoint_dir's, pending",
-    ("megassm.training.sharded", "megassm.parallel.pp"): "pending: pp._param_kinds",
-    ("megassm.training.sharded_chunks", "megassm.parallel.pp"): "pending: pp._unwrap / pp._tied_copy",
-    ("megassm.checkpoint_cli", "megassm.training.checkpoint"): "pending: checkpoint._torch_load",
-    ("megassm.checkpoint_cli", "megassm.training.sharded"): "pending: sharded._dir_files",
+    ("megassm.training.checkpoint.sharded", "megassm.parallel.pp"): "pending: pp._param_kinds",
+    ("megassm.training.checkpoint.sharded_chunks", "megassm.parallel.pp"): "pending: pp._unwrap / pp._tied_copy",
     ("megassm.evaluation.context", "megassm.data_tools.loader"): "pending: loader._vocab",
 }
 

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from megassm.training import checkpoint as ckpt
+from megassm.training.checkpoint import disk
 from megassm.training.failures import EXIT_IO, EXIT_OK
 
 from reliability_cases import ROOT, SMALL, base_run, copy_run, last_exit, run_main, small_model_ckpt  # noqa: F401 (base_run: a fixture)
@@ -115,13 +116,13 @@ def test_full_disk_while_meta_json_is_written(tmp_path, small_fs, monkeypatch):
 
     fs = small_fs(8 << 20)
     model, opt, first = small_model_ckpt(fs)
-    real = ckpt._write_json
+    real = disk.write_json
 
     def fill_then_write(obj, path):  # the file system fills up (another writer) just before meta.json is written
         _fill(fs)
         real(obj, path)
 
-    monkeypatch.setattr(ckpt, "_write_json", fill_then_write)
+    monkeypatch.setattr(disk, "write_json", fill_then_write)
     with pytest.raises(ckpt.CheckpointWriteError, match=r"^cannot write checkpoint .*step_00000002: meta.json: No "
                                                         r"space left on device \(\d+ bytes free on its file system\); "
                                                         r"the partial checkpoint was removed"):

@@ -1,4 +1,4 @@
-"""Sharded checkpoints (run.checkpoint_format=sharded, training/sharded.py): saved at DP 2 under ddp / fsdp2 / the
+"""Sharded checkpoints (run.checkpoint_format=sharded, training/checkpoint/sharded.py): saved at DP 2 under ddp / fsdp2 / the
 distributed optimizer (torchrun, gloo), resumed at DP 1, TP 2, PP 2, under another engine and at DP 4 with the
 losses of the uninterrupted run; the chunk geometry; async saves (the snapshot at the step boundary, the write in
 the background, an interrupted write never complete-looking, keep_last sparing it); megassm-checkpoint convert both
@@ -14,7 +14,7 @@ import torch
 
 from megassm.config import ConfigError, load_config
 from megassm.training import checkpoint as ckpt
-from megassm.training import sharded, sharded_chunks
+from megassm.training.checkpoint import sharded, sharded_chunks
 
 from multiproc import train_losses
 
@@ -129,16 +129,16 @@ def test_async_save_returns_before_the_write_and_keeps_the_step_boundary_snapsho
     tr.train_step()
     tr.step = 1
     before = {k: v.clone() for k, v in tr.model.state_dict().items()}
-    path = tr.save()
+    path = tr.checkpoints.save(tr.step)
     assert reached.wait(60)
-    fut = tr.checkpointer.pending
+    fut = tr.checkpoints.sharded.pending
     assert fut is not None and not fut.done()  # save() returned; the write has not started
     assert not os.path.exists(path) and ckpt.find_latest(str(tmp_path / "run")) is None
     with torch.no_grad():  # training goes on: the checkpoint keeps the step-boundary values
         for p in tr.model.parameters():
             p.add_(1.0)
     gate.set()
-    tr.checkpointer.wait()
+    tr.checkpoints.sharded.wait()
     assert ckpt.is_complete(path)
     m, _ = ckpt.read_model_and_optim(path)
     assert all(torch.equal(m[k], before[k]) for k in before)
@@ -151,8 +151,8 @@ def test_interrupted_async_write_never_looks_complete_and_is_not_pruned(tmp_path
     tr = Trainer(_cfg(run, *SHARDED, "run.async_save=true", "run.keep_last=1"))
     tr.train_step()
     tr.step = 1
-    first = tr.save()
-    tr.checkpointer.wait()
+    first = tr.checkpoints.save(tr.step)
+    tr.checkpoints.sharded.wait()
     assert ckpt.find_latest(str(run)) == first
 
     gate = threading.Event()
@@ -165,15 +165,15 @@ def test_interrupted_async_write_never_looks_complete_and_is_not_pruned(tmp_path
     monkeypatch.setattr(sharded, "_write_hook", hook)
     tr.train_step()
     tr.step = 2
-    second = tr.save()
+    second = tr.checkpoints.save(tr.step)
     root = os.path.join(run, "checkpoints")
     tmp = [d for d in os.listdir(root) if d.startswith(".tmp-step_00000002-")]
     assert len(tmp) == 1
-    ckpt._prune(str(run), 1, first)  # keep_last: only complete checkpoints are candidates
+    ckpt.prune(str(run), 1, first)  # keep_last: only complete checkpoints are candidates
     assert os.path.isdir(os.path.join(root, tmp[0])) and ckpt.find_latest(str(run)) == first
     gate.set()
     with pytest.raises(ckpt.CheckpointWriteError, match="step_00000002: disk full .*partial checkpoint was removed"):
-        tr.checkpointer.wait()
+        tr.checkpoints.sharded.wait()
     assert not os.path.exists(second) and ckpt.find_latest(str(run)) == first
     assert not os.path.exists(os.path.join(root, tmp[0]))  # the failed write removed its temp directory
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from megassm.config import OptimConfig
 from megassm.training import checkpoint as ckpt
+from megassm.training.checkpoint import disk
 from megassm.training.metrics import (
     MetricsLogger, ProgressBar, StepTimer, memory_scalars, peak_memory_gib, short_name,
 )
@@ -237,17 +238,17 @@ def test_checkpoint_layout_and_weights_only(tmp_path):
 def test_crash_mid_save_leaves_no_complete_checkpoint(tmp_path, monkeypatch):
     model, opt, sched = make()
     first = ckpt.save_checkpoint(tmp_path, 1, model=model, optimizer=opt, extra=extra_state(sched, 1))
-    real = ckpt._torch_save
+    real = disk.torch_save
 
     def crashing(obj, path):
         if path.endswith("optim.pt"):
             raise KeyboardInterrupt("simulated crash while writing")
         real(obj, path)
 
-    monkeypatch.setattr(ckpt, "_torch_save", crashing)
+    monkeypatch.setattr(disk, "torch_save", crashing)
     with pytest.raises(KeyboardInterrupt):
         ckpt.save_checkpoint(tmp_path, 2, model=model, optimizer=opt, extra=extra_state(sched, 2), keep_last=1)
-    monkeypatch.setattr(ckpt, "_torch_save", real)
+    monkeypatch.setattr(disk, "torch_save", real)
     # an interrupted save that Python sees removes its temp directory; a kill -9 leaves it (made here by hand),
     # and it is ignored until the next trainer's clean_temp_dirs removes it
     assert os.listdir(tmp_path / "checkpoints") == ["step_00000001"]

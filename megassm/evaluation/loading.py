@@ -4,7 +4,7 @@
     lm.model, lm.tokenizer, lm.cfg, lm.step, lm.autocast()
 
 The config is the one the checkpoint recorded (meta.json "config"), else RUN/config.yaml two levels above it,
-else --config; overrides (key=value) apply on top. The weights are loaded by training/checkpoint.py
+else --config; overrides (key=value) apply on top. The weights are loaded by training/checkpoint/load.py
 (canonical or sharded), verified first as every reader of checkpoints does (checkpoint_to_read). The tokenizer
 is `tokenizer` when given, else the run's: data.tokenizer, checked against the tokenizer the data shards'
 manifests record when the shards are at hand.
@@ -47,7 +47,7 @@ class TrainedModel:
 
 def resolve_checkpoint(checkpoint: str | None, run: str | None, load=None) -> tuple[str, object]:
     """(the checkpoint directory, what `load(path)` read from it): `checkpoint` itself, which must verify, or the
-    newest checkpoint of the run `run` that verifies (training/checkpoint.py checkpoint_to_read, as every reader of
+    newest checkpoint of the run `run` that verifies (training/checkpoint/choose.py checkpoint_to_read, as every reader of
     checkpoints: the damaged and incomplete ones skipped are named in warnings). Only the weights' files are
     verified. CheckpointDamagedError (exit 6) when none verifies."""
     from megassm.training import checkpoint as ckpt

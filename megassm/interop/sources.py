@@ -5,7 +5,7 @@
     state = load_state(src, model)            # canonical megassm names, checked against the (meta) model's shapes
 
 Layouts: a megassm checkpoint directory (meta.json; canonical or sharded; it must verify) or run directory (its
-newest checkpoint that verifies: training/checkpoint.py checkpoint_to_read); a transformers Mamba2 / Nemotron-H /
+newest checkpoint that verifies: training/checkpoint/choose.py checkpoint_to_read); a transformers Mamba2 / Nemotron-H /
 GraniteMoeHybrid directory (config.json with model_type, model.safetensors or pytorch_model.bin, optionally sharded
 with an index);
 a mamba_ssm directory (config.json with d_model / n_layer, pytorch_model.bin in the state-spaces/mamba2-* naming).

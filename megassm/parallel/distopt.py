@@ -42,7 +42,7 @@ group, then TP, then PP: the single-process norm. The clip scales the slices (al
 
 Checkpoints stay canonical: `state_dict()` (collective over the group) returns what a torch AdamW over the local
 (TP-sharded / this stage's) parameters would, `load_state_dict` takes such a dict and keeps this rank's slices,
-and sharded checkpoints (training/sharded_chunks.py) write and read the owned pieces (`_views`) as boxes of the
+and sharded checkpoints (training/checkpoint/sharded_chunks.py) write and read the owned pieces (`_views`) as boxes of the
 canonical tensors. A run saved here resumes in one process, under plain DDP, FSDP2 or at another DP size, and
 the other way round.
 """

@@ -10,7 +10,7 @@ The canonical init (models/init.py) draws every parameter at its full single-dev
 generator (seeded by the seed and the parameter's name); a rank's pieces are slices of those tensors. So each
 parameter is drawn once in the job, by the rank it is dealt to (largest first, the least-loaded rank: the draws
 of a 7B model spread over every rank, each in a pool of threads), broadcast as one full tensor on the device,
-and every rank copies out the boxes it holds (training/sharded_chunks.py `tensor_boxes`: its TP pieces mapped
+and every rank copies out the boxes it holds (training/checkpoint/sharded_chunks.py `tensor_boxes`: its TP pieces mapped
 through their ShardSpecs, its FSDP2 shard's offsets), which are views of its live parameters. A device holds
 the pieces it keeps plus one full parameter at a time (the largest: the embedding or the head); a host holds the
 draws in flight (at most `_WINDOW_BYTES`). The weights are bit for bit those of
@@ -35,7 +35,7 @@ import os
 
 from megassm.models.init import draw as draw_rule
 from megassm.models.init import param_seed, rule_of
-from megassm.training.sharded_chunks import model_context, tensor_boxes
+from megassm.training.checkpoint.sharded_chunks import model_context, tensor_boxes
 
 __all__ = ["materialize_held", "held_parameters", "peak_host_bytes", "deal", "draw_threads"]
 

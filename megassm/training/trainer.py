@@ -18,23 +18,22 @@ from dataclasses import dataclass
 
 import torch
 
-from megassm.config import Config, ConfigError, data_parallel_size, dump_config, in_run_dir
+from megassm.config import Config, ConfigError, data_parallel_size, in_run_dir
 from megassm.models.coffee import deer_stats
 from megassm.parallel import runtime as prt
 from megassm.parallel.engines import build_engine
 from megassm.training import checkpoint as ckpt
 from megassm.training import consensus, faults, preemption, runlock
-from megassm.training.checkpoint_dir import PREVIOUS_PREFIX, earlier_run, move_aside
-from megassm.training.failures import RunIOError, describe_os_error, one_line
+from megassm.training.checkpoint.folder import PREVIOUS_PREFIX, earlier_run, move_aside
+from megassm.training.checkpoint.manager import CheckpointManager
+from megassm.training.failures import RunIOError, describe_os_error
 from megassm.training.guards import SpikeGuard, SpikeStopError, StragglerReport
 from megassm.training.flops import flops_per_sequence, mfu, peak_flops_for
 from megassm.training.metrics import MetricsLogger, ProgressBar, memory_scalars
 from megassm.training.wandb_sink import wandb_settings
 from megassm.training.optim import LRScheduler, build_optimizer
 from megassm.training.checks import autocast_dtype, check_supported, pick_device
-from megassm.training.run_config import (apply_settings, config_differences, config_hash, legacy_hash_matches,
-                                         write_resolved_config)
-from megassm.training.sharded import SHARDED, canonical_param_names, checkpoint_format, load_sharded
+from megassm.training.run_config import apply_settings, write_resolved_config
 from megassm.training.startup import materialize_held, peak_host_bytes
 
 log = logging.getLogger("megassm.train")
@@ -175,12 +174,6 @@ class Trainer:
         self.optimizer = self.engine.make_optimizer(lambda: build_optimizer(
             self.model.param_groups(cfg.optim.weight_decay), cfg.optim, self.device.type))
         self.scheduler = LRScheduler(self.optimizer, cfg.optim, cfg.train.steps)
-        self.checkpointer = None  # run.checkpoint_format=sharded: DCP, every rank writes (training/sharded.py)
-        if cfg.run.checkpoint_format == "sharded":
-            from megassm.training.sharded import ShardedCheckpointer
-
-            self.checkpointer = ShardedCheckpointer(self.groups, async_save=cfg.run.async_save,
-                                                    keep_last=cfg.run.keep_last)
         self.graphed = None  # train.cuda_graph: each micro-batch is one graph replay (training/cuda_graph.py)
         if cfg.train.cuda_graph:
             from megassm.training.cuda_graph import GraphedMicroBatch
@@ -212,8 +205,12 @@ class Trainer:
         self.guard = SpikeGuard(cfg.train, self.groups, self.device)
         self.straggler = StragglerReport(cfg, self.groups, self.device, self.accum)
         self._fault_scale = 1.0  # the fault tests' loss spike (training/faults.py): 1 unless MEGASSM_FAULT says
-        self.last_checkpoint: str | None = None
-        resume_path = self._resume()
+        # when to save, resume, roll back, and the checkpoint a failure names (training/checkpoint/manager.py)
+        self.checkpoints = CheckpointManager(cfg, self.groups, model=self.model, optimizer=self.optimizer,
+                                             engine=self.engine, scheduler=self.scheduler, data=self.data,
+                                             guard=self.guard, carrier=self.carrier,
+                                             tokens_per_step=self.tokens_per_step)
+        resume_path, self.step = self.checkpoints.restore()
         if prt.is_rank0(self.groups):  # only once the run is accepted: a refused config never replaces the run's
             write_resolved_config(cfg, self.run_dir)
 
@@ -234,6 +231,11 @@ class Trainer:
         # the clock at the last step's host sync (train_step): a step is timed sync to sync, so the GPU tail of one
         # step (clipping, AdamW) overlaps the host's start of the next; None after anything else ran in between
         self._last_sync: float | None = None
+
+    @property
+    def last_checkpoint(self) -> str | None:
+        """The checkpoint this run last saved or loaded: what a stop names (megassm.train, last_exit.json)."""
+        return self.checkpoints.last
 
     # ------------------------------------------------------------------------------------------------
     def _autocast(self):
@@ -269,7 +271,7 @@ class Trainer:
         def check(grad_norm: float) -> bool:  # False: the spike guard declines the step (training/guards.py)
             if not math.isfinite(loss) or not math.isfinite(grad_norm):
                 raise NonFiniteLossError(self._non_finite_message(loss, grad_norm))
-            return self.guard.judge(self.step + 1, loss, grad_norm, checkpoint=self.last_checkpoint,
+            return self.guard.judge(self.step + 1, loss, grad_norm, checkpoint=self.checkpoints.last,
                                     declines=self.engine.declines_steps)
 
         grad_norm = self.engine.clip_and_step(self.cfg.train.grad_clip, check)  # clip, check, step, zero
@@ -316,34 +318,8 @@ class Trainer:
         return data_time
 
     def _non_finite_message(self, loss: float, grad_norm: float) -> str:
-        if self.last_checkpoint is None:
-            where = "no checkpoint was written yet in this run (set run.save_interval to keep one)"
-        else:
-            self.last_checkpoint = self._last_good_checkpoint()
-            where = (f"the last good checkpoint is {self.last_checkpoint} (resume with --resume auto, "
-                     "perhaps with a lower optim.lr)" if self.last_checkpoint else
-                     "no checkpoint of this run verifies any more (see the warnings above)")
+        where = self.checkpoints.last_good_note()
         return f"non-finite loss {loss} (grad norm {grad_norm}) at step {self.step + 1}; training stopped; {where}"
-
-    def _last_good_checkpoint(self) -> str | None:
-        """The checkpoint this run last saved or resumed from if it still verifies, else the newest older one in
-        run.dir that does. Rank 0 reads them; the other ranks name the one they recorded."""
-        if not prt.is_rank0(self.groups):
-            return self.last_checkpoint
-        last = self.last_checkpoint
-        problems = ckpt.verify_checkpoint(last)
-        if not problems:
-            return last
-        log.warning("checkpoint %s fails verification: %s", last, "; ".join(problems))
-        last_step = int(os.path.basename(last.rstrip(os.sep)).rsplit("_", 1)[-1])
-        for step, path in reversed(ckpt.list_checkpoints(self.run_dir)):
-            if step >= last_step:
-                continue
-            problems = ckpt.verify_checkpoint(path)
-            if not problems:
-                return path
-            log.warning("checkpoint %s fails verification: %s", path, "; ".join(problems))
-        return None
 
     def eval_samples(self) -> int:
         """Samples in the held-out set: train.eval_tokens rounded up to whole samples of seq_len tokens."""
@@ -381,74 +357,6 @@ class Trainer:
         val = loss_sum / n_tokens
         return {"loss/val": val, "loss/val_ppl": math.exp(min(val, 50.0))}
 
-    # ------------------------------------------------------------------------------------------------
-    def _extra_state(self, carried: dict | None = None) -> dict:
-        extra = {
-            "scheduler": self.scheduler.state_dict(),
-            "data": self.data.state_dict(),
-            "rng": ckpt.capture_rng_state(),
-            "config_hash": config_hash(self.cfg),
-            "config": dump_config(self.cfg),  # names the keys that differ when a resume changes the config
-            "consumed_tokens": self.step * self.tokens_per_step,
-            "spike_guard": self.guard.state_dict(),  # the window: a resume judges as the uninterrupted run would
-        }
-        if self.carrier is not None:
-            extra["carried_states"] = carried
-        return extra
-
-    def save(self) -> str:
-        self._last_sync = None  # the next step is timed from its own start, not from the last step
-        faults.at_save(self.step)  # the fault tests' hook: inert unless MEGASSM_FAULT is set
-        if self.checkpointer is not None:  # sharded: every rank writes its pieces (async: in the background)
-            carried = self.carrier.state_dict() if self.carrier is not None else None  # collective
-            extra = self._extra_state(carried) if prt.is_rank0(self.groups) else None
-            path = self.checkpointer.save(self.run_dir, self.step, model=self.model, optimizer=self.optimizer,
-                                          engine=self.engine, extra=extra)
-            self.last_checkpoint = path
-            log.info("checkpoint %s: %s", path, "snapshot taken, writing in the background"
-                     if self.cfg.run.async_save else "saved (sharded)")
-            return path
-        # canonical single-device layout: TP shards gathered on every rank (collective), rank 0 writes
-        if self.engine.handles_states:  # FSDP2 / DeepSpeed shards -> canonical on rank 0 (collective)
-            model_state, optim_state = self.engine.gather_states()
-        else:
-            model_state, optim_state = prt.gather_states(self.model, self.optimizer, self.groups)
-        # BPTT: the canonical carried states on rank 0 (collective: every rank's rows / blocks / shards)
-        carried = self.carrier.state_dict() if self.carrier is not None else None
-        path = os.path.join(self.run_dir, ckpt.CHECKPOINTS, ckpt.checkpoint_name(self.step))
-        error, pending = None, None
-        try:
-            if prt.is_rank0(self.groups):
-                extra = self._extra_state(carried)
-                # the optimizer's parameter names by index: lets megassm-checkpoint convert it without a config
-                extra["param_names"] = canonical_param_names(self.model, self.optimizer, self.engine)
-                try:
-                    pending = ckpt.write_checkpoint(self.run_dir, self.step, model=self.model,
-                                                    optimizer=self.optimizer, extra=extra,
-                                                    model_state=model_state, optim_state=optim_state)
-                except RunIOError as e:  # full disk, unwritable directory: the temp directory is gone already
-                    error = e
-            # Published only once every rank has reached this point: a rank that stalled in this step leaves
-            # its peers' collectives to the watchdog, whose abort lets their step finish on garbage; this
-            # agreement then fails (or never completes) and nothing of the step appears.
-            error = consensus.agree_error(error)
-            if pending is not None and error is None:
-                try:
-                    path = pending.publish(self.cfg.run.keep_last)
-                except RunIOError as e:
-                    error = e
-                pending = None
-        finally:
-            if pending is not None:
-                pending.discard()
-        # also the barrier: no rank goes on before the checkpoint is complete, and all fail together
-        error = consensus.agree_error(error)
-        if error is not None:
-            raise error
-        self.last_checkpoint = path
-        log.info("saved checkpoint %s", path)
-        return path
-
     def _claim_run_dir(self) -> None:
         """Rank 0, before any rank writes into run.dir: refuse a live trainer's directory and a fresh start over an
         earlier run (both found by reading only, so a refusal changes nothing there), take the lock (runlock.py),
@@ -479,7 +387,7 @@ class Trainer:
         self.cfg.run.overwrite = False
 
     def _refuse_earlier_run(self) -> None:
-        """ConfigError when this run would start fresh in a run.dir that holds an earlier run (checkpoint_dir.py
+        """ConfigError when this run would start fresh in a run.dir that holds an earlier run (checkpoint/folder.py
         earlier_run): run.resume=none (the default, or set) or a checkpoint of another run, without
         run.overwrite. Its checkpoints would be pruned by this run's run.keep_last and their metrics mixed."""
         r = self.cfg.run
@@ -514,157 +422,25 @@ class Trainer:
         """Give the run directory back (rank 0's lock). megassm.train does it after writing last_exit.json."""
         runlock.release(self.run_dir)
 
-    def _resume(self) -> str | None:
-        """Load what run.resume names and return its path (None: a fresh start). For "auto" or a run directory,
-        the newest checkpoint that verifies and loads on every rank: incomplete and damaged ones are named and
-        skipped. CheckpointDamagedError when checkpoints exist but none is intact; CheckpointMismatchError (a
-        config error) when one does not fit this run's model."""
-        candidates, fallback = ckpt.resume_candidates(self.run_dir, self.cfg.run.resume)
-        damaged, skipped = [], []
-        for path in candidates:
-            meta_exists = os.path.exists(os.path.join(path, ckpt.META))  # unreadable counts as damaged, below
-            if not ckpt.marked_complete(path) and not (meta_exists and ckpt.read_meta(path) is None):
-                if not fallback:
-                    ckpt.load_checkpoint(path, model=None, verify=False)  # raises, naming what is missing
-                log.warning("skipping checkpoint %s: incomplete (interrupted while being written)", path)
-                skipped.append(path)
-                continue
-            problems = self._try_load(path)
-            if not problems:
-                if skipped:
-                    log.warning("resumed from %s, the newest intact checkpoint; skipped: %s", path, ", ".join(skipped))
-                return path
-            log.warning("checkpoint %s is damaged and is skipped: %s", path, "; ".join(problems))
-            damaged.append(f"{os.path.basename(path)}: {'; '.join(problems)}")
-            skipped.append(path)
-        if damaged:
-            where = "" if fallback else " (a checkpoint named by run.resume has no stand-in; --resume auto takes " \
-                                         "the newest intact one)"
-            raise ckpt.CheckpointDamagedError(
-                f"run.resume={self.cfg.run.resume}: no intact checkpoint to resume from{where}: {' | '.join(damaged)}. "
-                "Restore one, name another with --resume PATH, or start over in a new run.dir")
-        if skipped:
-            log.warning("run.resume=%s: no complete checkpoint (skipped %s); starting from scratch",
-                        self.cfg.run.resume, ", ".join(skipped))
-        elif fallback:
-            log.info("run.resume=%s: no checkpoint in %s; starting from scratch", self.cfg.run.resume,
-                     os.path.join(self.run_dir, ckpt.CHECKPOINTS))
-        return None
-
-    def _try_load(self, path: str, data_state: dict | None = None) -> list[str]:
-        """Verify and load one complete checkpoint, agreed by every rank: its problems (empty: loaded). Rank 0
-        verifies the canonical files; every rank refuses unreadable files and non-finite values before loading.
-        `data_state`: the data position to take instead of the checkpoint's (a spike rollback keeps its own)."""
-        mine = None if prt.is_rank0(self.groups) else []
-        if checkpoint_format(path) == SHARDED:  # every rank hashes its share of the files (84 GB at 7B)
-            files = sorted(((ckpt.read_meta(path) or {}).get("integrity") or {}).get("files", {}))
-            mine = files[self.groups.rank::self.groups.world_size] if files else mine
-        problems = [p for ps in consensus.gather(ckpt.verify_checkpoint(path, relpaths=mine)) for p in ps]
-        if problems:
-            return problems
-        outcome = None  # (kind, message): exceptions themselves may not pickle for the exchange
-        try:
-            self._load(path, data_state)
-        except ckpt.CheckpointDamagedError as e:
-            outcome = ("damaged", str(e))
-        except (ConfigError, RuntimeError, ValueError, KeyError, TypeError) as e:  # does not fit the model
-            outcome = ("mismatch", str(e) if isinstance(e, ckpt.CheckpointError) else
-                       f"checkpoint {path} does not fit this run: {type(e).__name__}: {one_line(e)}")
-        except Exception as e:  # anything else is a bug: every rank stops, this one with its traceback
-            consensus.gather(("unexpected", f"{type(e).__name__}: {one_line(e)}"))
-            raise
-        outcomes = [(rank, o) for rank, o in enumerate(consensus.gather(outcome)) if o is not None]
-        for rank, (kind, message) in outcomes:
-            if kind == "unexpected":
-                raise RuntimeError(f"rank {rank} failed to load checkpoint {path}: {message}")
-        mismatch = next((message for _, (kind, message) in outcomes if kind == "mismatch"), None)
-        if mismatch is not None:
-            raise self._mismatch(path, mismatch)
-        return [message for _, (_, message) in outcomes[:1]]
-
-    def _mismatch(self, path: str, error: str) -> ConfigError:
-        meta = ckpt.read_meta(path) or {}
-        diffs = config_differences(meta["config"], self.cfg) if isinstance(meta.get("config"), str) else []
-        more = f" (and {len(diffs) - 4} more)" if len(diffs) > 4 else ""
-        hint = f"; the config differs from the checkpoint's: {'; '.join(diffs[:4])}{more}" if diffs else ""
-        return ckpt.CheckpointMismatchError(f"run.resume: {one_line(error)}{hint}. Resume with the config it was "
-                                            "saved with, or start a new run.dir")
-
-    def _warn_config_changes(self, path: str, meta: dict) -> None:
-        if isinstance(meta.get("config"), str):
-            diffs = config_differences(meta["config"], self.cfg)
-            if diffs:
-                log.warning("resuming %s with a config that differs from the one it was saved with: %s", path,
-                            "; ".join(diffs))
-        elif meta.get("config_hash") != config_hash(self.cfg) and not legacy_hash_matches(meta.get("config_hash"),
-                                                                                            self.cfg):
-            log.warning("resuming %s with a config that differs from the one it was saved with (an older checkpoint "
-                        "without its config: the keys cannot be named)", path)
-
-    @torch.no_grad()
-    def _refuse_nonfinite_loaded(self, path: str) -> None:
-        """A sharded load fills the live tensors in place: refuse non-finite values in this rank's pieces."""
-        def local(t):
-            return t.to_local() if hasattr(t, "to_local") else t
-
-        ckpt.refuse_nonfinite(path, "the model (this rank's pieces)",
-                              {n: local(q) for n, q in self.model.named_parameters()})
-        state = getattr(self.optimizer, "state", {}) or {}
-        ckpt.refuse_nonfinite(path, "the optimizer (this rank's pieces)",
-                              [{k: local(v) for k, v in st.items() if torch.is_tensor(v)} for st in state.values()])
-
-    def _load(self, path: str, data_state: dict | None = None) -> None:
-        """Load a verified checkpoint into this rank's model, optimizer, scheduler, data (or `data_state`), carried
-        states, RNG and spike-guard window."""
-        if checkpoint_format(path) == SHARDED:  # each rank reads the chunks overlapping its own pieces
-            extra = ckpt.load_checkpoint(path, model=None, optimizer=None, verify=False)
-            load_sharded(path, self.model, self.optimizer, self.groups, self.engine)
-            self._refuse_nonfinite_loaded(path)
-        elif self.engine.handles_states:  # canonical checkpoint -> FSDP2 / DeepSpeed shards
-            extra = ckpt.load_checkpoint(path, model=None, optimizer=None, verify=False)
-            self.engine.load_states(*ckpt.read_model_and_optim(path))
-        elif self.groups.tp > 1 or self.groups.pp > 1:  # canonical checkpoint -> this rank's shards / stages
-            extra = ckpt.load_checkpoint(path, model=None, optimizer=None, verify=False)
-            prt.load_states(self.model, self.optimizer, *ckpt.read_model_and_optim(path))
-        else:
-            extra = ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer, verify=False)
-        self.step = int(extra["step"])
-        self.scheduler.load_state_dict(extra["scheduler"])
-        data_state = extra["data"] if data_state is None else data_state
-        self.data.load_state_dict(data_state)
-        if self.carrier is not None:  # states of another data window (a rollback's): every row restarts, logged
-            self.carrier.load_state_dict(extra.get("carried_states"), data_window=data_state.get("window"))
-        ckpt.restore_rng_state(extra["rng"])
-        self.guard.load_state_dict(extra.get("spike_guard"))
-        self._warn_config_changes(path, extra)
-        self.last_checkpoint = path
-        log.info("%s %s at step %d", "resumed from" if data_state is extra["data"] else "rolled back to", path,
-                 self.step)
-
     # ------------------------------------------------------------------------------------------------
     def _preempt(self) -> None:
         """Checkpoint (unless this step's checkpoint exists already) and mark the run preempted: megassm.train
         then exits with preemption.PREEMPT_EXIT_CODE (docs/launch.md)."""
-        saved = self.last_checkpoint is not None and os.path.basename(
-            self.last_checkpoint.rstrip(os.sep)) == ckpt.checkpoint_name(self.step)
-        if self.step > 0 and not saved:
-            self.save()
+        path = self.checkpoints.save_now(self.step)
         self.preempted = True
         log.warning("preempted (%s) at step %d: checkpoint %s", preemption.reason() or "signal on another rank",
-                    self.step, self.last_checkpoint)
+                    self.step, path)
 
     def _rollback(self) -> None:
         """train.spike_action=rollback after a spike: the last checkpoint back (model, optimizer, scheduler, RNG,
         BPTT states, the guard's window) with the data position kept past the spiking step's batches, so they
         are not replayed; the metrics logged after the checkpoint's step are dropped, as on a resume."""
         spike, counters = self.guard.pending, self.guard.counters()
-        if self.checkpointer is not None:  # an async save still being written completes first
-            self.checkpointer.wait()
-        path = self.last_checkpoint
-        problems = self._try_load(path, data_state=self.data.state_dict())
+        path, problems, step = self.checkpoints.roll_back()
         if problems:
             raise SpikeStopError(f"spike at step {spike.step}: {spike.what}; cannot roll back, checkpoint {path} is "
                                  f"damaged: {'; '.join(problems)}")
+        self.step = step
         self.guard.rolled_back(spike, self.step, path, counters)
         self.straggler.restart()
         self.metrics.close()
@@ -743,15 +519,11 @@ class Trainer:
                         self.metrics.log(self.step, ev)
                         bar.write(f"step {self.step}: val loss {ev['loss/val']:.4f} ppl {ev['loss/val_ppl']:.2f}")
 
-                if (cfg.run.save_interval and self.step % cfg.run.save_interval == 0) or (
-                    cfg.run.save_final and self.step == cfg.train.steps
-                ):
-                    self.save()
-                    self.guard.saved()  # a spike now rolls back to this checkpoint
+                if self.checkpoints.after_step(self.step):  # run.save_interval, run.save_final
+                    self._last_sync = None  # the next step is timed from its own start, not from the save
         finally:
             try:
-                if self.checkpointer is not None:  # the last async save completes before we return / exit
-                    self.checkpointer.wait()
+                self.checkpoints.wait()  # the last async save completes before we return / exit
             finally:
                 bar.close()
                 self.metrics.close()

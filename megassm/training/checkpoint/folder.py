@@ -1,7 +1,7 @@
 """The checkpoints folder of a run (RUN_DIR/checkpoints): the step directories' names, which of them are complete,
 listing and pruning them, the leftovers of interrupted saves, and whether the folder takes new files; and whether
 a run directory holds an earlier run (earlier_run), which a fresh start refuses or moves aside (move_aside). What a
-checkpoint holds, and writing and loading one, is checkpoint.py (which re-exports the checkpoint names)."""
+checkpoint holds, and writing and loading one, is save.py and load.py."""
 from __future__ import annotations
 
 import json
@@ -71,7 +71,7 @@ def find_latest(run_dir: str) -> str | None:
     return cks[-1][1] if cks else None
 
 
-def _prune(run_dir: str, keep_last: int, protect: str) -> None:
+def prune(run_dir: str, keep_last: int, protect: str) -> None:
     if keep_last <= 0:
         return
     complete = list_checkpoints(run_dir)
@@ -89,7 +89,7 @@ def marked_complete(path: str | os.PathLike) -> bool:
     return meta is not None and meta.get("complete") is True
 
 
-def _newest_first(run_dir: str) -> list[str]:
+def newest_first(run_dir: str) -> list[str]:
     return [p for _, p in reversed(list_checkpoints(run_dir, complete_only=False))]
 
 

@@ -1,6 +1,6 @@
 """Checkpoint integrity: the size and sha256 of every file of a checkpoint (meta.json's "integrity"), taken
 while the file is written (`HashingWriter`) or from the disk (`file_record`), checked file by file
-(`check_file`), and the non-finite values a loaded state must not hold. checkpoint.py reads meta.json and
+(`check_file`), and the non-finite values a loaded state must not hold. load.py reads meta.json and
 decides; the sharded format (sharded.py) records its ranks' files through the same functions."""
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The checkpoint errors (re-exported by checkpoint.py, where callers name them): in a module of their own so
-that sharded_read.py, which checkpoint.py's loaders use to read sharded checkpoints, raises them without
-importing checkpoint.py (imports run one way; docs/architecture.md, "Layers")."""
+"""The checkpoint errors (exported by the package, where callers name them): in a module of their own, below
+every module of the package that raises them (imports run one way; docs/architecture.md, "Layers")."""
 from __future__ import annotations
 
 from megassm.config import ConfigError

@@ -1,14 +1,14 @@
-"""Reading a sharded checkpoint (training/sharded.py's layout) through torch.distributed.checkpoint: its
+"""Reading a sharded checkpoint (sharded.py's layout) through torch.distributed.checkpoint: its
 layout.pt, DCP's metadata, target chunks filled by DCP (dcp_load), and the canonical states assembled in one
-process (read_canonical). Below both checkpoint.py, whose loaders read either format, and sharded.py, which
-builds on checkpoint.py: so neither imports the other both ways (docs/architecture.md, "Layers")."""
+process (read_canonical). Below both load.py, whose loaders read either format, and sharded.py, which writes
+it: the reading side they share, so the loaders need not import the writer (docs/architecture.md, "Layers")."""
 from __future__ import annotations
 
 import os
 
 import torch
 
-from megassm.training.checkpoint_errors import CheckpointError
+from megassm.training.checkpoint.errors import CheckpointError
 
 __all__ = ["DCP_DIR", "LAYOUT", "dcp_metadata", "dcp_load", "read_layout", "read_canonical"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 from megassm.parallel.distopt import range_boxes
-from megassm.training import checkpoint as ckpt
+from megassm.training.checkpoint.state import unwrap_model
 
 # ----------------------------------------------------------------------------------------------------
 # chunk geometry
@@ -83,7 +83,7 @@ def model_context(model):
     from megassm.parallel import pp as ppl
     from megassm.parallel.tp import plan_of
 
-    inner = ckpt.unwrap_model(ppl._unwrap(model))
+    inner = unwrap_model(ppl._unwrap(model))
     tplan, pplan = plan_of(inner), ppl.pp_plan_of(inner)
     return inner, tplan, pplan
 

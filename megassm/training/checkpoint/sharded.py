@@ -4,7 +4,7 @@ path (`run.async_save=true`); any layout resumes from any other, and `megassm-ch
 into the canonical single-file layout and back (docs/parallelism.md, "Checkpoints").
 
 Layout of a sharded checkpoint (same directory names, atomic discipline and meta.json as the canonical one,
-training/checkpoint.py):
+save.py):
 
     step_00000100/
         dcp/.metadata          DCP's index: every tensor's global (single-device) shape, dtype and chunks
@@ -14,8 +14,8 @@ training/checkpoint.py):
         <key>.pt               the extra states as in the canonical layout (scheduler, data, rng, carried_states)
         meta.json              "format": "sharded", files, "integrity" (sha256 of every other file), "complete"
 
-sharded_chunks.py builds the chunk lists; this module runs DCP over them (the reading part, which
-checkpoint.py's loaders share, in sharded_read.py). DCP keys are `model.<canonical name>`
+sharded_chunks.py builds the chunk lists; this module runs DCP over them to write (loading into a live model:
+sharded_load.py; the reading part, which load.py's loaders share: sharded_read.py). DCP keys are `model.<canonical name>`
 (the single-device state dict) and `optim.<canonical name>.<state key>`
 (AdamW exp_avg / exp_avg_sq in the parameter's canonical shape, and the 0-dim step). A rank describes what it
 holds as chunks of the canonical tensors (offsets + a view of its local tensor):
@@ -50,13 +50,19 @@ import time
 import torch
 import torch.distributed as dist
 
-from megassm.training import checkpoint as ckpt
-from megassm.training.sharded_read import DCP_DIR, LAYOUT, dcp_load, dcp_metadata, read_canonical, read_layout
+from megassm.training.checkpoint.disk import raise_naming, torch_save, write_error
+from megassm.training.checkpoint.folder import CHECKPOINTS, checkpoint_name, prune, read_meta
+from megassm.training.checkpoint.integrity import file_record
+from megassm.training.checkpoint.save import MODEL, OPTIM, completion_meta, publish, split_extra
+from megassm.training.checkpoint.sharded_chunks import (canonical_groups, canonical_param_names,
+                                                        entries_from_canonical, layout_record, model_context,
+                                                        save_entries, state_keys)
+from megassm.training.checkpoint.sharded_read import DCP_DIR, LAYOUT
 
 log = logging.getLogger("megassm.checkpoint")
 
-__all__ = ["FORMATS", "checkpoint_format", "canonical_param_names", "ShardedCheckpointer", "load_sharded",
-           "read_canonical", "write_sharded_from_canonical", "write_canonical", "SHARDED", "CANONICAL"]
+__all__ = ["FORMATS", "checkpoint_format", "canonical_param_names", "ShardedCheckpointer",
+           "write_sharded_from_canonical", "write_canonical", "dir_files", "SHARDED", "CANONICAL"]
 
 CANONICAL, SHARDED = "canonical", "sharded"
 FORMATS = (CANONICAL, SHARDED)
@@ -64,13 +70,8 @@ FORMATS = (CANONICAL, SHARDED)
 
 def checkpoint_format(path: str) -> str:
     """CANONICAL or SHARDED (a checkpoint without a "format" in meta.json is canonical)."""
-    meta = ckpt.read_meta(path) or {}
+    meta = read_meta(path) or {}
     return meta.get("format", CANONICAL)
-
-
-from megassm.training.sharded_chunks import (canonical_groups, canonical_param_names, canonical_shape,
-                                             entries_from_canonical, is_distopt, layout_record, model_context,
-                                             optimizer_params, piece_boxes, save_entries, state_keys, tensor_boxes)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -122,21 +123,10 @@ def _dcp_save(entries: dict, path: str, group, no_dist: bool) -> None:
                  planner=_save_planner(entries), process_group=group, no_dist=no_dist)
 
 
-def _check_shapes(md, targets: dict, shapes: dict, path: str) -> None:
-    missing = sorted(k for k in targets if k not in md.state_dict_metadata)
-    if missing:
-        raise ckpt.CheckpointError(f"checkpoint {path} lacks {missing[:5]} ({len(missing)} tensors): saved from "
-                                   "another model?")
-    for k, shape in shapes.items():
-        saved = tuple(md.state_dict_metadata[k].size)
-        if saved != tuple(shape):
-            raise ckpt.CheckpointError(f"checkpoint {path}: '{k}' has shape {saved}, this model {tuple(shape)}")
-
-
 # ----------------------------------------------------------------------------------------------------
 # one-process readers / writers (megassm-eval, read_model_and_optim, the converter)
 # ----------------------------------------------------------------------------------------------------
-def _dir_files(root: str) -> list[str]:
+def dir_files(root: str) -> list[str]:
     out = []
     for d, _, files in os.walk(root):
         for f in files:
@@ -158,138 +148,16 @@ def write_sharded_from_canonical(out_dir: str, model_state: dict, optim_state: d
             keys += [k for k in st if k not in keys]
     layout = layout_record(list(model_state), param_names, optim_state["param_groups"] if optim_state else [],
                      keys or ["step", "exp_avg", "exp_avg_sq"])
-    ckpt._torch_save(layout, os.path.join(out_dir, LAYOUT))
+    torch_save(layout, os.path.join(out_dir, LAYOUT))
 
 
 def write_canonical(out_dir: str, model_state: dict, optim_state: dict | None) -> list[str]:
-    ckpt._torch_save(model_state, os.path.join(out_dir, ckpt.MODEL))
-    files = [ckpt.MODEL]
+    torch_save(model_state, os.path.join(out_dir, MODEL))
+    files = [MODEL]
     if optim_state is not None:
-        ckpt._torch_save(optim_state, os.path.join(out_dir, ckpt.OPTIM))
-        files.append(ckpt.OPTIM)
+        torch_save(optim_state, os.path.join(out_dir, OPTIM))
+        files.append(OPTIM)
     return files
-
-
-# ----------------------------------------------------------------------------------------------------
-# loading into a live (sharded) model and optimizer
-# ----------------------------------------------------------------------------------------------------
-@torch.no_grad()
-def load_sharded(path: str, model, optimizer, groups=None, engine=None) -> None:
-    """Load a sharded checkpoint into this rank's model (in place) and optimizer, whatever the layout it was
-    saved in: each rank reads the saved chunks that overlap its own pieces (not collective)."""
-    from torch.distributed.tensor import DTensor
-
-    if engine is not None and getattr(engine, "name", None) == "deepspeed":
-        log.warning("sharded checkpoint %s -> deepspeed engine: fallback: every rank reads the full canonical "
-                    "states (read_canonical) and loads them through DeepSpeed's fp32-fragment API", path)
-        engine.load_states(*read_canonical(path, optim=optimizer is not None))
-        return
-    layout = read_layout(path)
-    md = dcp_metadata(path)
-    inner, tplan, pplan = model_context(model)
-    tp_rank = tplan.rank if tplan is not None else 0
-    targets, shapes = {}, {}
-    for name, t in inner.state_dict().items():
-        spec = tplan.specs.get(name) if tplan is not None else None
-        shape, boxes = tensor_boxes(t, spec, tp_rank, None)
-        key = "model." + name
-        targets.setdefault(key, []).extend(boxes)
-        shapes[key] = shape
-    optim_fill = None
-    if optimizer is not None:
-        optim_fill = _optimizer_targets(optimizer, inner, tplan, layout, md, targets, shapes, DTensor)
-    _check_shapes(md, targets, shapes, path)
-    dcp_load(targets, path)
-    if optim_fill is not None:
-        optim_fill()
-
-
-def _optimizer_targets(optimizer, inner, tplan, layout, md, targets, shapes, DTensor):
-    """Register target chunks for this rank's optimizer states; returns the function that loads them into the
-    optimizer once read."""
-    tp_rank = tplan.rank if tplan is not None else 0
-    index = {n: i for i, n in enumerate(layout["param_names"])}
-    saved_groups = layout["param_groups"]
-    group_of = {i: g for g in saved_groups for i in g["params"]}
-    local_name = {id(p): n for n, p in inner.named_parameters()}
-    keys = layout["state_keys"]
-
-    def hyper_for(local_group) -> dict:
-        if not local_group["params"]:
-            return {}
-        g = local_name[id(local_group["params"][0])]
-        if g not in index:
-            raise ckpt.CheckpointError(f"the checkpoint's optimizer has no parameter '{g}'")
-        return {k: v for k, v in group_of[index[g]].items() if k != "params"}
-
-    def scalar(key):
-        t = torch.zeros((), dtype=md.state_dict_metadata[key].properties.dtype)
-        targets.setdefault(key, []).append(((), t))
-        shapes[key] = ()
-        return t
-
-    if is_distopt(optimizer):
-        full: dict = {}  # param -> {state key: full local-shaped tensor, only the owned pieces filled}
-        for p, a, b, v in optimizer._views:
-            g = name = local_name[id(p)]
-            spec = tplan.specs.get(name) if tplan is not None else None
-            st = full.setdefault(p, {})
-            for k in keys:
-                key = f"optim.{g}.{k}"
-                if key not in md.state_dict_metadata:
-                    continue
-                if not md.state_dict_metadata[key].size:
-                    if k not in st:
-                        st[k] = scalar(key)
-                    continue
-                if k not in st:
-                    st[k] = torch.zeros(p.shape, dtype=p.dtype)
-                flat = st[k].view(-1)[a:b]
-                targets.setdefault(key, []).extend(piece_boxes(p, a, b, flat, spec, tp_rank))
-                shapes[key] = canonical_shape(p.shape, spec)
-
-        def fill_distopt():
-            ordered = [p for g in optimizer.param_groups for p in g["params"]]
-            state = {i: full[p] for i, p in enumerate(ordered) if full.get(p)}
-            optimizer.load_state_dict({"state": state, "param_groups": [
-                {**hyper_for(g), "params": ids} for g, ids in zip(optimizer.param_groups, _canonical_groups_ids(optimizer))]})
-
-        return fill_distopt
-
-    state = {}
-    for i, (g, p) in enumerate(optimizer_params(optimizer, inner)):
-        name = local_name[id(p)]
-        spec = tplan.specs.get(name) if tplan is not None else None
-        st = {}
-        for k in keys:
-            key = f"optim.{g}.{k}"
-            if key not in md.state_dict_metadata:
-                continue
-            if not md.state_dict_metadata[key].size:
-                st[k] = scalar(key)
-                continue
-            if isinstance(p, DTensor):
-                local = torch.empty_like(p.to_local())
-                val = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
-                                         run_check=False)
-            else:
-                local = val = torch.empty_like(p, memory_format=torch.contiguous_format).detach()
-            shape, boxes = tensor_boxes(val.detach() if not isinstance(val, DTensor) else val, spec, tp_rank, None)
-            targets.setdefault(key, []).extend(boxes)
-            shapes[key] = shape
-            st[k] = val
-        if st:
-            state[i] = st
-
-    def fill():
-        optimizer.load_state_dict({"state": state, "param_groups": [
-            {**hyper_for(g), "params": ids} for g, ids in zip(optimizer.param_groups, _canonical_groups_ids(optimizer))]})
-
-    return fill
-
-
-def _canonical_groups_ids(optimizer) -> list:
-    return [g["params"] for g in canonical_groups(optimizer)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -349,8 +217,8 @@ class ShardedCheckpointer:
         elsewhere): scalars to meta.json, other values to <key>.pt, as save_checkpoint."""
         self.wait()
         t0 = time.perf_counter()
-        root = os.path.join(run_dir, ckpt.CHECKPOINTS)
-        name = ckpt.checkpoint_name(step)
+        root = os.path.join(run_dir, CHECKPOINTS)
+        name = checkpoint_name(step)
         final = os.path.join(root, name)
         tmp = None
         if self.rank == 0:
@@ -426,7 +294,7 @@ class ShardedCheckpointer:
 
     @staticmethod
     def _payload(extra: dict, layout: dict) -> dict:
-        scalars, states = ckpt.split_extra(extra, "sharded checkpoint")
+        scalars, states = split_extra(extra, "sharded checkpoint")
         files = {}
         for key, value in {**{f"{k}.pt": v for k, v in states.items()}, LAYOUT: layout}.items():
             buf = io.BytesIO()
@@ -442,7 +310,7 @@ class ShardedCheckpointer:
         try:
             return self._write_files(entries, tmp, final, run_dir, step, payload, t0)
         except BaseException as e:
-            error = ckpt.write_error(e, final, tmp)  # before the removal: it may look at the files and free space
+            error = write_error(e, final, tmp)  # before the removal: it may look at the files and free space
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             if error is not None and error is not e:
@@ -456,12 +324,12 @@ class ShardedCheckpointer:
             _dcp_save(entries, dcp_dir, self.group, no_dist=self.group is None)
         except BaseException as e:  # DCP's CheckpointException is a BaseException; it gathers every rank's failure,
             if not isinstance(e, (KeyboardInterrupt, SystemExit)):  # so which rank's file failed is not known here
-                ckpt.raise_naming(e, dcp_dir)
+                raise_naming(e, dcp_dir)
             raise
-        mine = [f for f in _dir_files(dcp_dir) if f.startswith(f"__{self.rank}_")]
+        mine = [f for f in dir_files(dcp_dir) if f.startswith(f"__{self.rank}_")]
         if self.rank == 0:
             mine.append(".metadata")
-        records = {f"{DCP_DIR}/{f}": ckpt.file_record(os.path.join(dcp_dir, f)) for f in mine}
+        records = {f"{DCP_DIR}/{f}": file_record(os.path.join(dcp_dir, f)) for f in mine}
         if self.group is not None:
             allrec = [None] * self.world if self.rank == 0 else None
             dist.gather_object(records, allrec, dst=dist.get_global_rank(self.group, 0), group=self.group)
@@ -480,21 +348,21 @@ class ShardedCheckpointer:
                     f.flush()
                     os.fsync(f.fileno())
             except OSError as e:
-                ckpt.raise_naming(e, os.path.join(tmp, fname))
+                raise_naming(e, os.path.join(tmp, fname))
                 raise
-            merged[fname] = ckpt.file_record(os.path.join(tmp, fname))
-        on_disk = set(_dir_files(tmp))
+            merged[fname] = file_record(os.path.join(tmp, fname))
+        on_disk = set(dir_files(tmp))
         if set(merged) != on_disk:
             raise RuntimeError(f"sharded checkpoint {tmp}: files {sorted(on_disk ^ set(merged))} were not "
                                "accounted for by the ranks")
-        meta = ckpt.completion_meta(step, payload["scalars"], {k: merged[k] for k in sorted(merged)},
+        meta = completion_meta(step, payload["scalars"], {k: merged[k] for k in sorted(merged)},
                                     payload["extra_files"], format=SHARDED, world_size=self.world)
-        ckpt.publish(tmp, final, meta)
+        publish(tmp, final, meta)
         total = sum(r["bytes"] for r in merged.values())
         self.last_stats = {**self.last_stats, "complete_s": time.perf_counter() - t0, "bytes": total}
         log.info("sharded checkpoint %s complete: %d files, %.3f GB, %.2fs after the step boundary", final,
                  len(merged), total / 1e9, time.perf_counter() - t0)
-        ckpt._prune(run_dir, self.keep_last, final)
+        prune(run_dir, self.keep_last, final)
         return final
 
     def close(self) -> None:
