@@ -273,13 +273,6 @@ PRIVATE_ALLOWED = {
     ("megassm.kernels.readout", "megassm.kernels.dispatch"): "pending: dispatch._pick",
     ("megassm.kernels", "megassm.kernels.ops"): "pending: ops._announce (the backend log line)",
     ("megassm.kernels", "megassm.kernels.reference.ssd"): "pending: the reference's shape checks, re-exported",
-    ("megassm.models.bmojo", "megassm.models.mamba2"): "pending: mamba2._fp32",
-    ("megassm.models.longhorn", "megassm.models.mamba1"): "pending: mamba1._linear",
-    ("megassm.parallel.distopt", "megassm.parallel.pp"): "pending: pp._unwrap / pp._tied_copy",
-    ("megassm.parallel.pp", "megassm.parallel.tp"): "pending: tp._optimizer_params",
-    ("megassm.training.checkpoint.sharded", "megassm.parallel.pp"): "pending: pp._param_kinds",
-    ("megassm.training.checkpoint.sharded_chunks", "megassm.parallel.pp"): "pending: pp._unwrap / pp._tied_copy",
-    ("megassm.evaluation.context", "megassm.data_tools.loader"): "pending: loader._vocab",
 }
 
 

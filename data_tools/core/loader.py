@@ -46,7 +46,7 @@ def resolve_paths(data_cfg) -> list[str]:
     return paths
 
 
-def _vocab(datasets: list[TokenDataset]) -> tuple[int, int | None]:
+def manifest_vocab(datasets: list[TokenDataset]) -> tuple[int, int | None]:
     """(vocab_size, eos_id) from the manifests, which must agree; scanned ids when there are none."""
     toks = [(d.prefix, d.tokenizer) for d in datasets if d.tokenizer]
     if toks:
@@ -92,7 +92,7 @@ class DataPipeline:
             raise ValueError(f"data.weights has {len(weights)} entries but there are {len(paths)} data paths")
         self.weights = list(weights) if weights is not None else [1.0] * len(paths)
         self.datasets = [TokenDataset(p) for p in paths]
-        self.vocab_size, self.eos_id = _vocab(self.datasets)
+        self.vocab_size, self.eos_id = manifest_vocab(self.datasets)
         self.splits = [split_documents(d.num_docs, data_cfg.split) for d in self.datasets]
 
         # train: packed samples (or BPTT streams); valid: packed samples with a fixed order

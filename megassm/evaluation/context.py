@@ -99,12 +99,12 @@ def held_out_documents(cfg, split: str = "valid", num_docs: int = 64, max_tokens
     split of the run's data, each cut to `max_tokens`. Returns (docs, vocab_size, description, skipped):
     `skipped` counts the split's documents left out, by reason."""
     from megassm.data_tools.dataset import TokenDataset
-    from megassm.data_tools.loader import _vocab, resolve_paths
+    from megassm.data_tools.loader import manifest_vocab, resolve_paths
     from megassm.data_tools.sampler import split_documents
 
     which = {"train": 0, "valid": 1, "test": 2}[split]
     datasets = [TokenDataset(p) for p in resolve_paths(cfg.data)]
-    vocab, _ = _vocab(datasets)
+    vocab, _ = manifest_vocab(datasets)
     cands = []
     for di, d in enumerate(datasets):
         ids = split_documents(d.num_docs, cfg.data.split)[which]

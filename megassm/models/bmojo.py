@@ -45,7 +45,7 @@ from megassm.config import ModelConfig, attn_dims
 
 from .attention import attn_tp_layout, check_attn_section, doc_positions, masked_sdpa
 from .init import make_linear
-from .mamba2 import Mamba2Mixer, _fp32, check_mamba_section, mamba2_activation_bytes, mamba2_flops, mamba2_tp_layout
+from .mamba2 import Mamba2Mixer, to_fp32, check_mamba_section, mamba2_activation_bytes, mamba2_flops, mamba2_tp_layout
 from .norm import RMSNorm
 from .registry import BlockKind, Cut, Replicate, TPLayout, causal_pairs, register
 from .state import BMojoState, MambaState
@@ -295,7 +295,7 @@ class BMojoMixer(nn.Module):
         keep_ok = r_ok[:, L:] & (r_doc[:, L:] == last)
         hist_ok = yvalid[:, L:] & (ydoc[:, L:] == last)
         new = dict(conv=ssm_state.conv, ssm=ssm_state.ssm, k=rk[:, :, L:], v=rv[:, :, L:], valid=keep_ok,
-                   y_hist=_fp32(yc[:, L:]), y_valid=hist_ok, pos=pos[:, -1] + 1)
+                   y_hist=to_fp32(yc[:, L:]), y_valid=hist_ok, pos=pos[:, -1] + 1)
         g_last = grp[:, -1]
         if m:
             gi = g_last.view(bsz, 1, 1, 1, 1).expand(-1, self.n_kv_heads, 1, m, self.head_dim)
@@ -371,7 +371,7 @@ class BMojoMixer(nn.Module):
                         cand_pos=state.cand_pos, cand_valid=state.cand_valid)
         new = BMojoState(
             conv=ms.conv, ssm=ms.ssm, k=rk, v=rv, valid=r_ok, mem_k=mem_k, mem_v=mem_v, mem_valid=mem_ok,
-            y_hist=torch.cat([state.y_hist[:, 1:], _fp32(y)[:, None].to(state.y_hist.dtype)], dim=1),
+            y_hist=torch.cat([state.y_hist[:, 1:], to_fp32(y)[:, None].to(state.y_hist.dtype)], dim=1),
             y_valid=torch.cat([state.y_valid[:, 1:], torch.ones(bsz, 1, dtype=torch.bool, device=dev)], dim=1),
             pos=state.pos + 1, **cand,
         )

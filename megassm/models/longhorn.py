@@ -27,7 +27,7 @@ import torch
 from megassm import kernels
 from megassm.config import ModelConfig
 
-from .mamba1 import SelectiveScanMixer, _linear, check_scan_section, scan_activation_bytes, scan_flops, scan_tp_layout
+from .mamba1 import SelectiveScanMixer, ruled_linear, check_scan_section, scan_activation_bytes, scan_flops, scan_tp_layout
 from .registry import BlockKind, register
 from .state import ScanState
 
@@ -45,7 +45,7 @@ def longhorn_eps(beta_logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 class LonghornMixer(SelectiveScanMixer):
     def __init__(self, cfg: ModelConfig, n_layer: int):
         super().__init__(cfg, n_layer, cfg.longhorn, "L")
-        self.beta_proj = _linear(self.dt_rank, self.d_inner, True, self._low_rank_rule())
+        self.beta_proj = ruled_linear(self.dt_rank, self.d_inner, True, self._low_rank_rule())
 
     def _eps(self, dt_low, k):
         return longhorn_eps(self.beta_proj(dt_low), k)

@@ -46,7 +46,7 @@ def _fp32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def _linear(fan_in: int, fan_out: int, bias: bool, weight_rule: InitRule) -> nn.Linear:
+def ruled_linear(fan_in: int, fan_out: int, bias: bool, weight_rule: InitRule) -> nn.Linear:
     lin = nn.Linear(fan_in, fan_out, bias=bias)
     lin.init_rules = {"weight": weight_rule, "bias": InitRule("zeros", no_wd=True)}
     return lin
@@ -77,11 +77,11 @@ class SelectiveScanMixer(nn.Module):
             w_out = InitRule("normal", std=cfg.init_std / math.sqrt(2 * n_layer))
         else:
             raise ValueError(f"unknown init {sec.init!r} (expected paper or normal)")
-        self.in_proj = _linear(d, 2 * di, sec.proj_bias, w_in)  # rows [x | z]
+        self.in_proj = ruled_linear(d, 2 * di, sec.proj_bias, w_in)  # rows [x | z]
         self.conv1d = CausalConv1d(di, sec.d_conv, bias=sec.conv_bias)
-        self.x_proj = _linear(di, self.dt_rank + 2 * self.d_state, False, w_x)  # [dt_low | B | C]
+        self.x_proj = ruled_linear(di, self.dt_rank + 2 * self.d_state, False, w_x)  # [dt_low | B | C]
         self.D = nn.Parameter(torch.empty(di, dtype=torch.float32))
-        self.out_proj = _linear(di, d, sec.proj_bias, w_out)
+        self.out_proj = ruled_linear(di, d, sec.proj_bias, w_out)
         self.init_rules = {"D": InitRule("ones", no_wd=True)}
 
     def _low_rank_rule(self) -> InitRule:
@@ -151,7 +151,7 @@ class Mamba1Mixer(SelectiveScanMixer):
             self.init_rules.update(dt_bias=dt_rule, B_lti=InitRule("ones", no_wd=True),
                                    C_lti=InitRule("normal", std=self.d_state ** -0.5, no_wd=True))
         else:
-            self.dt_proj = _linear(self.dt_rank, self.d_inner, True, self._low_rank_rule())
+            self.dt_proj = ruled_linear(self.dt_rank, self.d_inner, True, self._low_rank_rule())
             self.dt_proj.init_rules["bias"] = dt_rule
         self.A_log = nn.Parameter(torch.empty(self.d_inner, self.d_state, dtype=torch.float32))
         self.init_rules["A_log"] = InitRule("s4d_real", no_wd=True)

@@ -33,7 +33,7 @@ from .state import MambaState
 __all__ = ["Mamba2Mixer", "CausalConv1d"]
 
 
-def _fp32(t: torch.Tensor) -> torch.Tensor:
+def to_fp32(t: torch.Tensor) -> torch.Tensor:
     """States are fp32 (fp64 stays fp64)."""
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
@@ -143,7 +143,7 @@ class Mamba2Mixer(nn.Module):
             return_state,
         )
         out = self.norm_out_proj(y.reshape(bsz, seqlen, self.d_inner), z)
-        new_state = MambaState(conv=_fp32(conv_state), ssm=_fp32(ssm_state)) if return_state else None
+        new_state = MambaState(conv=to_fp32(conv_state), ssm=to_fp32(ssm_state)) if return_state else None
         return out, new_state
 
     # conv and scan are methods so that a plan applied from outside can override them (parallel/cp.py)
@@ -204,7 +204,7 @@ class Mamba2Mixer(nn.Module):
             dt_limit=self.dt_limit,
         )
         out = self.norm_out_proj(y.reshape(bsz, self.d_inner), z)
-        return out, MambaState(conv=_fp32(conv_state), ssm=_fp32(ssm_state))
+        return out, MambaState(conv=to_fp32(conv_state), ssm=to_fp32(ssm_state))
 
 
 # ----------------------------------------------------------------------------------------------------

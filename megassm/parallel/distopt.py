@@ -465,12 +465,12 @@ def _norm_views(model, buffers: FlatBuffers) -> dict:
     group, TP and PP, is the squared norm of the canonical gradient. Under TP each ShardSpec piece weighs
     nparts / tp (a replicated component counts once over its replicas); the last stage's copy of a tied
     embedding is left out (the first stage's counts)."""
-    from .pp import _tied_copy, _unwrap, pp_plan_of
+    from .pp import tied_copy, unwrap, pp_plan_of
     from .tp import box_pieces, plan_of
 
-    inner = _unwrap(model)
+    inner = unwrap(model)
     tplan, pplan = plan_of(inner), pp_plan_of(inner)
-    skip = _tied_copy(pplan) if pplan is not None else set()
+    skip = tied_copy(pplan) if pplan is not None else set()
     name_of = {id(p): n for n, p in inner.named_parameters()}
     out: dict = {}
     for p, a, b in buffers.pieces:

@@ -50,12 +50,12 @@ __all__ = ["PPPlan", "pp_plan_of", "balance_stages", "stage_layout", "split_mode
 SCHEDULES = ("1f1b", "gpipe")
 
 
-def _unwrap(model):
+def unwrap(model):
     return getattr(model, "module", model)
 
 
 def pp_plan_of(model: nn.Module) -> "PPPlan | None":
-    return getattr(_unwrap(model), "pp_plan", None)
+    return getattr(unwrap(model), "pp_plan", None)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -319,7 +319,7 @@ def _schedule(model: nn.Module, n: int, train: bool):
 
     dev = next(model.parameters()).device
     stages = [PipelineStage(m, m.index, plan.n_stages, dev, group=plan.group) for m in plan.modules]
-    loss_fn = _loss_fn(_unwrap(model), n)
+    loss_fn = _loss_fn(unwrap(model), n)
     if plan.virtual == 1:
         # torch's 1F1B needs n >= stages; with fewer micro-batches every schedule is all warm-up = GPipe
         cls = Schedule1F1B if (plan.schedule == "1f1b" and train and n >= plan.pp) else ScheduleGPipe
@@ -425,7 +425,7 @@ def sync_embedding_grads(model: nn.Module) -> None:
     plan = pp_plan_of(model)
     if plan is None or not plan.tied or plan.pp == 1 or plan.emb_group is None:
         return
-    w = _unwrap(model).embedding.weight
+    w = unwrap(model).embedding.weight
     if w.grad is None:
         w.grad = torch.zeros_like(w)
     red = comm.all_reduce(w.grad, plan.emb_group)
@@ -433,7 +433,7 @@ def sync_embedding_grads(model: nn.Module) -> None:
         w.grad.copy_(red)
 
 
-def _tied_copy(plan: PPPlan) -> set:
+def tied_copy(plan: PPPlan) -> set:
     """Names counted elsewhere in the global norm: the last stage's copy of a tied embedding."""
     return {"embedding.weight"} if plan.tied and plan.last and not plan.first else set()
 
@@ -445,9 +445,9 @@ def grad_norm_pp(model: nn.Module) -> torch.Tensor:
     sync_tp_grads / sync_embedding_grads."""
     from .tp import grad_sq_tp
 
-    inner = _unwrap(model)
+    inner = unwrap(model)
     plan = pp_plan_of(inner)
-    sq = grad_sq_tp(inner, exclude=_tied_copy(plan))
+    sq = grad_sq_tp(inner, exclude=tied_copy(plan))
     sq = sq.to(next(inner.parameters()).device)
     return comm.all_reduce(sq, plan.group).sqrt()
 
@@ -471,7 +471,7 @@ def clip_grad_norm_pp(model: nn.Module, max_norm: float) -> float:
 # ----------------------------------------------------------------------------------------------------
 # canonical checkpoints
 # ----------------------------------------------------------------------------------------------------
-def _param_kinds(plan: PPPlan) -> dict:
+def param_kinds(plan: PPPlan) -> dict:
     kinds = {n: "decay" for n in plan.decay_names}
     kinds.update({n: "no_decay" for n in plan.no_decay_names})
     return kinds
@@ -480,11 +480,11 @@ def _param_kinds(plan: PPPlan) -> dict:
 def _optimizer_by_name(optimizer, model, plan: PPPlan) -> dict:
     """This stage's canonical optimizer state keyed by parameter name, plus the hyperparameters of
     its decay / no-decay groups."""
-    from .tp import _optimizer_params, optimizer_state_to_canonical
+    from .tp import optimizer_params, optimizer_state_to_canonical
 
     sd = optimizer_state_to_canonical(optimizer, model)  # TP shards gathered (collective)
-    names = [n for n, _ in _optimizer_params(optimizer, model)]
-    kinds = _param_kinds(plan)
+    names = [n for n, _ in optimizer_params(optimizer, model)]
+    kinds = param_kinds(plan)
     groups = {}
     for g in sd["param_groups"]:
         if g["params"]:
@@ -502,7 +502,7 @@ def gather_canonical_states(model: nn.Module, optimizer, groups) -> tuple[dict |
     gathered inside each stage, then the stages' states go to the first pipeline rank)."""
     from .tp import canonical_state_dict
 
-    inner = _unwrap(model)
+    inner = unwrap(model)
     plan = pp_plan_of(inner)
     local = canonical_state_dict(inner)
     opt = _optimizer_by_name(optimizer, inner, plan) if optimizer is not None else None
@@ -545,9 +545,9 @@ def gather_canonical_states(model: nn.Module, optimizer, groups) -> tuple[dict |
 @torch.no_grad()
 def load_canonical_states(model: nn.Module, optimizer, model_state: dict, optim_state: dict | None) -> None:
     """Load a canonical (single-device) checkpoint into this rank's stages (and TP shards)."""
-    from .tp import _optimizer_params, load_canonical_optimizer_state, load_canonical_state_dict
+    from .tp import optimizer_params, load_canonical_optimizer_state, load_canonical_state_dict
 
-    inner = _unwrap(model)
+    inner = unwrap(model)
     plan = pp_plan_of(inner)
     missing = sorted(k for k in inner.state_dict() if k not in model_state)
     unexpected = sorted(set(model_state) - set(plan.state_names))
@@ -560,12 +560,12 @@ def load_canonical_states(model: nn.Module, optimizer, model_state: dict, optim_
     n_saved = sum(len(g["params"]) for g in optim_state["param_groups"])
     if n_saved != len(order):
         raise ValueError(f"pipeline checkpoint: the optimizer state has {n_saved} parameters, the model {len(order)}")
-    kinds = _param_kinds(plan)
+    kinds = param_kinds(plan)
     hyper = {kinds[order[g["params"][0]]]: {k: v for k, v in g.items() if k != "params"}
              for g in optim_state["param_groups"] if g["params"]}
     index = {n: i for i, n in enumerate(order)}
     mine = optimizer.state_dict()
-    names = [n for n, _ in _optimizer_params(optimizer, inner)]
+    names = [n for n, _ in optimizer_params(optimizer, inner)]
     state = {}
     for i, name in enumerate(names):
         st = optim_state["state"].get(index[name])

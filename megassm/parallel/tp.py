@@ -610,7 +610,7 @@ def load_canonical_state_dict(model: nn.Module, state: dict) -> None:
         t.copy_(full.to(t.device, t.dtype))
 
 
-def _optimizer_params(optimizer, model):
+def optimizer_params(optimizer, model):
     names = {id(p): n for n, p in model.named_parameters()}
     out = []
     for grp in optimizer.param_groups:
@@ -629,7 +629,7 @@ def optimizer_state_to_canonical(optimizer: torch.optim.Optimizer, model: nn.Mod
         return sd
     # state_dict() shares the per-parameter dicts with the live optimizer: copy before replacing tensors
     sd = {"state": {k: dict(v) for k, v in sd["state"].items()}, "param_groups": sd["param_groups"]}
-    for idx, (name, p) in enumerate(_optimizer_params(optimizer, model)):
+    for idx, (name, p) in enumerate(optimizer_params(optimizer, model)):
         st = sd["state"].get(idx)
         if not st:
             continue
@@ -645,7 +645,7 @@ def load_canonical_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.M
     plan = plan_of(model)
     if plan is not None:
         sd = {"state": {k: dict(v) for k, v in sd["state"].items()}, "param_groups": sd["param_groups"]}
-        for idx, (name, p) in enumerate(_optimizer_params(optimizer, model)):
+        for idx, (name, p) in enumerate(optimizer_params(optimizer, model)):
             st = sd["state"].get(idx)
             if not st:
                 continue

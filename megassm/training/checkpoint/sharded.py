@@ -266,9 +266,9 @@ class ShardedCheckpointer:
             model_keys = list(pplan.state_names)
             groups = None
             if optimizer is not None:  # the decay / no-decay hyperparameters of every stage
-                from megassm.parallel.pp import _param_kinds
+                from megassm.parallel.pp import param_kinds
 
-                kinds = _param_kinds(pplan)
+                kinds = param_kinds(pplan)
                 mine = {}
                 for g in optimizer.param_groups:
                     if g["params"]:

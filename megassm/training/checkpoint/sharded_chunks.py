@@ -83,7 +83,7 @@ def model_context(model):
     from megassm.parallel import pp as ppl
     from megassm.parallel.tp import plan_of
 
-    inner = unwrap_model(ppl._unwrap(model))
+    inner = unwrap_model(ppl.unwrap(model))
     tplan, pplan = plan_of(inner), ppl.pp_plan_of(inner)
     return inner, tplan, pplan
 
@@ -155,7 +155,7 @@ def save_entries(model, optimizer, groups) -> dict:
     inner, tplan, pplan = model_context(model)
     tp_rank = tplan.rank if tplan is not None else 0
     rep = _replicas(groups)
-    skip = ppl._tied_copy(pplan) if pplan is not None else set()
+    skip = ppl.tied_copy(pplan) if pplan is not None else set()
     entries: dict = {}
     for name, t in inner.state_dict().items():
         if name in skip:
