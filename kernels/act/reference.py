@@ -1,4 +1,4 @@
-"""Pure-PyTorch reference of the gated MLP activation (the oracle of kernels/triton/act.py)."""
+"""Pure-PyTorch reference of the gated MLP activation (the oracle of triton_act.py)."""
 from __future__ import annotations
 
 import torch

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._lang import tsigmoid
+from ..common.lang import tsigmoid
 
 BLOCK = 2048
 

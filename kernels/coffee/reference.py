@@ -94,7 +94,7 @@ def coffee_readout(X: torch.Tensor, C: torch.Tensor, w_out: torch.Tensor | None 
 
 def coffee_scan(u, lam, w, C, w_out=None, x0=None, seq_idx=None):
     """The sequential recurrence and its read-out: (y [B, L, D], final state [B, D, n]), compute dtype. The
-    reference of the fused Triton kernel (kernels/triton/coffee.py)."""
+    reference of the fused Triton kernel (triton_coffee.py)."""
     X = coffee_sequential(u, lam, w, x0, seq_idx)
     return coffee_readout(X, C, w_out), X[:, -1]
 

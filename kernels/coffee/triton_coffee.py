@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._lang import tsigmoid, tsum
+from ..common.lang import tsigmoid, tsum
 
 SEGMENT = 64  # tokens between the forward's checkpoints (the backward's scratch holds SEGMENT + 1 states)
 

@@ -1,5 +1,5 @@
 """Small replacements for triton.language's standard-library helpers (tl.sum, tl.max, tl.cumsum, tl.sigmoid;
-tl.zeros is replaced by tl.full at the call sites).
+tl.zeros is replaced by tl.full at the call sites), and tsoftplus, shared by the ops' Triton kernels.
 
 Those are @triton.jit functions decorated when triton.language is first imported; if that import happened
 before TRITON_INTERPRET=1 was set (torch imports triton for torch.compile / the flop counter), they are
@@ -35,3 +35,12 @@ def trevcumsum(x, axis: tl.constexpr):
 @triton.jit
 def tsigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def tsoftplus(x):
+    # max(x, 0) + log1p(exp(-|x|)), log1p by Goldberg's trick (accurate for tiny arguments)
+    u = tl.exp(-tl.abs(x))
+    w = 1.0 + u
+    l1p = tl.where(w == 1.0, u, tl.log(w) * u / (w - 1.0))
+    return tl.maximum(x, 0.0) + l1p

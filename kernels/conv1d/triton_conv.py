@@ -23,6 +23,7 @@ Forward: one program per (row, block of positions, block of channels). Backward,
   register-bound tile.
 The dweight/dbias partials are reduced by torch afterwards (no atomics: deterministic). The final state (last
 W-1 inputs, earlier documents zeroed) is a small gather done in torch.
+The decode step (causal_conv1d_step_fwd, at the end): one token, one launch.
 """
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ import triton
 import triton.language as tl
 
 from .. import env
-from ._lang import tcumsum, tsigmoid, tsum  # noqa: F401
-from ._out import out_or_empty
+from ..common.lang import tcumsum, tsigmoid, tsum  # noqa: F401
+from ..common.out import out_or_empty
 
 
 @triton.jit
@@ -414,7 +415,7 @@ def causal_conv1d_bwd(x, weight, bias, initial_state, seq_idx, silu, dy, dfinal,
     is used by every kernel launched; the two_pass modes also take a pair ((pass 1's), (pass 2's))
     (benchmarks/conv_tiles.py sweeps each pass's). The fused kernel's or pass 1's tile may add a fourth entry,
     its position blocks per program (default 8). `out_dx`: a [B, L, C] tensor with unit channel stride to write dx
-    into (a column block of Mamba-2's in_proj gradient, ops.py's GradBlocks), else dx is allocated."""
+    into (a column block of Mamba-2's in_proj gradient, grad_blocks.GradBlocks), else dx is allocated."""
     mode = env.conv_bwd() if mode is None else mode
     if mode not in env.CONV_BWD_MODES:
         raise ValueError(f"causal_conv1d_bwd mode={mode!r}: expected one of {', '.join(env.CONV_BWD_MODES)}")
@@ -486,3 +487,42 @@ def causal_conv1d_bwd(x, weight, bias, initial_state, seq_idx, silu, dy, dfinal,
     if dinit is not None:
         dinit = dinit.to(initial_state.dtype)
     return dx, dw, db, dinit
+
+
+# decode step: one token of the causal conv (+SiLU), one launch; its backward (rarely needed: decoding runs under
+# no_grad) goes through the reference (conv1d/op.py)
+
+
+@triton.jit
+def _conv_step_kernel(STATE, X, WT, BIAS, Y, NEW, C, ssb, ssc, ssw, sxb, sxc, swc, sww,
+                      W: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    mc = c < C
+    x = tl.load(X + b * sxb + c * sxc, mask=mc, other=0.0).to(tl.float32)
+    acc = x * tl.load(WT + c * swc + (W - 1) * sww, mask=mc, other=0.0).to(tl.float32)
+    for k in tl.static_range(W - 1):
+        v = tl.load(STATE + b * ssb + c * ssc + k * ssw, mask=mc, other=0.0).to(tl.float32)
+        acc += v * tl.load(WT + c * swc + k * sww, mask=mc, other=0.0).to(tl.float32)
+        if k > 0:
+            tl.store(NEW + (b * C + c) * (W - 1) + (k - 1), v, mask=mc)
+    if W > 1:
+        tl.store(NEW + (b * C + c) * (W - 1) + (W - 2), x, mask=mc)
+    if HAS_BIAS:
+        acc += tl.load(BIAS + c, mask=mc, other=0.0).to(tl.float32)
+    if SILU:
+        acc = acc * tsigmoid(acc)
+    tl.store(Y + b * C + c, acc.to(Y.dtype.element_ty), mask=mc)
+
+
+def causal_conv1d_step_fwd(state, x, weight, bias, silu):
+    bsz, ch = x.shape
+    width = weight.shape[-1]
+    y = torch.empty(bsz, ch, dtype=x.dtype, device=x.device)
+    new = torch.empty(bsz, ch, width - 1, dtype=torch.float32, device=x.device)
+    BC = min(1024, triton.next_power_of_2(ch))
+    _conv_step_kernel[(bsz, triton.cdiv(ch, BC))](
+        state, x, weight, bias if bias is not None else weight, y, new, ch, *state.stride(), *x.stride(),
+        *weight.stride(), W=width, BC=BC, HAS_BIAS=bias is not None, SILU=bool(silu), num_warps=4,
+    )
+    return y, new

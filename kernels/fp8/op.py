@@ -22,7 +22,7 @@ dtype from the dequantized FP8 x instead (the same values, one bf16 matmul).
 
 The casts (`cast_fp8`) write each FP8 operand in the layouts its matmuls take: x and W row-major for the forward,
 x^T (the weight gradient's column-major x) kept for the backward instead of x, W^T for dx, and the output
-gradient both ways. On CUDA that is kernels/triton/fp8.py, two passes over the input (amax; scale, cast and
+gradient both ways. On CUDA that is kernels/fp8/triton_fp8.py, two passes over the input (amax; scale, cast and
 transpose), the same values as the eager casts used elsewhere.
 """
 from __future__ import annotations
@@ -30,13 +30,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .ops import triton_kernels, use_triton
+from ..dispatch import triton_module, use_triton
+from .reference import AMAX_FLOOR, E4M3, E5M2, to_fp8
 
-__all__ = ["E4M3", "E5M2", "cast_fp8", "fp8_eligible", "fp8_linear", "fp8_linear_reference", "fp8_weight", "to_fp8"]
+__all__ = ["cast_fp8", "fp8_eligible", "fp8_linear", "fp8_weight"]
 
-E4M3 = torch.float8_e4m3fn
-E5M2 = torch.float8_e5m2
-_AMAX_FLOOR = 1e-12
+triton_fp8 = triton_module("megassm.kernels.fp8.triton_fp8")  # cast_transpose
 
 
 def fp8_eligible(in_features: int, out_features: int) -> bool:
@@ -44,29 +43,13 @@ def fp8_eligible(in_features: int, out_features: int) -> bool:
     return in_features % 16 == 0 and out_features % 16 == 0
 
 
-def _scale(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The power-of-two scale that maps amax(|t|) to at most the format's largest finite value (fp32, 0-dim):
-    2^floor(log2(fmax / amax)), the exponent read exactly (frexp) rather than through a rounded log2."""
-    amax = torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32).clamp(min=_AMAX_FLOOR)
-    _, e = torch.frexp(torch.finfo(dtype).max / amax)  # fmax / amax = m 2^e, m in [0.5, 1)
-    return torch.ldexp(torch.ones((), dtype=torch.float32, device=t.device), e - 1)
-
-
-def to_fp8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(t * s cast to `dtype`, 1 / s): the FP8 tensor and the scale that multiplies it back."""
-    s = _scale(t, dtype)
-    if t.dtype == torch.float16:  # a power of two above 2^15 is inf in fp16 (bf16 and fp32 hold any of them)
-        t = t.float()
-    return (t * s.to(t.dtype)).to(dtype), s.reciprocal()
-
-
 def cast_fp8(t: torch.Tensor, dtype: torch.dtype, transpose: bool = True, out: tuple | None = None,
              rowmajor: bool = True) -> tuple:
     """A 2-D t as (t8 or None, t8^T contiguous or None, 1 / s), the FP8 operands torch._scaled_mm takes in both
-    roles (`rowmajor`, `transpose`: which to make). Triton (kernels/triton/fp8.py: two passes over t) on CUDA
+    roles (`rowmajor`, `transpose`: which to make). Triton (triton_fp8.py: two passes over t) on CUDA
     tensors, else the eager casts; the same values. `out`: (t8, t8t, inv) to write in place."""
     if use_triton(t):
-        return triton_kernels().fp8.cast_transpose(t, dtype, _AMAX_FLOOR, transpose, out, rowmajor)
+        return triton_fp8().cast_transpose(t, dtype, AMAX_FLOOR, transpose, out, rowmajor)
     t8, inv = to_fp8(t, dtype)
     t8t = t8.t().contiguous() if transpose else None
     t8 = t8 if rowmajor else None
@@ -160,27 +143,3 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         return F.linear(x.to(out_dtype), weight.to(out_dtype), None if bias is None else bias.to(out_dtype))
     with torch.autocast(dev, enabled=False):
         return _FP8Linear.apply(x, weight, bias, out_dtype, wq).view(*x.shape[:-1], weight.shape[0])
-
-
-def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The same quantization in plain fp32 autograd (the test oracle): x and W rounded to E4M3 at their scales in
-    the forward, the output gradient rounded to E5M2 in the backward; the products in fp32."""
-    def q(t, dtype):
-        t8, inv = to_fp8(t.detach(), dtype)
-        return t8.float() * inv
-
-    class _RoundGrad(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, y):
-            return y
-
-        @staticmethod
-        def backward(ctx, g):
-            return q(g, E5M2)
-
-    xq = x.float() + (q(x, E4M3) - x.float()).detach()  # straight-through: the gradient flows to x unchanged
-    wq = weight.float() + (q(weight, E4M3) - weight.float()).detach()
-    y = _RoundGrad.apply(xq @ wq.t())
-    if bias is not None:
-        y = y + bias.float()
-    return y

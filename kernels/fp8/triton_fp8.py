@@ -1,4 +1,4 @@
-"""Triton casts to FP8 for kernels/core/fp8.py: a tensor's per-tensor power-of-two scale and its FP8 copy in both
+"""Triton casts to FP8 for kernels/fp8/op.py: a tensor's per-tensor power-of-two scale and its FP8 copy in both
 layouts, in two passes over the input (the eager path takes five or more: the amax, the scale's small kernels,
 the multiply, the cast, and a transposing copy of each FP8 operand that torch._scaled_mm needs column-major).
 
@@ -7,7 +7,7 @@ the multiply, the cast, and a transposing copy of each FP8 operand that torch._s
 
 Pass 1 (`_amax_kernel`): up to PARTS programs, each the max |t| of a contiguous run of rows, into `partials`.
 Pass 2 (`_cast_kernel`): every tile reduces the partials itself (no extra launch), forms the scale exactly as
-kernels/core/fp8.py's `_scale` does (s = 2^(e - 1) with fmax / amax = m 2^e, m in [0.5, 1): the exponent read from
+kernels/fp8/op.py's `_scale` does (s = 2^(e - 1) with fmax / amax = m 2^e, m in [0.5, 1): the exponent read from
 the bits, the division IEEE-rounded, so both paths pick the same power of two), and writes t * s rounded to FP8
 (round to nearest even) in both layouts (the transposed copy from a second, transposed read of the tile);
 program (0, 0) also writes 1 / s. The products t * s are exact (powers
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._lang import tmax
+from ..common.lang import tmax
 
 PARTS = 512       # amax partials (a power of two: the cast kernel loads them as one block)
 AMAX_BLOCK_K = 512  # columns per amax load (x 8 rows)

@@ -1,4 +1,4 @@
-"""Pure-PyTorch reference of the LM loss (the oracle of kernels/triton/ce.py)."""
+"""Pure-PyTorch reference of the LM loss (the oracle of triton_ce.py)."""
 from __future__ import annotations
 
 import torch

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._lang import tmax, tsum
+from ..common.lang import tmax, tsum
 
 BLOCK_V = 4096  # vocabulary tile: 8 KB of bf16 per load, 16 elements a thread at 8 warps
 

@@ -1,6 +1,6 @@
 """The CP state read-out, out = y + w * (C_t . h) (parallel/cp.py: a rank's SSD output plus the state its slice
 inherits, read by the tokens of the slice's first document), as one autograd op: Triton kernels
-(kernels/triton/readout.py) on the Triton path, else the torch products below.
+(triton_readout.py) on the Triton path, else the torch products below.
 
     y [B, L, H, P]   C [B, L, G, N]   h [B, H, P, N] fp32   w [B, L, H] fp32   ->   out like y
 
@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .dispatch import _pick, triton_kernels, use_triton
+from ..dispatch import pick, triton_module, use_triton
+
+triton_readout = triton_module("megassm.kernels.mamba2_ssd.triton_readout")  # readout_fwd / _bwd, supported
 
 
 def readout(C: Tensor, h: Tensor, mm: torch.dtype) -> Tensor:
@@ -31,16 +33,16 @@ def _mm(C: Tensor) -> torch.dtype:
 
 
 def _triton(y: Tensor, C: Tensor) -> bool:
-    return use_triton(y) and triton_kernels().readout_supported(y, C)
+    return use_triton(y) and triton_readout().supported(y, C)
 
 
 class StateReadoutAdd(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, C, h, w):
         ctx.save_for_backward(C, h, w)
-        ctx.tri = _triton(y, C) and _pick(y)
+        ctx.tri = _triton(y, C) and pick(y)
         if ctx.tri:
-            return triton_kernels().readout_fwd(y, C, h, w)
+            return triton_readout().readout_fwd(y, C, h, w)
         # torch: the product in C's dtype, scaled in fp32, rounded, added (y's dtype)
         return y + (readout(C, h, _mm(C)) * w[..., None]).to(y.dtype)
 
@@ -48,7 +50,7 @@ class StateReadoutAdd(torch.autograd.Function):
     def backward(ctx, dout):
         C, h, w = ctx.saved_tensors
         if ctx.tri:
-            dC, dh, dw = triton_kernels().readout_bwd(dout, C, h, w)
+            dC, dh, dw = triton_readout().readout_bwd(dout, C, h, w)
             return dout, dC, dh, dw
         mm = _mm(C)
         bsz, L, G, N = C.shape

@@ -53,7 +53,7 @@ def _skip_and_gate(y, x, D, z, cdt):
     return y
 
 
-def _check_shapes(x, dt, A, B, C):
+def check_ssd_args(x, dt, A, B, C):
     b, l, h, p = x.shape
     g = B.shape[-2]
     if h % g != 0:
@@ -107,7 +107,7 @@ def ssd(
     a pair of positions (token/token, chunk-end/chunk-end, chunk-start/token) interacts only if both carry
     the same document id, which, ids being nondecreasing, means no reset lies between them.
     """
-    _check_shapes(x, dt, A, B, C)
+    check_ssd_args(x, dt, A, B, C)
     bsz, seqlen, nheads, hdim = x.shape
     ngroups, dstate = B.shape[-2:]
     rep = nheads // ngroups
@@ -207,7 +207,7 @@ def ssd_sequential(
 ):
     """Test oracle: the recurrence written literally, one token at a time (chunk_size is ignored)."""
     del chunk_size
-    _check_shapes(x, dt, A, B, C)
+    check_ssd_args(x, dt, A, B, C)
     bsz, seqlen, nheads, hdim = x.shape
     rep = nheads // B.shape[-2]
     cdt = _compute_dtype(x)

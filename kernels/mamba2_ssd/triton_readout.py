@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._lang import tsum
-from .ssd_common import _bf16, _mm_af
+from ..common.lang import tsum
+from .triton_ssd_common import _bf16, _mm_af
 
 BL = 64  # tokens per program
 

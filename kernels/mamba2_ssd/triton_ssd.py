@@ -51,8 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._lang import tcumsum, tsigmoid
-from .ssd_common import (
+from ..common.lang import tcumsum, tsigmoid, tsoftplus
+from .triton_ssd_common import (
     _autotune,
     _contig_last,
     _dt_biased,
@@ -65,13 +65,12 @@ from .ssd_common import (
     _seq_args,
     _Side,
     _seq_at,
-    _softplus,
     _state_base,
     _state_buffer_dtype,
     _state_buffer_shape,
     _tile,
 )
-from .ssd_states import _state_segments, _states
+from .triton_ssd_states import _state_segments, _states
 
 @triton.jit
 def _dt_kernel(DT, DT_BIAS, A, DTP, CS, L, H, NC, sdb, sdl, sdh, dt_lo, dt_hi,
@@ -87,7 +86,7 @@ def _dt_kernel(DT, DT_BIAS, A, DTP, CS, L, H, NC, sdb, sdl, sdh, dt_lo, dt_hi,
     m = mt[:, None] & mh[None, :]
     dt = _dt_biased(DT, DT_BIAS, b, pos, h, m, mh, sdb, sdl, sdh, HAS_BIAS)
     if SOFTPLUS:
-        dt = _softplus(dt)
+        dt = tsoftplus(dt)
     if HAS_LIMIT:
         dt = tl.minimum(tl.maximum(dt, dt_lo), dt_hi)
     dt = tl.where(m, dt, 0.0)
@@ -253,7 +252,7 @@ def _scan_kernel(X, Z, Cp, CB, DTP, CS, SEQ, STH, STL, Dp, Y, DOUT, DY, DZ, L, H
 # host side: forward
 
 def supported(x, chunk_size):
-    """Whether the Triton path takes this call (otherwise ops.py uses the reference)."""
+    """Whether the Triton path takes this call (otherwise op.py uses the reference)."""
     return (x.dtype in (torch.float32, torch.bfloat16, torch.float16) and chunk_size >= 16
             and chunk_size & (chunk_size - 1) == 0)
 

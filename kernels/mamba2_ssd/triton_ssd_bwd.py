@@ -14,11 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._lang import tcumsum, trevcumsum, tsigmoid, tsum
-from ._out import out_or_empty
+from ..common.lang import tcumsum, trevcumsum, tsigmoid, tsoftplus, tsum
+from ..common.out import out_or_empty
 from .. import env
-from .ssd import _prep, _scan
-from .ssd_common import (
+from .triton_ssd import _prep, _scan
+from .triton_ssd_common import (
     _autotune,
     _contig_last,
     _dot_lp_acc,
@@ -35,7 +35,6 @@ from .ssd_common import (
     _seq_args,
     _seq_at,
     _Side,
-    _softplus,
     _split,
     _split3,
     _state_buffer_dtype,
@@ -43,7 +42,7 @@ from .ssd_common import (
     _state_views,
     _tile,
 )
-from .ssd_states import _dstates, _states
+from .triton_ssd_states import _dstates, _states
 
 
 @triton.jit
@@ -170,7 +169,7 @@ def _dx_kernel(X, DY, Bp, CB, DTP, CS, SEQ, DSH, DSL, Dp, DX, DDT, DDTS, DDP, L,
         dx += dys * dv
         # [H, P, programs] layout: the host's sum over programs is then over the contiguous last dimension
         tl.store(DDP + (h * P + p) * (tl.num_programs(1) * nsb) + bc * nsb + sb, tsum(dys * xf, axis=0), mask=mp)
-    # rows of DX may be wider than H * P (a slice of the [x | B | C] gradient: ops.py packs it); int64 offsets
+    # rows of DX may be wider than H * P (a slice of the [x | B | C] gradient: op.py packs it); int64 offsets
     tl.store(DX + b * sdxb + ps[:, None].to(tl.int64) * sdxl + h * P + p[None, :], dx.to(DX.dtype.element_ty),
              mask=m)
     tl.store(DDT + dbase + s, ddt)
@@ -393,7 +392,7 @@ def _dt_grad_kernel(DCSI, DCSR, DDTS, DCSL, DDTD, DTP, A, DT, DT_BIAS, DDT, DAP,
     dtb = _dt_biased(DT, DT_BIAS, b, pos, h, m, mh, sdb, sdl, sdh, HAS_BIAS)
     if HAS_LIMIT:
         if SOFTPLUS:
-            sp = _softplus(dtb)
+            sp = tsoftplus(dtb)
         else:
             sp = dtb
         g = tl.where((sp >= dt_lo) & (sp <= dt_hi), g, 0.0)
@@ -426,8 +425,8 @@ def ssd_bwd(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, 
     recomputes); the true segment ends of a segmented walk let the recompute start every segment true (no
     fix-up pass), when the segments are this call's. The final states themselves are not needed: the reverse
     walk starts from `dfinal` (or zero). `out_xbc`: (dx, dB, dC) to write into, shaped like x, B, C with
-    unit strides inside a row (slices of one [x | B | C] gradient buffer, ops.py), else they are allocated;
-    `out_ddt` likewise for ddt (a column block of Mamba-2's in_proj gradient, ops.py's GradBlocks)."""
+    unit strides inside a row (slices of one [x | B | C] gradient buffer, op.py), else they are allocated;
+    `out_ddt` likewise for ddt (a column block of Mamba-2's in_proj gradient, grad_blocks.GradBlocks)."""
     x, B, C, z = _contig_last(x), _contig_last(B), _contig_last(C), _contig_last(z)
     D_in = D
     D = D.contiguous() if D is not None else None

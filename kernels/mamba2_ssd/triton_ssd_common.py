@@ -267,15 +267,6 @@ def _dt_biased(DT, DT_BIAS, b, pos, h, m, mh, sdb, sdl, sdh, HAS_BIAS: tl.conste
 
 
 @triton.jit
-def _softplus(x):
-    # max(x, 0) + log1p(exp(-|x|)), log1p by Goldberg's trick (accurate for tiny arguments)
-    u = tl.exp(-tl.abs(x))
-    w = 1.0 + u
-    l1p = tl.where(w == 1.0, u, tl.log(w) * u / (w - 1.0))
-    return tl.maximum(x, 0.0) + l1p
-
-
-@triton.jit
 def _seq_at(SEQ, b, pos, L, ssb, ssl):
     p = tl.minimum(tl.maximum(pos, 0), L - 1)
     return tl.load(SEQ + b * ssb + p * ssl)

@@ -11,9 +11,9 @@ import triton
 import triton.language as tl
 
 from .. import env
-from . import ssd_common
-from ._lang import tsum
-from .ssd_common import (
+from . import triton_ssd_common
+from ..common.lang import tsum
+from .triton_ssd_common import (
     _autotune,
     _mma_af,
     _out_prec,
@@ -282,7 +282,7 @@ def _states_step(BN, T):
     """Positions per step of _states_kernel: TILES["states_bs"] at the full TILES["states_bn"] columns; when
     _state_blocks narrows the N block, longer steps (at most 128), keeping the tile work per step (the H100
     sweep: 64 x 128 and 128 x 64 are the best pairs, 64 x 64 is ~25% slower)."""
-    tiles = ssd_common.TILES  # read at the call: benchmarks and tests swap the table
+    tiles = triton_ssd_common.TILES  # read at the call: benchmarks and tests swap the table
     bs = tiles["states_bs"]
     if BN < tiles["states_bn"]:
         bs = max(bs, min(bs * (tiles["states_bn"] // BN), 128))

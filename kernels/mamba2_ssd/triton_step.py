@@ -1,6 +1,7 @@
-"""Triton decode-step kernels: one token of the SSD recurrence and of the causal conv (+SiLU), each one launch.
+"""Triton decode-step kernel: one token of the SSD recurrence, one launch (the conv's is in
+kernels/conv1d/triton_conv.py).
 
-Backward of these ops (rarely needed: decoding runs under no_grad) goes through the reference in ops.py.
+Backward of this op (rarely needed: decoding runs under no_grad) goes through the reference (ssd/op.py).
 """
 from __future__ import annotations
 
@@ -8,8 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._lang import tsigmoid, tsum
-from .ssd_common import _softplus
+from ..common.lang import tsigmoid, tsoftplus, tsum
 
 
 @triton.jit
@@ -29,7 +29,7 @@ def _ssd_step_kernel(STATE, X, DT, A, Bp, Cp, Dp, Z, DT_BIAS, Y, NEW, H, G, dt_l
     if HAS_BIAS:
         dt += tl.load(DT_BIAS + h).to(tl.float32)
     if SOFTPLUS:
-        dt = _softplus(dt)
+        dt = tsoftplus(dt)
     if HAS_LIMIT:
         dt = tl.minimum(tl.maximum(dt, dt_lo), dt_hi)
     decay = tl.exp(dt * tl.load(A + h).to(tl.float32))
@@ -73,40 +73,5 @@ def ssd_step_fwd(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit):
         P=hdim, N=dstate, BP=BP, BN=BN, HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2,
         HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), HAS_LIMIT=dt_limit is not None,
         num_warps=4,
-    )
-    return y, new
-
-
-@triton.jit
-def _conv_step_kernel(STATE, X, WT, BIAS, Y, NEW, C, ssb, ssc, ssw, sxb, sxc, swc, sww,
-                      W: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
-    mc = c < C
-    x = tl.load(X + b * sxb + c * sxc, mask=mc, other=0.0).to(tl.float32)
-    acc = x * tl.load(WT + c * swc + (W - 1) * sww, mask=mc, other=0.0).to(tl.float32)
-    for k in tl.static_range(W - 1):
-        v = tl.load(STATE + b * ssb + c * ssc + k * ssw, mask=mc, other=0.0).to(tl.float32)
-        acc += v * tl.load(WT + c * swc + k * sww, mask=mc, other=0.0).to(tl.float32)
-        if k > 0:
-            tl.store(NEW + (b * C + c) * (W - 1) + (k - 1), v, mask=mc)
-    if W > 1:
-        tl.store(NEW + (b * C + c) * (W - 1) + (W - 2), x, mask=mc)
-    if HAS_BIAS:
-        acc += tl.load(BIAS + c, mask=mc, other=0.0).to(tl.float32)
-    if SILU:
-        acc = acc * tsigmoid(acc)
-    tl.store(Y + b * C + c, acc.to(Y.dtype.element_ty), mask=mc)
-
-
-def causal_conv1d_step_fwd(state, x, weight, bias, silu):
-    bsz, ch = x.shape
-    width = weight.shape[-1]
-    y = torch.empty(bsz, ch, dtype=x.dtype, device=x.device)
-    new = torch.empty(bsz, ch, width - 1, dtype=torch.float32, device=x.device)
-    BC = min(1024, triton.next_power_of_2(ch))
-    _conv_step_kernel[(bsz, triton.cdiv(ch, BC))](
-        state, x, weight, bias if bias is not None else weight, y, new, ch, *state.stride(), *x.stride(),
-        *weight.stride(), W=width, BC=BC, HAS_BIAS=bias is not None, SILU=bool(silu), num_warps=4,
     )
     return y, new

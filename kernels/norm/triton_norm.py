@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._lang import tcumsum, tsigmoid, tsum  # noqa: F401
-from ._out import out_or_empty
+from ..common.lang import tcumsum, tsigmoid, tsum  # noqa: F401
+from ..common.out import out_or_empty
 
 
 @triton.jit
@@ -315,7 +315,7 @@ def _gated_bwd(dout, x, z, weight, ngroups, eps, norm_before_gate, mode, ss=None
                tiles=None, out_dz=None):
     """tiles: (ROWS, num_warps, programs[, PREFETCH[, RELOAD]]) for benchmarks/norm_tiles.py; None:
     _gated_bwd_tiles. out_dz: z-shaped, z's dtype, unit last stride, to write dz into (a column block of Mamba-2's
-    in_proj gradient, ops.py's GradBlocks), else dz is allocated."""
+    in_proj gradient, grad_blocks.GradBlocks), else dz is allocated."""
     shape = x.shape
     d = shape[-1]
     x2 = _strided_rows(x)

@@ -25,8 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._lang import tsigmoid, tsum
-from .ssd_common import _softplus
+from ..common.lang import tsigmoid, tsoftplus, tsum
 
 _DECAY = {"exp": 0, "longhorn": 1}
 
@@ -50,7 +49,7 @@ def _chunk(X, DT, Bp, SEQ, A_v, bias_v, b, g, t, d, md, n, mn, L,
     if HAS_BIAS:
         dt = dt + bias_v[:, None]
     if SOFTPLUS:
-        dt = _softplus(dt)
+        dt = tsoftplus(dt)
     dt = tl.where(m2, dt, 0.0)
     Bv = tl.load(Bp + b * sbb + g * sbg + t[None, :] * sbl + n[:, None] * sbn, mask=mn[:, None] & mt[None, :],
                  other=0.0).to(tl.float32)
@@ -273,7 +272,7 @@ def _scan_step_kernel(STATE, X, DT, A, Bp, Cp, Dp, Z, DTB, Y, NEW, Dm, cg,
     if HAS_BIAS:
         dt += tl.load(DTB + d, mask=md, other=0.0).to(tl.float32)
     if SOFTPLUS:
-        dt = _softplus(dt)
+        dt = tsoftplus(dt)
     Bv = tl.load(Bp + b * sbb + g[:, None] * sbg + n[None, :] * sbn, mask=mdn, other=0.0).to(tl.float32)
     Cv = tl.load(Cp + b * scb + g[:, None] * scg + n[None, :] * scn, mask=mdn, other=0.0).to(tl.float32)
     if DECAY == 0:
