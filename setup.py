@@ -8,8 +8,8 @@ None of the three folders is a package itself (no __init__.py at its top): Pytho
 (the working directory first on sys.path) would import such a folder in place of the PyPI package of its name
 (`kernels`, which transformers imports; `launch`; `data_tools`). A folder without __init__.py is at most a
 namespace portion, which any regular package later on sys.path beats. So the package's own modules live in
-FOLDER/core/, and every other FOLDER/NAME/ with an __init__.py is its subpackage (kernels/triton/ ->
-megassm.kernels.triton): a new one needs no edit here (docs/architecture.md "Layout").
+FOLDER/core/, and every other FOLDER/NAME/ with an __init__.py is its subpackage (kernels/norm/ ->
+megassm.kernels.norm): a new one needs no edit here (docs/architecture.md "Layout").
 """
 import os
 

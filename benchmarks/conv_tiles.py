@@ -15,7 +15,7 @@ import json
 import torch
 import triton
 
-from megassm.kernels.triton import conv as tc
+from megassm.kernels.conv1d import triton_conv as tc
 
 
 def main() -> None:

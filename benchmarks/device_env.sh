@@ -1,6 +1,6 @@
 # Source this on a GPU machine that has torch/triton but cannot pip-install the package (no network,
 # no editable install): it lays the package out as setup.py's package_dir does (setup.py run with setup()
-# recording its arguments: kernels/core/ is megassm/kernels, kernels/triton/ megassm/kernels/triton, ...), in /tmp/site, copies
+# recording its arguments: kernels/core/ is megassm/kernels, kernels/norm/ megassm/kernels/norm, ...), in /tmp/site, copies
 # the tests/configs/benchmarks to /tmp/w and cd's there, so `pytest -m gpu` and the benchmarks import
 # the megassm of this checkout. DEVICE_SITE / DEVICE_WORK name other folders, for two checkouts side by side.
 export PYTHONUNBUFFERED=1

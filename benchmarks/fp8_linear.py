@@ -1,4 +1,4 @@
-"""FP8 projections (train.fp8, kernels/core/fp8.py) against bf16 at the 1.3B models' Linear shapes: forward + backward
+"""FP8 projections (train.fp8, kernels/fp8/op.py) against bf16 at the 1.3B models' Linear shapes: forward + backward
 of one projection, and each FP8 cast alone (Triton's two passes against the eager casts), with the bytes-moved
 floor of a cast. One JSON line per row, median ms of triton.testing.do_bench.
 

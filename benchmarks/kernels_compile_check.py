@@ -104,12 +104,14 @@ def _tuned_run(self, grid, args, kwargs):
 def _install():
     driver.set_active(_Sm90Driver())
     JITFunction.run = _compile_only
-    from megassm.kernels.triton import ssd_common
+    from megassm.kernels.mamba2_ssd import triton_ssd_common as ssd_common
     ssd_common._Tuned._run = _tuned_run
 
 
 def run_cases():
-    from megassm.kernels import triton as tk
+    from megassm.kernels.conv1d import triton_conv
+    from megassm.kernels.mamba2_ssd import triton_readout, triton_ssd, triton_ssd_bwd, triton_step
+    from megassm.kernels.scan import triton_scan
 
     g = torch.Generator().manual_seed(0)
 
@@ -134,16 +136,16 @@ def run_cases():
         sid = torch.zeros(B, L, dtype=torch.int32) if seq else None
         for prec in ("split", "bf16") if dtype == torch.bfloat16 else ("split",):
             os.environ["MEGASSM_SSD_PRECISION"] = prec
-            tk.ssd_fwd(x, dt, A, Bm, Cm, D, z, rn(H), True, lim, h0, sid, chunk, True)
-            tk.ssd_bwd(rn(B, L, H, P, dtype=dtype), rn(B, H, P, N), x, dt, A, Bm, Cm, D, z, rn(H), True, lim, h0,
-                       sid, chunk)
+            triton_ssd.ssd_fwd(x, dt, A, Bm, Cm, D, z, rn(H), True, lim, h0, sid, chunk, True)
+            triton_ssd_bwd.ssd_bwd(rn(B, L, H, P, dtype=dtype), rn(B, H, P, N), x, dt, A, Bm, Cm, D, z, rn(H), True,
+                                   lim, h0, sid, chunk)
     os.environ.pop("MEGASSM_SSD_PRECISION", None)
     # _dbc_kernel with its head loop split over 4 programs (MEGASSM_SSD_DBC_SPLIT, the mamba2-1.3b shape)
     os.environ["MEGASSM_SSD_DBC_SPLIT"] = "4"
     x, dt, Bm, Cm = (rn(1, 512, 64, 64, dtype=torch.bfloat16), rn(1, 512, 64, dtype=torch.bfloat16),
                      rn(1, 512, 1, 128, dtype=torch.bfloat16), rn(1, 512, 1, 128, dtype=torch.bfloat16))
-    tk.ssd_bwd(rn(1, 512, 64, 64, dtype=torch.bfloat16), None, x, dt, -torch.rand(64, generator=g), Bm, Cm, rn(64),
-               None, rn(64), True, None, None, torch.zeros(1, 512, dtype=torch.int32), 256)
+    triton_ssd_bwd.ssd_bwd(rn(1, 512, 64, 64, dtype=torch.bfloat16), None, x, dt, -torch.rand(64, generator=g), Bm, Cm,
+                           rn(64), None, rn(64), True, None, None, torch.zeros(1, 512, dtype=torch.int32), 256)
     os.environ.pop("MEGASSM_SSD_DBC_SPLIT", None)
     # CP state read-out (mamba2-1.3b's shape: 64 heads of 64, one group of 128; and 2 groups in fp32)
     for dtype, H, G in ((torch.bfloat16, 64, 1), (torch.float32, 8, 2)):
@@ -151,24 +153,26 @@ def run_cases():
         C = xbc[..., 4096 + 128 * (G - 1) // G:][..., :G * 128].unflatten(-1, (G, 128)) if G == 1 else \
             rn(1, 300, G, 128, dtype=dtype)
         y, h, w = rn(1, 300, H, 64, dtype=dtype), rn(1, H, 64, 128), rn(1, 300, H)
-        tk.readout_fwd(y, C, h, w)
-        tk.readout_bwd(rn(1, 300, H, 64, dtype=dtype), C, h, w)
+        triton_readout.readout_fwd(y, C, h, w)
+        triton_readout.readout_bwd(rn(1, 300, H, 64, dtype=dtype), C, h, w)
     # decode steps
-    tk.ssd_step_fwd(rn(2, 64, 64, 128), rn(2, 64, 64, dtype=torch.bfloat16), rn(2, 64, dtype=torch.bfloat16),
-                    -torch.rand(64), rn(2, 1, 128, dtype=torch.bfloat16), rn(2, 1, 128, dtype=torch.bfloat16),
-                    rn(64), None, rn(64), True, None)
-    tk.causal_conv1d_step_fwd(rn(2, 4352, 3), rn(2, 4352, dtype=torch.bfloat16), rn(4352, 4), rn(4352), True)
+    triton_step.ssd_step_fwd(rn(2, 64, 64, 128), rn(2, 64, 64, dtype=torch.bfloat16), rn(2, 64, dtype=torch.bfloat16),
+                             -torch.rand(64), rn(2, 1, 128, dtype=torch.bfloat16), rn(2, 1, 128, dtype=torch.bfloat16),
+                             rn(64), None, rn(64), True, None)
+    triton_conv.causal_conv1d_step_fwd(rn(2, 4352, 3), rn(2, 4352, dtype=torch.bfloat16), rn(4352, 4), rn(4352), True)
     # conv
     for dtype, init, seq in ((torch.bfloat16, False, False), (torch.bfloat16, True, True), (torch.float32, True, True)):
         x = rn(2, 300, 4400, dtype=dtype)[..., :4352]
         w, b = rn(4352, 4), rn(4352)
         h0 = rn(2, 4352, 3) if init else None
         sid = torch.zeros(2, 300, dtype=torch.int32) if seq else None
-        tk.causal_conv1d_fwd(x, w, b, h0, sid, True, True)
+        triton_conv.causal_conv1d_fwd(x, w, b, h0, sid, True, True)
         for mode in ("two_pass_defer", "two_pass", "fused"):  # MEGASSM_CONV_BWD: the default, then the baselines
-            tk.causal_conv1d_bwd(x, w, b, h0, sid, True, rn(2, 300, 4352, dtype=dtype), rn(2, 4352, 3), mode=mode)
+            triton_conv.causal_conv1d_bwd(x, w, b, h0, sid, True, rn(2, 300, 4352, dtype=dtype), rn(2, 4352, 3),
+                                          mode=mode)
             if not init:  # without SiLU (pass 2 reads dy in place)
-                tk.causal_conv1d_bwd(x, w, b, None, None, False, rn(2, 300, 4352, dtype=dtype), None, mode=mode)
+                triton_conv.causal_conv1d_bwd(x, w, b, None, None, False, rn(2, 300, 4352, dtype=dtype), None,
+                                              mode=mode)
     # selective scan (seed mixers S / L): both decays, N 16 / 64, grouped B/C, every optional input on or off
     for dtype in (torch.bfloat16, torch.float32):
         for decay in ("exp", "longhorn"):
@@ -182,27 +186,27 @@ def run_cases():
                 sid = torch.zeros(2, 300, dtype=torch.int32) if full else None
                 bias = rn(512) if decay == "exp" and full else None
                 args = (x, dt, A, Bm, Cm, Dv, z, bias, decay == "exp", decay, h0, sid)
-                tk.selective_scan_fwd(*args, full)
-                tk.selective_scan_bwd(rn(2, 300, 512, dtype=dtype), rn(2, 512, N) if full else None, *args)
-                tk.selective_scan_step_fwd(rn(2, 512, N), x[:, 0], dt[:, 0], A, Bm[:, 0], Cm[:, 0], Dv,
-                                           None if z is None else z[:, 0], bias, decay == "exp", decay)
+                triton_scan.selective_scan_fwd(*args, full)
+                triton_scan.selective_scan_bwd(rn(2, 300, 512, dtype=dtype), rn(2, 512, N) if full else None, *args)
+                triton_scan.selective_scan_step_fwd(rn(2, 512, N), x[:, 0], dt[:, 0], A, Bm[:, 0], Cm[:, 0], Dv,
+                                                    None if z is None else z[:, 0], bias, decay == "exp", decay)
     # norms (z a strided slice, as Mamba-2's of in_proj's output); the backward at its default tiles, the staged
     # modes (TP with a group over several ranks), the add kernel with and without dres_in / dres
-    from megassm.kernels.triton import norm as tn
+    from megassm.kernels.norm import triton_norm as tn
 
     for dtype in (torch.bfloat16, torch.float32):
         x, z, w = rn(64, 4096, dtype=dtype), rn(64, 8512, dtype=dtype)[:, :4096], rn(4096)
         for G, nbg, zz in ((1, False, True), (8, False, True), (8, True, True), (1, False, False)):
             zi = z if zz else None
-            tk.gated_rmsnorm_fwd(x, zi, w, G, 1e-5, nbg)
-            tk.gated_rmsnorm_bwd(x, x, zi, w, G, 1e-5, nbg)
+            tn.gated_rmsnorm_fwd(x, zi, w, G, 1e-5, nbg)
+            tn.gated_rmsnorm_bwd(x, x, zi, w, G, 1e-5, nbg)
         ss = rn(64, 1).abs()
-        tk.gated_rmsnorm_bwd_dot(x, x, z, w, ss, 8192, 1e-5, False)
-        tk.gated_rmsnorm_bwd_apply(x, x, z, w, ss, rn(64, 1), 8192, 1e-5, False)
+        tn.gated_rmsnorm_bwd_dot(x, x, z, w, ss, 8192, 1e-5, False)
+        tn.gated_rmsnorm_bwd_apply(x, x, z, w, ss, rn(64, 1), 8192, 1e-5, False)
         r = rn(64, 2048)
-        tk.add_rmsnorm_fwd(x[:, :2048], r, w[:2048], 1e-5)
-        tk.add_rmsnorm_bwd(x[:, :2048], r, r, w[:2048], 1e-5, dtype, torch.float32)
-        tk.add_rmsnorm_bwd(x[:, :2048], None, r, w[:2048], 1e-5, dtype, None)
+        tn.add_rmsnorm_fwd(x[:, :2048], r, w[:2048], 1e-5)
+        tn.add_rmsnorm_bwd(x[:, :2048], r, r, w[:2048], 1e-5, dtype, torch.float32)
+        tn.add_rmsnorm_bwd(x[:, :2048], None, r, w[:2048], 1e-5, dtype, None)
         if NORM_TILES and dtype == torch.bfloat16:  # every tile benchmarks/norm_tiles.py sweeps, at its dtypes
             from norm_tiles import SHAPES
 

@@ -283,7 +283,7 @@ def bench_conv(row, B, L, Cdim, W, with_seq):
 
 def bench_gated_norm(row, M, D, G):
     from megassm import kernels as K
-    from megassm.kernels import reference as R
+    from megassm.kernels.norm import reference as R
 
     x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     z = torch.randn(M, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)

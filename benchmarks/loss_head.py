@@ -1,4 +1,4 @@
-"""The LM loss on the device: the fused Triton cross-entropy (kernels/triton/ce.py, the model's loss) against the
+"""The LM loss on the device: the fused Triton cross-entropy (kernels/loss/triton_ce.py, the model's loss) against the
 eager F.cross_entropy(logits.float()) it replaced, at mamba2-1.3b's head (8192 tokens a micro-batch x 50304
 padded vocabulary, bf16 logits). One JSON line per path: the loss's forward + backward given the logits (median
 ms of triton.testing.do_bench), the same with the head matmul under bf16 autocast, the memory the loss adds

@@ -26,7 +26,7 @@ import json
 import torch
 import triton
 
-from megassm.kernels.triton import norm as tn
+from megassm.kernels.norm import triton_norm as tn
 
 # (ROWS, num_warps, PREFETCH, RELOAD); the first is the row-at-a-time baseline
 SHAPES = {

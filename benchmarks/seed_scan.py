@@ -79,7 +79,7 @@ def _bytes(inp, B, L, D, N):
 
 
 def kernel_rows(shapes, tiles=None):
-    from megassm.kernels.triton import scan as ts
+    from megassm.kernels.scan import triton_scan as ts
 
     for decay in ("exp", "longhorn"):
         for B, L, D, N in shapes:

@@ -30,7 +30,7 @@ from kernels_ssd import bench, kernel_profile, ssd_inputs  # noqa: E402  (same d
 from megassm import kernels as K  # noqa: E402
 from megassm.kernels import env as kernel_env  # noqa: E402
 
-MODULES = ("ssd", "ssd_bwd", "ssd_states")
+MODULES = ("triton_ssd", "triton_ssd_bwd", "triton_ssd_states")
 
 
 def parse_config(text):
@@ -43,7 +43,7 @@ def parse_config(text):
 
 def find_kernel(name):
     for mod in MODULES:
-        m = importlib.import_module(f"megassm.kernels.triton.{mod}")
+        m = importlib.import_module(f"megassm.kernels.mamba2_ssd.{mod}")
         k = getattr(m, name, None)
         if k is not None and hasattr(k, "configs"):
             return k

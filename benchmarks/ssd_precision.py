@@ -87,7 +87,7 @@ def main():
     elif os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("ssd_precision.py: --device cpu runs the Triton kernels on the interpreter: set TRITON_INTERPRET=1")
     from megassm import kernels as K
-    from megassm.kernels import reference as R
+    from megassm.kernels.mamba2_ssd import reference as R
 
     dev = args.device
     inp = make_inputs(args.batch, args.seqlen, args.heads, args.headdim, args.dstate, args.ngroups, args.seed, dev,

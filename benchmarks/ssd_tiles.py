@@ -1,5 +1,5 @@
-"""Tile sweep for the Triton SSD (kernels/triton/ssd_common.py TILES), forward + backward, bf16, the anchors shape
-(H=64, P=64, N=128, G=1, 16 x 2048 tokens, chunk 256) unless told otherwise.
+"""Tile sweep for the Triton SSD (kernels/mamba2_ssd/triton_ssd_common.py TILES), forward + backward, bf16, the
+anchors shape (H=64, P=64, N=128, G=1, 16 x 2048 tokens, chunk 256) unless told otherwise.
 
 Coordinate descent: for each kernel's tiles in turn, every candidate is timed (median of do_bench over the
 whole forward + backward, since each kernel's time is what moves) with the best tiles found so far for the
@@ -22,7 +22,7 @@ import triton.testing  # noqa: E402
 
 from megassm import kernels as K  # noqa: E402
 from megassm.kernels import env as kernel_env  # noqa: E402
-from megassm.kernels.triton import ssd_common as tssd  # noqa: E402
+from megassm.kernels.mamba2_ssd import triton_ssd_common as tssd  # noqa: E402
 
 # kernel -> the TILES entries it reads -> candidate values (tuples, in that order)
 SWEEP = {

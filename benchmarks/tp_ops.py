@@ -194,24 +194,35 @@ def _bracket(name, fn):
 
 
 def _opaque_kernels(device: str) -> None:
-    """Every megassm.kernels call runs as on the GPU: one op forward (ops.*_call), one backward."""
-    from megassm import kernels
-    from megassm.kernels import ops
+    """Every megassm.kernels call runs as on the GPU: one op forward (<op>.op.*_call), one backward."""
+    import importlib
 
+    from megassm import kernels
+    from megassm.kernels import dispatch
+
+    op_modules = [importlib.import_module(f"megassm.kernels.{op}.op")
+                  for op in ("act", "coffee", "conv1d", "loss", "mamba2_ssd", "norm", "scan")]
     if device == "cpu":
-        kernels._eager_reference = lambda x: False  # through ops.*_call (the reference inside)
-        orig_bwd = ops._reference_backward
-        ops._reference_backward = lambda full_ref, ctx, args, grads: _bracket(
-            full_ref.__name__.strip("_").replace("_ref_full", "").replace("_ref", "") + "_bwd", orig_bwd)(
-            full_ref, ctx, args, grads)
+        kernels._eager_reference = lambda x: False  # through the ops' *_call (the reference inside)
+        orig_bwd = dispatch.reference_backward
+
+        def bracketed_bwd(full_ref, ctx, args, grads):
+            name = full_ref.__name__.strip("_").replace("_ref_full", "").replace("_ref", "") + "_bwd"
+            return _bracket(name, orig_bwd)(full_ref, ctx, args, grads)
+
+        for ops in op_modules:
+            ops.reference_backward = bracketed_bwd
     else:
-        tk = ops.triton_kernels()
-        for n in dir(tk):
-            if n.endswith("_fwd") or n.endswith("_bwd"):
-                setattr(tk, n, _bracket(n, getattr(tk, n)))
-    for n in dir(ops):
-        if n.endswith("_call") and callable(getattr(ops, n)):
-            setattr(ops, n, _bracket(n[:-5] if device == "cpu" else n, getattr(ops, n)))
+        for ops in op_modules:  # each op's Triton modules, through its getters (dispatch.triton_module)
+            getters = [g for g in dir(ops) if g.startswith("triton_") and g != "triton_module"]
+            for tk in [getattr(ops, g)() for g in getters]:
+                for n in dir(tk):
+                    if n.endswith("_fwd") or n.endswith("_bwd"):
+                        setattr(tk, n, _bracket(n, getattr(tk, n)))
+    for ops in op_modules:
+        for n in dir(ops):
+            if n.endswith("_call") and callable(getattr(ops, n)):
+                setattr(ops, n, _bracket(n[:-5] if device == "cpu" else n, getattr(ops, n)))
     for n in kernels.__all__:  # the rest (the norm stages parallel/tp.py calls; decode steps)
         fn = getattr(kernels, n)
         if callable(fn) and n != "backend":

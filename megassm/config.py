@@ -182,7 +182,7 @@ class TrainConfig:
     cuda_graph: bool = False  # capture each micro-batch's forward + backward in a CUDA graph (training/cuda_graph.py)
     compile: bool = False  # torch.compile over each block's forward: the glue between the kernels (training/compile.py)
     cast_weights_once: bool = False  # bf16: Linears compute with bf16 weight copies cast once per step (training/weight_cache.py)
-    fp8: bool = False  # the blocks' Linears compute in FP8, per-tensor dynamic scales (training/fp8.py, kernels/core/fp8.py)
+    fp8: bool = False  # the blocks' Linears compute in FP8, per-tensor dynamic scales (training/fp8.py, kernels/fp8/op.py)
     loss_chunk_tokens: int = 0  # > 0: LM head + loss in checkpointed chunks of about this many tokens (models/lm.py)
     seed: int = 1234
     precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32

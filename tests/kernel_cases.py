@@ -1,5 +1,5 @@
 """Shared pieces of the kernel tests (test_kernels_triton.py, test_kernels_ssd.py, test_seed_scan.py): the
-interpreter setup, which must precede the first import of kernels/triton, the backend fixtures, the SSD
+interpreter setup, which must precede the first import of the Triton kernels, the backend fixtures, the SSD
 input builders, and the error criteria.
 
 Criteria: fp32 inputs: relative error vs a fp64 oracle well under 1e-4. bf16 inputs: at most 2x the
@@ -16,7 +16,7 @@ import torch
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of kernels/triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of the Triton kernels
 # correctness runs need no autotuning (one config per kernel: far fewer compilations on the device)
 os.environ.setdefault("MEGASSM_TRITON_AUTOTUNE", "0")
 
@@ -28,8 +28,8 @@ except Exception as e:  # pragma: no cover - depends on the environment
     HAS_TRITON, TRITON_ERR = False, repr(e)
 
 import megassm.kernels as K  # noqa: E402
-from megassm.kernels import ops  # noqa: E402
-from megassm.kernels import reference as R  # noqa: E402
+from megassm.kernels import dispatch  # noqa: E402
+from megassm.kernels.mamba2_ssd import op as ssd_ops  # noqa: E402
 
 # each test module sets `pytestmark = TRITON_WARNINGS`
 TRITON_WARNINGS = [
@@ -56,16 +56,14 @@ def triton_mode(monkeypatch):
     if not HAS_TRITON:
         pytest.skip(f"triton is not importable: {TRITON_ERR}")
     monkeypatch.setenv("MEGASSM_KERNELS", "triton")
-    tk = ops.triton_kernels()
-    if tk is None:
-        pytest.skip(f"megassm.kernels.triton failed to import: {ops.triton_error()!r}")
+    if not dispatch.triton_available():
+        pytest.skip(f"the Triton kernels failed to import: {dispatch.triton_error()!r}")
     if not HAS_CUDA:
-        from megassm.kernels.triton import ssd_common
+        from megassm.kernels.mamba2_ssd import triton_ssd_common
 
-        if not ssd_common._INTERPRET:
-            pytest.skip("kernels/triton was imported before TRITON_INTERPRET=1 was set")
+        if not triton_ssd_common._INTERPRET:
+            pytest.skip("the Triton kernels were imported before TRITON_INTERPRET=1 was set")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    yield tk
 
 
 @pytest.fixture
@@ -176,6 +174,6 @@ def check_lowp(ours, ref, oracle, factor, fp32_floor=1e-4):
 def op_ssd(x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=True, dt_limit=None, initial_states=None,
             seq_idx=None, chunk_size=256, return_final_states=False):
     """kernels.ssd through the custom op (as under torch.compile)."""
-    y, fin, _ = ops.ssd_op(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states, seq_idx,
-                              chunk_size, return_final_states)
+    y, fin, _ = ssd_ops.ssd_op(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, initial_states, seq_idx,
+                               chunk_size, return_final_states)
     return (y, fin) if return_final_states else y

@@ -109,7 +109,7 @@ def test_console_commands_are_entry_points():
 def test_the_check_catches_a_missing_path():
     """The checker itself: a moved module, a missing benchmark and a placeholder."""
     text = ("see `megassm/training/no_such_module.py` and run\n    python3 benchmarks/no_such_bench.py --x 1\n"
-            "or configs/recipes/NAME.yaml and tests/test_X.py, kernels/core/ops.py, docs/benchmarks.md.")
+            "or configs/recipes/NAME.yaml and tests/test_X.py, kernels/mamba2_ssd/op.py, docs/benchmarks.md.")
     assert missing_paths(text) == ["benchmarks/no_such_bench.py", "megassm/training/no_such_module.py"]
-    assert "kernels/core/ops.py" in named_paths(text)
+    assert "kernels/mamba2_ssd/op.py" in named_paths(text)
     assert not any(_placeholder(p) for p in named_paths(text))

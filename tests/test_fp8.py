@@ -1,4 +1,4 @@
-"""train.fp8 (training/fp8.py) and kernels.fp8_linear (kernels/core/fp8.py): the projections' three matmuls in FP8 with
+"""train.fp8 (training/fp8.py) and kernels.fp8_linear (kernels/fp8/op.py): the projections' three matmuls in FP8 with
 per-tensor power-of-two scales. The op is checked against a plain fp32 autograd emulation of the same
 quantization (outputs and gradients, odd token counts, bias, bf16 and fp32 inputs), and against the exact
 linear within FP8's rounding; the module swap keeps every name and weight; the trainer trains with it (CPU bf16
@@ -92,7 +92,7 @@ def _fp8_grid(shape, dtype, gen):
 @pytest.mark.parametrize("src", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.usefixtures("triton_mode")
 def test_triton_cast_transpose_matches_the_eager_cast(dtype, src):
-    """kernels/triton/fp8.py against to_fp8: the scale, both layouts, odd sizes (tile and amax-partial edges),
+    """kernels/fp8/triton_fp8.py against to_fp8: the scale, both layouts, odd sizes (tile and amax-partial edges),
     strided input, in-place output, a zero tensor."""
     gen = torch.Generator().manual_seed(0)
     for M, K in [(77, 50), (1030, 24), (9, 300)]:

@@ -1,4 +1,4 @@
-"""The fused cross-entropy (kernels/triton/ce.py) against the PyTorch reference F.cross_entropy(logits.float()):
+"""The fused cross-entropy (kernels/loss/triton_ce.py) against the PyTorch reference F.cross_entropy(logits.float()):
 per-row losses and the logits' gradient, fp32 and bf16, vocabularies below, at and past one tile (the online
 log-sum-exp across tiles), ignored rows, strided rows, labels out of range; and the model's loss through it.
 Triton's CPU interpreter at small shapes in CI; `-m gpu` runs the LM-head shape on the device."""
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-# kernel_cases sets TRITON_INTERPRET before kernels/triton is first imported
+# kernel_cases sets TRITON_INTERPRET before the Triton kernels are first imported
 from kernel_cases import DEV, HAS_CUDA, K, TRITON_WARNINGS, gpu, needs_cuda, needs_triton
 from kernel_cases import triton_mode  # noqa: F401  (fixture)
 

@@ -1,4 +1,4 @@
-"""The Triton causal conv1d (kernels/triton/conv.py) against the PyTorch reference: the forward and every gradient,
+"""The Triton causal conv1d (kernels/conv1d/triton_conv.py) against the PyTorch reference: the forward and every gradient,
 widths 1-4, strided inputs, initial states, document resets, fp32 and bf16; the backward's three modes
 (MEGASSM_CONV_BWD: two_pass_defer, two_pass, fused) against the reference and against each other, and the fused
 kernel against the one it replaced. Triton's CPU interpreter at tiny shapes in CI; the real shapes are in
@@ -6,9 +6,10 @@ test_kernels_triton.py's GPU tests. Shared setup and criteria: kernel_cases.py."
 import pytest
 import torch
 
-# kernel_cases sets TRITON_INTERPRET before kernels/triton is first imported
-from kernel_cases import DEV, F64, HAS_TRITON, INTERP, K, R, TRITON_WARNINGS, needs_triton, rel, seq_from_starts
+# kernel_cases sets TRITON_INTERPRET before the Triton kernels are first imported
+from kernel_cases import DEV, F64, HAS_TRITON, INTERP, K, TRITON_WARNINGS, needs_triton, rel, seq_from_starts
 from kernel_cases import triton_mode  # noqa: F401  (fixture)
+from megassm.kernels.conv1d import reference as conv_ref
 
 pytestmark = TRITON_WARNINGS
 
@@ -25,7 +26,7 @@ def test_conv_triton(triton_mode, width, features):
     init = torch.randn(bsz, ch, width - 1, generator=g).to(DEV) if features == "init_seq" else None
     sid = seq_from_starts([[1, 2, 9], [18]], seqlen) if features == "init_seq" else None
     outs = []
-    for fn in (K.causal_conv1d, R.causal_conv1d):
+    for fn in (K.causal_conv1d, conv_ref.causal_conv1d):
         leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, b) + ((init,) if init is not None else ())]
         y, f = fn(leaves[0], leaves[1], leaves[2], leaves[3] if init is not None else None, sid,
                   return_final_state=True)
@@ -41,11 +42,11 @@ def test_conv_triton_bf16_and_no_activation(triton_mode):
     x = torch.randn(2, 21, 16).to(DEV)
     w, b = torch.randn(16, 4).to(DEV), torch.randn(16).to(DEV)
     y = K.causal_conv1d(x.bfloat16(), w, b)
-    yr = R.causal_conv1d(x.bfloat16(), w, b)
-    y64 = R.causal_conv1d(x.bfloat16().double(), w.double(), b.double())
+    yr = conv_ref.causal_conv1d(x.bfloat16(), w, b)
+    y64 = conv_ref.causal_conv1d(x.bfloat16().double(), w.double(), b.double())
     assert y.dtype == torch.bfloat16
     assert rel(y, y64) <= (3 if INTERP else 2) * rel(yr, y64) + 1e-5
-    torch.testing.assert_close(K.causal_conv1d(x, w, None, activation=None), R.causal_conv1d(x, w, None, activation=None))
+    torch.testing.assert_close(K.causal_conv1d(x, w, None, activation=None), conv_ref.causal_conv1d(x, w, None, activation=None))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -83,7 +84,7 @@ def _conv_bwd_reference(case, dt=None):
     x, w, b, st, sid, silu, gy, gf = case
     cast = lambda t: None if t is None else t.detach().to(dt or t.dtype).requires_grad_(True)  # noqa: E731
     lv = [cast(t) for t in (x, w, b, st)]
-    out = R.causal_conv1d(lv[0], lv[1], lv[2], lv[3], sid, activation="silu" if silu else None,
+    out = conv_ref.causal_conv1d(lv[0], lv[1], lv[2], lv[3], sid, activation="silu" if silu else None,
                           return_final_state=gf is not None)
     outs, grads = (out, (gy, gf)) if gf is not None else ((out,), (gy,))
     got = iter(torch.autograd.grad(outs, [t for t in lv if t is not None],
@@ -127,7 +128,7 @@ def test_conv_bwd_triton_features(triton_mode, width, features, dtype, mode):
     """dx, dweight, dbias, d initial_state vs the reference; tiles (4, 16): L and C = 13 are not multiples, and
     the 10 or 11 input blocks of a row take two programs (two dweight partials per row, the second one running
     past the end)."""
-    from megassm.kernels.triton import conv as tc
+    from megassm.kernels.conv1d import triton_conv as tc
 
     case = _conv_bwd_case(width, dtype, **_CONV_BWD_FEATURES[features])
     got = _conv_bwd_triton(tc, case, (4, 16, 4), mode)
@@ -146,14 +147,14 @@ def test_conv_bwd_triton_features(triton_mode, width, features, dtype, mode):
 
 
 # The backward kernel as it was before it loaded each shifted x / seq_idx tile once per block (commit 247b43f,
-# kernels/triton/conv.py: _conv_bwd_kernel and its helpers, renamed): the oracle of the bitwise test below.
+# kernels/conv1d/triton_conv.py: _conv_bwd_kernel and its helpers, renamed): the oracle of the bitwise test below.
 if HAS_TRITON:
     try:
         import triton
         import triton.language as tl
 
-        from megassm.kernels.triton._lang import tsigmoid, tsum
-    except Exception:  # pragma: no cover - kernels/triton not importable: triton_mode skips the test
+        from megassm.kernels.common.lang import tsigmoid, tsum
+    except Exception:  # pragma: no cover - triton not importable: triton_mode skips the test
         triton = None
 else:
     triton = None
@@ -298,7 +299,7 @@ def test_conv_bwd_bitwise_equals_old_kernel(triton_mode, monkeypatch, width, fea
     """The restructured fused backward (each shifted tile loaded once, pre summed in _pre's order) gives exactly
     the old kernel's dx, dweight, dbias and d initial_state: same operations on the same values, in the same
     order."""
-    from megassm.kernels.triton import conv as tc
+    from megassm.kernels.conv1d import triton_conv as tc
 
     case = _conv_bwd_case(width, dtype, seqlen=seqlen, ch=ch, **_CONV_BWD_FEATURES[features])
     new = _conv_bwd_triton(tc, case, tiles, "fused")
@@ -322,7 +323,7 @@ def test_conv_bwd_two_pass_bitwise_equals_fused(triton_mode, width, features, se
     walks the fused kernel's blocks with its m == 0 operations, pass 2 sums dx in its order. With tiles=None
     (the passes at their default tiles) or a pair (pass 1's, pass 2's), the fused kernel runs at pass 1's tiles:
     dweight's summation order depends on the position blocks, dx and d initial_state on no tile."""
-    from megassm.kernels.triton import conv as tc
+    from megassm.kernels.conv1d import triton_conv as tc
 
     case = _conv_bwd_case(width, dtype, seqlen=seqlen, ch=ch, **_CONV_BWD_FEATURES[features])
     two = _conv_bwd_triton(tc, case, tiles, "two_pass")
@@ -345,7 +346,7 @@ def test_conv_bwd_two_pass_defer_against_two_pass(triton_mode, width, features, 
     for bit, dweight / dbias the same terms summed in another order (fp32: within rounding of each other, and of
     the fp64 reference); at width 5 (above its four named accumulators) it is two_pass. A fourth tile entry
     (position blocks per program, here 3 of a row's 19) changes only how the partials are split."""
-    from megassm.kernels.triton import conv as tc
+    from megassm.kernels.conv1d import triton_conv as tc
 
     case = _conv_bwd_case(width, _F32, seqlen=seqlen, ch=ch, **_CONV_BWD_FEATURES[features])
     late = _conv_bwd_triton(tc, case, tiles, "two_pass_defer")
@@ -368,7 +369,7 @@ def test_conv_bwd_mode_switch(triton_mode, monkeypatch):
     None; mode= wins over it; two_pass takes a pair of tiles (pass 1's, pass 2's); a bad value fails naming the
     variable (env.check too) or the argument."""
     from megassm.kernels import env
-    from megassm.kernels.triton import conv as tc
+    from megassm.kernels.conv1d import triton_conv as tc
 
     class Unlaunchable:
         def __getitem__(self, grid):

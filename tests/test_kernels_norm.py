@@ -1,4 +1,4 @@
-"""The Triton norm backward kernels (kernels/triton/norm.py) at explicit tiles (ROWS, num_warps, programs,
+"""The Triton norm backward kernels (kernels/norm/triton_norm.py) at explicit tiles (ROWS, num_warps, programs,
 PREFETCH, RELOAD), against the PyTorch reference (outputs and gradients, fp64 oracle) and ROWS > 1 against the
 row-at-a-time tile: 7 rows, so the last tile of a program is partial and some programs end early; ngroups 2 and 3,
 strided x / z / dout rows, fp32 and bf16, the staged modes (sumsq -> dot -> apply), the add kernel with and
@@ -7,9 +7,10 @@ shapes where there is one. The end-to-end norm tests (autograd, the custom ops) 
 import pytest
 import torch
 
-# kernel_cases sets TRITON_INTERPRET before kernels/triton is first imported
-from kernel_cases import DEV, F64, TRITON_WARNINGS, R, needs_triton, rel
+# kernel_cases sets TRITON_INTERPRET before the Triton kernels are first imported
+from kernel_cases import DEV, F64, TRITON_WARNINGS, needs_triton, rel
 from kernel_cases import triton_mode  # noqa: F401  (fixture)
+from megassm.kernels.norm import reference as norm_ref
 
 pytestmark = TRITON_WARNINGS
 
@@ -49,7 +50,7 @@ def _gated_oracle(x, z, w, do, G, nbg):
     leaves = [t.detach().to(F64).requires_grad_(True) for t in (x, z, w) if t is not None]
     it = iter(leaves)
     xx, zz, ww = next(it), (next(it) if z is not None else None), (next(it) if w is not None else None)
-    out = R.gated_rmsnorm(xx, zz, ww, ngroups=G, norm_before_gate=nbg)
+    out = norm_ref.gated_rmsnorm(xx, zz, ww, ngroups=G, norm_before_gate=nbg)
     grads = iter(torch.autograd.grad(out, leaves, do.to(F64)))
     dx, dz, dw = next(grads), (next(grads) if z is not None else None), (next(grads) if w is not None else None)
     return out.to(x.dtype), dx.to(x.dtype), None if dz is None else dz.to(z.dtype), None if dw is None else dw.float()
@@ -65,7 +66,7 @@ GATED_CASES = [  # (ngroups, dtype, norm_before_gate, z, weight)
 @needs_triton
 @pytest.mark.parametrize("G,dtype,nbg,gate,weight", GATED_CASES)
 def test_gated_rmsnorm_bwd_tiles(triton_mode, G, dtype, nbg, gate, weight):
-    from megassm.kernels.triton import norm as tn
+    from megassm.kernels.norm import triton_norm as tn
 
     x, z, w, do = _gated_inputs(G, dtype, gate, weight, seed=G + 2 * int(nbg))
     out, *want = _gated_oracle(x, z, w, do, G, nbg)
@@ -83,12 +84,12 @@ def test_gated_rmsnorm_bwd_tiles(triton_mode, G, dtype, nbg, gate, weight):
 def test_gated_rmsnorm_staged_bwd_tiles(triton_mode, G, dtype, nbg):
     """MODE 1 (dot) and MODE 2 (gradients from the given sumsq and dot), one device holding the whole groups:
     the reference stages, and MODE 0, at every tile."""
-    from megassm.kernels.triton import norm as tn
+    from megassm.kernels.norm import triton_norm as tn
 
     x, z, w, do = _gated_inputs(G, dtype, True, True, seed=5)
     dg = D // G
-    ss = R.gated_rmsnorm_sumsq(x, z, G, nbg).float()
-    dot_ref = R.gated_rmsnorm_bwd_dot(do.to(F64), x.to(F64), z.to(F64), w.to(F64), ss.to(F64), dg, 1e-5, nbg)
+    ss = norm_ref.gated_rmsnorm_sumsq(x, z, G, nbg).float()
+    dot_ref = norm_ref.gated_rmsnorm_bwd_dot(do.to(F64), x.to(F64), z.to(F64), w.to(F64), ss.to(F64), dg, 1e-5, nbg)
     want = _gated_oracle(x, z, w, do, G, nbg)[1:]
     base = tn._gated_bwd(do, x, z, w, G, 1e-5, nbg, 0, tiles=BASE)
     for tiles in [BASE] + TILES:
@@ -108,14 +109,14 @@ def test_gated_rmsnorm_bwd_writes_dz_into_a_split_block(triton_mode, mode):
     stride, and the block is what comes back."""
     from megassm import kernels as K
     from megassm.kernels import grad_blocks
-    from megassm.kernels.triton import norm as tn
+    from megassm.kernels.norm import triton_norm as tn
 
     G, dtype, nbg = 2, torch.bfloat16, False
     x, z, w, do = _gated_inputs(G, dtype, True, True, seed=7)
     dg = D // G
     wide = torch.cat([z, torch.randn(*z.shape[:-1], 40, device=DEV).to(dtype)], -1).requires_grad_(True)
     zp, _ = K.split_last(wide, [D, 40], share_grads=True)
-    ss = R.gated_rmsnorm_sumsq(x, z, G, nbg).float()
+    ss = norm_ref.gated_rmsnorm_sumsq(x, z, G, nbg).float()
     dot = tn._gated_bwd(do, x, z, w, G, 1e-5, nbg, 1, ss, None, dg) if mode == 2 else None
     args = (ss, dot, dg) if mode == 2 else ()
     want = tn._gated_bwd(do, x, z, w, G, 1e-5, nbg, mode, *args)
@@ -135,7 +136,7 @@ ADD_CASES = [  # (dres_in, x dtype, residual dtype): dres written in fp32 beside
 @needs_triton
 @pytest.mark.parametrize("has_dres,x_dtype,res_dtype", ADD_CASES)
 def test_add_rmsnorm_bwd_tiles(triton_mode, has_dres, x_dtype, res_dtype):
-    from megassm.kernels.triton import norm as tn
+    from megassm.kernels.norm import triton_norm as tn
 
     g = torch.Generator().manual_seed(int(has_dres) + 2 * (res_dtype is None))
     x = torch.randn(1, M, D, generator=g).to(DEV, x_dtype)
@@ -144,7 +145,7 @@ def test_add_rmsnorm_bwd_tiles(triton_mode, has_dres, x_dtype, res_dtype):
     do = torch.randn(1, M, D, generator=g).to(DEV, x_dtype)
     dres_in = torch.randn(1, M, D, generator=g).to(DEV) if has_dres else None
     leaves = [t.to(F64).requires_grad_(True) for t in (x, w) + ((res,) if res is not None else ())]
-    o64, nr64 = R.add_rmsnorm(leaves[0], leaves[2] if res is not None else None, leaves[1])
+    o64, nr64 = norm_ref.add_rmsnorm(leaves[0], leaves[2] if res is not None else None, leaves[1])
     loss = (o64 * do.to(F64)).sum() + ((nr64 * dres_in.to(F64)).sum() if has_dres else 0.0)
     gx, gw, *gr = torch.autograd.grad(loss, leaves)
     want = [gx.to(x_dtype), gr[0].to(res_dtype) if res is not None else None, gw.float()]
@@ -160,7 +161,7 @@ def test_add_rmsnorm_bwd_tiles(triton_mode, has_dres, x_dtype, res_dtype):
 
 @needs_triton
 def test_norm_bwd_tiles_refuse_non_power_of_two_rows(triton_mode):
-    from megassm.kernels.triton import norm as tn
+    from megassm.kernels.norm import triton_norm as tn
 
     x = torch.randn(M, D).to(DEV)
     with pytest.raises(ValueError, match="powers of 2"):

@@ -1,11 +1,11 @@
-"""The CP state read-out's Triton kernels (kernels/triton/readout.py: out = y + w (C . h), and dC, dh, dw)
+"""The CP state read-out's Triton kernels (kernels/mamba2_ssd/triton_readout.py: out = y + w (C . h), and dC, dh, dw)
 against its torch path, fp32 and bf16, a slice length that is not a multiple of the kernels' token block,
 2 groups of 2 heads, a reset inside the slice (w = 0 after it), C as a strided view (the conv output's
 columns). In the CPU interpreter on CI, natively on a machine with CUDA."""
 import pytest
 import torch
 
-# kernel_cases sets TRITON_INTERPRET before kernels/triton is first imported
+# kernel_cases sets TRITON_INTERPRET before the Triton kernels are first imported
 from kernel_cases import DEV, TRITON_WARNINGS, needs_triton
 from kernel_cases import triton_mode  # noqa: F401  (fixture)
 
@@ -27,7 +27,7 @@ def _case(dtype, L=70, G=2, H=4, P=16, N=16, seed=0):
 
 
 def _run(y, C, h, w, dout):
-    from megassm.kernels.readout import state_readout_add
+    from megassm.kernels.mamba2_ssd.readout import state_readout_add
 
     leaves = [t.detach().clone().requires_grad_(True) for t in (y, C, h, w)]
     out = state_readout_add(*leaves)
@@ -41,7 +41,7 @@ def _run(y, C, h, w, dout):
 def test_readout_kernels_match_the_torch_path(triton_mode, monkeypatch, dtype, split):
     """partial-sums: one head and one token block per program, so dC and dh are sums of partial results;
     uneven: 3 heads a group, 2 per dC program (the second program of a group takes the one left)."""
-    from megassm.kernels.triton import readout as tr
+    from megassm.kernels.mamba2_ssd import triton_readout as tr
 
     if split == "partial-sums":
         monkeypatch.setattr(tr, "HEADS_PER_PROGRAM", 1)
@@ -64,11 +64,10 @@ def test_readout_kernels_match_the_torch_path(triton_mode, monkeypatch, dtype, s
 
 @needs_triton
 def test_readout_kernels_refuse_what_they_cannot_tile(triton_mode):
-    from megassm.kernels.dispatch import triton_kernels
+    from megassm.kernels.mamba2_ssd import triton_readout as tk
 
     y, C, h, w, _ = _case(torch.float32, P=16, N=16)
-    tk = triton_kernels()
-    assert tk.readout_supported(y, C)
-    assert not tk.readout_supported(y[..., :12], C)  # P not a power of two >= 16: the torch path runs
+    assert tk.supported(y, C)
+    assert not tk.supported(y[..., :12], C)  # P not a power of two >= 16: the torch path runs
     with pytest.raises(ValueError, match="h contiguous fp32"):
         tk.readout_fwd(y, C, h.double(), w)

@@ -1,4 +1,4 @@
-"""Pure-PyTorch reference ops (megassm.kernels.reference) against literal oracles.
+"""Pure-PyTorch reference ops (each op folder's reference.py) against literal oracles.
 
 The chunked SSD, the reference's own token loop (ssd_sequential, the Triton tests' oracle) and the decode
 step are checked against ssd_oracle, the recurrence written here from its definition without any of the
@@ -14,17 +14,9 @@ import torch
 import torch.nn.functional as F
 
 import megassm.kernels as K
-from megassm.kernels.reference import (
-    add_rmsnorm,
-    causal_conv1d,
-    causal_conv1d_step,
-    gated_rmsnorm,
-    rmsnorm,
-    segsum,
-    ssd,
-    ssd_sequential,
-    ssd_step,
-)
+from megassm.kernels.conv1d.reference import causal_conv1d, causal_conv1d_step
+from megassm.kernels.norm.reference import add_rmsnorm, gated_rmsnorm, rmsnorm
+from megassm.kernels.mamba2_ssd.reference import segsum, ssd, ssd_sequential, ssd_step
 
 F64 = torch.float64
 

@@ -7,7 +7,7 @@ a machine with CUDA.
 import pytest
 import torch
 
-# kernel_cases sets TRITON_INTERPRET before kernels/triton is first imported
+# kernel_cases sets TRITON_INTERPRET before the Triton kernels are first imported
 from kernel_cases import DEV, TRITON_WARNINGS, K, needs_triton
 from kernel_cases import triton_mode  # noqa: F401  (fixture)
 from megassm.kernels import grad_blocks as gb
@@ -306,7 +306,7 @@ def test_split_last_backward_fills_a_missing_gradient():
 def test_out_blocks_must_match_the_result():
     """A caller-given output block (conv out_dx, SSD out_ddt, norm out_dz) is refused, naming it, unless it has the
     result's shape, dtype and device and a unit last stride; its row strides are free."""
-    from megassm.kernels.triton._out import out_or_empty
+    from megassm.kernels.common.out import out_or_empty
 
     like = torch.empty(2, 3, 4)
     wide = torch.empty(2, 3, 8)

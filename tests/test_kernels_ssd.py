@@ -1,4 +1,4 @@
-"""The Triton SSD (kernels/triton/ssd*.py) against the PyTorch references, outputs and every gradient: the
+"""The Triton SSD (kernels/mamba2_ssd/triton_ssd*.py) against the PyTorch references, outputs and every gradient: the
 sequential token-by-token oracle in fp32, the chunked reference's own bf16 error in bf16 (criteria in
 kernel_cases.py). Default run (CI, CPU): tiny shapes in Triton's CPU interpreter, with resets, odd lengths,
 tile variants, segmented chunk walks and saved states; on a machine with CUDA the same tiny tests run on the
@@ -9,12 +9,14 @@ import importlib
 import pytest
 import torch
 
-# kernel_cases sets TRITON_INTERPRET before kernels/triton is first imported
+# kernel_cases sets TRITON_INTERPRET before the Triton kernels are first imported
 from kernel_cases import (
-    DEV, F64, HAS_TRITON, INTERP, K, R, TRITON_WARNINGS, cast_inputs, check_fp32, check_lowp, gpu, needs_cuda,
-    needs_triton, op_ssd, ops, rel, reset_starts, run_ssd, seq_from_starts, ssd_inputs,
+    DEV, F64, HAS_TRITON, INTERP, K, TRITON_WARNINGS, cast_inputs, check_fp32, check_lowp, gpu, needs_cuda,
+    needs_triton, op_ssd, rel, reset_starts, run_ssd, seq_from_starts, ssd_inputs,
 )
 from kernel_cases import triton_mode  # noqa: F401  (fixtures)
+from megassm.kernels.mamba2_ssd import op as ssd_ops
+from megassm.kernels.mamba2_ssd import reference as ssd_ref
 
 pytestmark = TRITON_WARNINGS
 
@@ -40,7 +42,7 @@ def test_ssd_triton_fp32_vs_sequential_oracle(triton_mode, case):
     inp = ssd_inputs(bsz, seqlen, nh, hd, ng, ds, **mk)
     sid = seq_from_starts(reset_starts(seqlen, chunk, bsz), seqlen) if resets else None
     ours = run_ssd(K.ssd, inp, sid, chunk_size=chunk, dt_limit=lim)
-    oracle = run_ssd(R.ssd_sequential, cast_inputs(inp, to=F64), sid, dt_limit=lim)
+    oracle = run_ssd(ssd_ref.ssd_sequential, cast_inputs(inp, to=F64), sid, dt_limit=lim)
     check_fp32(ours, oracle, 1e-5)
 
 
@@ -60,7 +62,7 @@ def test_ssd_triton_fp32_vs_sequential_oracle(triton_mode, case):
     dict(chunk=64, resets=False, cb_bt=16, scan_bt=32, scan_bs=16, dx_bs=16, dcb_bs=16, dbc_bs=32),
 ], ids=["small", "mixed", "chunk64", "chunk64-no-resets"])
 def test_ssd_triton_tile_variants(triton_mode, monkeypatch, tiles):
-    from megassm.kernels.triton import ssd_common as tssd
+    from megassm.kernels.mamba2_ssd import triton_ssd_common as tssd
 
     tiles = dict(tiles)
     chunk = tiles.pop("chunk", 32)
@@ -70,7 +72,7 @@ def test_ssd_triton_tile_variants(triton_mode, monkeypatch, tiles):
     L = inp["x"].shape[1]
     sid = seq_from_starts(reset_starts(L, chunk, 2), L) if resets else None
     ours = run_ssd(K.ssd, inp, sid, chunk_size=chunk)
-    oracle = run_ssd(R.ssd_sequential, cast_inputs(inp, to=F64), sid)
+    oracle = run_ssd(ssd_ref.ssd_sequential, cast_inputs(inp, to=F64), sid)
     check_fp32(ours, oracle, 5e-5)  # dA, a sum over every position with cancellation, reaches ~2e-5 at 150 tokens
 
 
@@ -82,7 +84,7 @@ def test_ssd_triton_state_segments(triton_mode, monkeypatch, dtype, segments, ga
     give what one walk gives: against the token-by-token oracle (fp32) or within the bf16 budget, with an
     initial state and a final-state gradient, with and without the gate (the model's call). The backward's
     recompute starts every segment from the true segment end the forward kept (no fix-up pass)."""
-    tbwd = importlib.import_module("megassm.kernels.triton.ssd_bwd")
+    tbwd = importlib.import_module("megassm.kernels.mamba2_ssd.triton_ssd_bwd")
     starts = []
     real = tbwd._states
     monkeypatch.setattr(tbwd, "_states", lambda *a, **k: starts.append(k["seg_starts"] is not None) or real(*a, **k))
@@ -95,13 +97,13 @@ def test_ssd_triton_state_segments(triton_mode, monkeypatch, dtype, segments, ga
     sid = seq_from_starts([[16, 48, 53, 99], [97]], L)
     if dtype == "fp32":
         ours = run_ssd(K.ssd, inp, sid, chunk_size=chunk)
-        oracle = run_ssd(R.ssd_sequential, cast_inputs(inp, to=F64), sid)
+        oracle = run_ssd(ssd_ref.ssd_sequential, cast_inputs(inp, to=F64), sid)
         check_fp32(ours, oracle, 5e-5)
     else:
         low = cast_inputs(inp, lowp=torch.bfloat16)
         ours = run_ssd(K.ssd, low, sid, chunk_size=chunk)
-        ref = run_ssd(R.ssd, low, sid, chunk_size=chunk)
-        oracle = run_ssd(R.ssd, cast_inputs(low, to=F64), sid, chunk_size=chunk)
+        ref = run_ssd(ssd_ref.ssd, low, sid, chunk_size=chunk)
+        oracle = run_ssd(ssd_ref.ssd, cast_inputs(low, to=F64), sid, chunk_size=chunk)
         check_lowp(ours, ref, oracle, 3.0 if INTERP else 2.0)
     assert starts == [True]
 
@@ -112,7 +114,7 @@ def test_ssd_triton_segments_changed_between_forward_and_backward(triton_mode, m
     """The forward's segment ends fit only the same segmentation: when MEGASSM_SSD_STATE_SEGMENTS changes between
     forward and backward, the backward's walks ignore them and fix up their own segments (still exact), with
     and without the gate (without it the backward starts from dout and never recomputes the output)."""
-    tbwd = importlib.import_module("megassm.kernels.triton.ssd_bwd")
+    tbwd = importlib.import_module("megassm.kernels.mamba2_ssd.triton_ssd_bwd")
     real = tbwd._states
 
     def switch_then_walk(*a, **k):
@@ -124,7 +126,7 @@ def test_ssd_triton_segments_changed_between_forward_and_backward(triton_mode, m
     inp = ssd_inputs(1, 100, 2, 16, 1, 32, d_mode="head", a_scale=0.01, gate=gate)
     sid = seq_from_starts([[48, 53]], 100)
     ours = run_ssd(K.ssd, inp, sid, chunk_size=16)
-    oracle = run_ssd(R.ssd_sequential, cast_inputs(inp, to=F64), sid)
+    oracle = run_ssd(ssd_ref.ssd_sequential, cast_inputs(inp, to=F64), sid)
     check_fp32(ours, oracle, 5e-5)
 
 
@@ -149,7 +151,7 @@ def test_ssd_triton_saved_states(triton_mode, monkeypatch, dtype, segments, path
     segments through the custom op without them (the backward needs none); bf16 in MEGASSM_SSD_PRECISION=bf16
     with the final states returned (the forward walk's split products, which the recompute must take too). The
     fake implementation promises the kept buffer's real shape."""
-    tbwd = importlib.import_module("megassm.kernels.triton.ssd_bwd")  # the module (the package exports the function)
+    tbwd = importlib.import_module("megassm.kernels.mamba2_ssd.triton_ssd_bwd")  # the module (the package exports the function)
     monkeypatch.setenv("MEGASSM_SSD_STATE_SEGMENTS", segments)
     monkeypatch.setenv("MEGASSM_SSD_PRECISION", "bf16" if dtype == "bf16-mode" else "split")
     inp = ssd_inputs(2, 40, 2, 16, 1, 16, d_mode="head")
@@ -174,9 +176,9 @@ def test_ssd_triton_saved_states(triton_mode, monkeypatch, dtype, segments, path
         args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["z"], inp["dt_bias"], True,
                 None, inp["initial_states"], sid, 16)
         for ret in (True, False):
-            real = ops.ssd_op(*args, ret)
+            real = ssd_ops.ssd_op(*args, ret)
             with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
-                fake = ops.ssd_op._abstract_fn(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                fake = ssd_ops.ssd_op._abstract_fn(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
                                                  for a in args), ret)
             assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
             assert real[2].numel() > 0  # the kept buffer
@@ -187,7 +189,7 @@ def test_ssd_triton_saved_states(triton_mode, monkeypatch, dtype, segments, path
 
 @needs_triton
 def test_ssd_state_segments_setting(monkeypatch):
-    from megassm.kernels.triton.ssd_states import _auto_segments, _state_segments
+    from megassm.kernels.mamba2_ssd.triton_ssd_states import _auto_segments, _state_segments
 
     x = torch.zeros(1, device=DEV)
     for text, nc, want in (("1", 10, (1, 10)), ("4", 10, (4, 3)), ("3", 7, (3, 3)), ("16", 3, (3, 1))):
@@ -234,7 +236,7 @@ def test_ssd_triton_dbc_split(triton_mode, monkeypatch, ngroups, split):
             assert rel(v, base[name]) < 1e-6, name
         else:
             assert torch.equal(v, base[name]), name
-    check_fp32(ours, run_ssd(R.ssd_sequential, cast_inputs(inp, to=F64), sid), 1e-5)
+    check_fp32(ours, run_ssd(ssd_ref.ssd_sequential, cast_inputs(inp, to=F64), sid), 1e-5)
     monkeypatch.setenv("MEGASSM_SSD_DBC_SPLIT", "3")
     with pytest.raises(ValueError, match="MEGASSM_SSD_DBC_SPLIT='3'"):
         run_ssd(K.ssd, inp, sid, chunk_size=32)
@@ -245,7 +247,7 @@ def test_ssd_side_stream_setting(monkeypatch):
     """MEGASSM_SSD_STREAMS: 1 (default) gives CUDA inputs a side stream, 0 none; never on the CPU; a bad value
     fails naming the variable."""
     from megassm.kernels import env
-    from megassm.kernels.triton.ssd_common import _Side
+    from megassm.kernels.mamba2_ssd.triton_ssd_common import _Side
 
     monkeypatch.delenv("MEGASSM_SSD_STREAMS", raising=False)
     assert env.ssd_streams() is True
@@ -270,7 +272,7 @@ def test_ssd_tuner_logs_each_decision(monkeypatch, capsys):
 
     import triton
     from megassm.kernels import env
-    from megassm.kernels.triton.ssd_common import _Tuned
+    from megassm.kernels.mamba2_ssd.triton_ssd_common import _Tuned
 
     def _probe_kernel():
         """Stands in for the Python function behind a Triton kernel (only its name is read)."""
@@ -303,7 +305,7 @@ def test_ssd_tuner_logs_each_decision(monkeypatch, capsys):
 
 @needs_triton
 def test_ssd_tiles_env_override(monkeypatch):
-    """MEGASSM_SSD_TILES (kernels.ssd_tiles) as kernels/triton/ssd_common.py applies it to its TILES at import."""
+    """MEGASSM_SSD_TILES (kernels.ssd_tiles) as kernels/mamba2_ssd/triton_ssd_common.py applies it to its TILES at import."""
     from megassm.kernels import env
 
     table = {"dx_bs": 32, "dbc_bs": 128}
@@ -324,8 +326,8 @@ def test_ssd_triton_bf16_within_reference_error(triton_mode):
     low = cast_inputs(inp, lowp=torch.bfloat16)
     sid = seq_from_starts(reset_starts(seqlen, chunk, bsz), seqlen)
     ours = run_ssd(K.ssd, low, sid, chunk_size=chunk)
-    ref = run_ssd(R.ssd, low, sid, chunk_size=chunk)
-    oracle = run_ssd(R.ssd, cast_inputs(low, to=F64), sid, chunk_size=chunk)
+    ref = run_ssd(ssd_ref.ssd, low, sid, chunk_size=chunk)
+    oracle = run_ssd(ssd_ref.ssd, cast_inputs(low, to=F64), sid, chunk_size=chunk)
     assert ours["y"].dtype == torch.bfloat16 and ours["final"].dtype == torch.float32
     check_lowp(ours, ref, oracle, 3.0 if INTERP else 2.0)
 
@@ -337,7 +339,7 @@ def _check_a_gradient_own_error(inp, sid, chunk, factor):
     the bf16 inputs' own dA / ddt_bias error stays within `factor` x that of fp32 inputs (fp32 products)."""
     low = cast_inputs(inp, lowp=torch.bfloat16)
     f32 = {k: v.float() if v.dtype == torch.bfloat16 else v for k, v in low.items()}
-    oracle = run_ssd(R.ssd, cast_inputs(low, to=F64), sid, chunk_size=chunk, grad_via=torch.bfloat16)
+    oracle = run_ssd(ssd_ref.ssd, cast_inputs(low, to=F64), sid, chunk_size=chunk, grad_via=torch.bfloat16)
     ours = run_ssd(K.ssd, low, sid, chunk_size=chunk)
     ours32 = run_ssd(K.ssd, f32, sid, chunk_size=chunk, grad_via=torch.bfloat16)
     errs = {k: (rel(ours[k], oracle[k]), rel(ours32[k], oracle[k])) for k in ("dA", "ddt_bias")}
@@ -368,7 +370,7 @@ def test_ssd_triton_deterministic_and_finite_at_extremes(triton_mode):
         assert torch.equal(a[k], b[k]), k
     # Loose on purpose: with |cs| in the thousands the kernels' exp(cs_t - cs_s) loses ~|cs| * 6e-8 in the
     # exponent (prefix sums are differenced; the reference's segsum sums each segment exactly).
-    oracle = run_ssd(R.ssd_sequential, cast_inputs(inp, to=F64), None)
+    oracle = run_ssd(ssd_ref.ssd_sequential, cast_inputs(inp, to=F64), None)
     check_fp32(a, oracle, 3e-2)
 
 
@@ -376,14 +378,14 @@ def test_ssd_triton_deterministic_and_finite_at_extremes(triton_mode):
 def test_ssd_unsupported_chunk_falls_back(triton_mode):
     inp = ssd_inputs(1, 10, 2, 4, 1, 4)
     y = K.ssd(**inp, chunk_size=6)  # not a power of two: the reference runs
-    torch.testing.assert_close(y, R.ssd(**inp, chunk_size=6))
+    torch.testing.assert_close(y, ssd_ref.ssd(**inp, chunk_size=6))
 
 
 if HAS_TRITON:  # a module-level kernel: triton.jit resolves names in the module's globals
     import triton
     import triton.language as tl
 
-    from megassm.kernels.triton.ssd_common import _bf16
+    from megassm.kernels.mamba2_ssd.triton_ssd_common import _bf16
 
     @triton.jit
     def _round_kernel(X, Y, n: tl.constexpr):
@@ -412,7 +414,7 @@ def test_ssd_fast_precision_mode(triton_mode, monkeypatch):
     low = cast_inputs(inp, lowp=torch.bfloat16)
     for final in (True, False):  # the forward walk's products: split with final states, rounded once without
         ours = run_ssd(K.ssd, low, None, chunk_size=16, final=final)
-        oracle = run_ssd(R.ssd, cast_inputs(low, to=F64), None, chunk_size=16, final=final)
+        oracle = run_ssd(ssd_ref.ssd, cast_inputs(low, to=F64), None, chunk_size=16, final=final)
         for k in oracle:
             assert rel(ours[k], oracle[k]) < 5e-2, (final, k)
     monkeypatch.setenv("MEGASSM_SSD_PRECISION", "bogus")
@@ -430,8 +432,8 @@ def test_ssd_fast_precision_final_states(triton_mode, monkeypatch, segments):
     monkeypatch.setenv("MEGASSM_SSD_STATE_SEGMENTS", segments)
     low = cast_inputs(ssd_inputs(1, 70, 2, 16, 1, 16, init=True, d_mode="head"), lowp=torch.bfloat16)
     sid = seq_from_starts(reset_starts(70, 32, 1), 70)
-    oracle = run_ssd(R.ssd, cast_inputs(low, to=F64), sid, chunk_size=32)
-    check_lowp({"final": run_ssd(K.ssd, low, sid, chunk_size=32)["final"]}, run_ssd(R.ssd, low, sid, chunk_size=32),
+    oracle = run_ssd(ssd_ref.ssd, cast_inputs(low, to=F64), sid, chunk_size=32)
+    check_lowp({"final": run_ssd(K.ssd, low, sid, chunk_size=32)["final"]}, run_ssd(ssd_ref.ssd, low, sid, chunk_size=32),
                {"final": oracle["final"]}, 2.0)
 
 
@@ -461,7 +463,7 @@ def test_ssd_fast_precision_keeps_parameter_gradients(triton_mode, monkeypatch, 
     low = cast_inputs(ssd_inputs(1, 128, 2, 32, 1, 32, d_mode=None, gate=gate), lowp=torch.bfloat16)
     sid = seq_from_starts(reset_starts(128, 32, 1), 128)
     kw = dict(chunk_size=32, dt_limit=(0.0, 3.0))
-    oracle = run_ssd(R.ssd, cast_inputs(low, to=F64), sid, **kw)
+    oracle = run_ssd(ssd_ref.ssd, cast_inputs(low, to=F64), sid, **kw)
     _check_fast_mode_parameters(_by_mode(monkeypatch, low, sid, **kw), oracle)
 
 # --------------------------------------------------------------------------------------------------------
@@ -515,10 +517,10 @@ def _check_gpu_fp32(case, gate=True):
     """fp32 inputs against the fp64 chunked reference (and, up to 1000 tokens, the token-by-token one)."""
     inp, sid, chunk = _gpu_case(case, gate=gate)
     ours = run_ssd(K.ssd, inp, sid, chunk_size=chunk)
-    oracle = run_ssd(R.ssd, cast_inputs(inp, to=F64), sid, chunk_size=chunk)
+    oracle = run_ssd(ssd_ref.ssd, cast_inputs(inp, to=F64), sid, chunk_size=chunk)
     check_fp32(ours, oracle, 1e-4)
     if case[1] <= 1000:  # the chunked reference itself vs the token-by-token recurrence
-        seqo = run_ssd(R.ssd_sequential, cast_inputs(inp, to=F64), sid)
+        seqo = run_ssd(ssd_ref.ssd_sequential, cast_inputs(inp, to=F64), sid)
         check_fp32(ours, seqo, 1e-4)
 
 
@@ -527,8 +529,8 @@ def _check_gpu_bf16(case, gate=True, seed=1):
     inp, sid, chunk = _gpu_case(case, seed=seed, gate=gate)
     low = cast_inputs(inp, lowp=torch.bfloat16)
     ours = run_ssd(K.ssd, low, sid, chunk_size=chunk)
-    ref = run_ssd(R.ssd, low, sid, chunk_size=chunk)
-    oracle = run_ssd(R.ssd, cast_inputs(low, to=F64), sid, chunk_size=chunk)
+    ref = run_ssd(ssd_ref.ssd, low, sid, chunk_size=chunk)
+    oracle = run_ssd(ssd_ref.ssd, cast_inputs(low, to=F64), sid, chunk_size=chunk)
     check_lowp(ours, ref, oracle, 2.0)
 
 
@@ -574,12 +576,12 @@ def test_gpu_ssd_bf16_mode(triton_mode, monkeypatch, case):
     inp, sid, chunk = _gpu_case(case, seed=1)
     low = cast_inputs(inp, lowp=torch.bfloat16)
     out = _by_mode(monkeypatch, low, sid, chunk_size=chunk)
-    ref = run_ssd(R.ssd, low, sid, chunk_size=chunk)
-    oracle = run_ssd(R.ssd, cast_inputs(low, to=F64), sid, chunk_size=chunk)
+    ref = run_ssd(ssd_ref.ssd, low, sid, chunk_size=chunk)
+    oracle = run_ssd(ssd_ref.ssd, cast_inputs(low, to=F64), sid, chunk_size=chunk)
     check_lowp(out["bf16"], ref, oracle, 2.0)
     _check_fast_mode_parameters(out, oracle)
-    ref = run_ssd(R.ssd, low, sid, chunk_size=chunk, final=False)
-    oracle = run_ssd(R.ssd, cast_inputs(low, to=F64), sid, chunk_size=chunk, final=False)
+    ref = run_ssd(ssd_ref.ssd, low, sid, chunk_size=chunk, final=False)
+    oracle = run_ssd(ssd_ref.ssd, cast_inputs(low, to=F64), sid, chunk_size=chunk, final=False)
     monkeypatch.setenv("MEGASSM_SSD_PRECISION", "bf16")
     check_lowp(run_ssd(K.ssd, low, sid, chunk_size=chunk, final=False), ref, oracle, 2.0)
 

@@ -12,12 +12,22 @@ import logging
 import pytest
 import torch
 
-# kernel_cases sets TRITON_INTERPRET before kernels/triton is first imported
+# kernel_cases sets TRITON_INTERPRET before the Triton kernels are first imported
 from kernel_cases import (
-    DEV, F64, INTERP, K, R, TRITON_WARNINGS, cast_inputs, gpu, needs_cuda, needs_triton, op_ssd, ops, rel,
+    DEV, F64, INTERP, K, TRITON_WARNINGS, cast_inputs, gpu, needs_cuda, needs_triton, op_ssd, rel,
     reset_starts, run_ssd, seq_from_starts, ssd_inputs,
 )
 from kernel_cases import triton_mode, torch_mode  # noqa: F401  (fixtures)
+from megassm.kernels import dispatch
+from megassm.kernels.act import op as act_ops
+from megassm.kernels.act import reference as act_ref
+from megassm.kernels.conv1d import op as conv_ops
+from megassm.kernels.conv1d import reference as conv_ref
+from megassm.kernels.loss import op as loss_ops
+from megassm.kernels.norm import op as norm_ops
+from megassm.kernels.norm import reference as norm_ref
+from megassm.kernels.mamba2_ssd import op as ssd_ops
+from megassm.kernels.mamba2_ssd import reference as ssd_ref
 
 pytestmark = TRITON_WARNINGS
 
@@ -33,7 +43,7 @@ def test_reference_path_matches_plain_reference_exactly(torch_mode):
     sid = seq_from_starts([[4, 5], [8]], 13, device="cpu")
     for fn in (op_ssd, K.ssd):
         a = run_ssd(fn, inp, sid, chunk_size=4, dt_limit=(0.0, 2.0))
-        b = run_ssd(R.ssd, inp, sid, chunk_size=4, dt_limit=(0.0, 2.0))
+        b = run_ssd(ssd_ref.ssd, inp, sid, chunk_size=4, dt_limit=(0.0, 2.0))
         for k in b:
             assert torch.equal(a[k], b[k]), k
 
@@ -43,7 +53,7 @@ def test_reference_path_matches_plain_reference_exactly(torch_mode):
     st = torch.randn(2, 6, 3, dtype=F64, requires_grad=True)
     sid = seq_from_starts([[3], [1]], 9, device="cpu")
     outs = []
-    for fn in (lambda *a: ops.causal_conv1d_op(*a, sid, "silu", True), lambda *a: R.causal_conv1d(
+    for fn in (lambda *a: conv_ops.causal_conv1d_op(*a, sid, "silu", True), lambda *a: conv_ref.causal_conv1d(
             *a, seq_idx=sid, return_final_state=True)):
         y, f = fn(x, w, bb, st)
         outs.append((y, f) + torch.autograd.grad((y * 1.7).sum() + (f * 0.3).sum(), (x, w, bb, st)))
@@ -52,12 +62,12 @@ def test_reference_path_matches_plain_reference_exactly(torch_mode):
     x = torch.randn(3, 8, dtype=F64, requires_grad=True)
     z = torch.randn(3, 8, dtype=F64, requires_grad=True)
     w = torch.randn(8, dtype=F64, requires_grad=True)
-    ga = torch.autograd.grad(ops.gated_rmsnorm_op(x, z, w, 2, 1e-5, False).pow(2).sum(), (x, z, w))
-    gb = torch.autograd.grad(R.gated_rmsnorm(x, z, w, ngroups=2).pow(2).sum(), (x, z, w))
+    ga = torch.autograd.grad(norm_ops.gated_rmsnorm_op(x, z, w, 2, 1e-5, False).pow(2).sum(), (x, z, w))
+    gb = torch.autograd.grad(norm_ref.gated_rmsnorm(x, z, w, ngroups=2).pow(2).sum(), (x, z, w))
     assert all(torch.equal(u, v) for u, v in zip(ga, gb))
     r = torch.randn(3, 8, dtype=F64, requires_grad=True)
-    oa, ra = ops.add_rmsnorm_op(x, r, w, 1e-5)
-    ob, rb = R.add_rmsnorm(x, r, w)
+    oa, ra = norm_ops.add_rmsnorm_op(x, r, w, 1e-5)
+    ob, rb = norm_ref.add_rmsnorm(x, r, w)
     ga = torch.autograd.grad(oa.pow(2).sum() + ra.sum(), (x, r, w))
     gb = torch.autograd.grad(ob.pow(2).sum() + rb.sum(), (x, r, w))
     assert torch.equal(oa, ob) and torch.equal(ra, rb) and all(torch.equal(u, v) for u, v in zip(ga, gb))
@@ -65,7 +75,7 @@ def test_reference_path_matches_plain_reference_exactly(torch_mode):
 
 def test_outputs_never_alias_inputs(torch_mode):
     x = torch.randn(2, 4)
-    out, res = ops.add_rmsnorm_op(x, None, None, 1e-5)
+    out, res = norm_ops.add_rmsnorm_op(x, None, None, 1e-5)
     assert res.data_ptr() != x.data_ptr()
     torch.testing.assert_close(res, x)
 
@@ -76,22 +86,22 @@ def test_opcheck_custom_ops(torch_mode):
     args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["z"], inp["dt_bias"], True,
             (0.0, 5.0), inp["initial_states"], sid, 4, True)
     tests = ("test_schema", "test_autograd_registration", "test_faketensor")
-    torch.library.opcheck(ops.ssd_op, args, test_utils=tests)
+    torch.library.opcheck(ssd_ops.ssd_op, args, test_utils=tests)
     x = torch.randn(2, 5, 3)
-    torch.library.opcheck(ops.causal_conv1d_op, (x, torch.randn(3, 4), torch.randn(3), torch.randn(2, 3, 3),
+    torch.library.opcheck(conv_ops.causal_conv1d_op, (x, torch.randn(3, 4), torch.randn(3), torch.randn(2, 3, 3),
                                                  None, "silu", True), test_utils=tests)
-    torch.library.opcheck(ops.gated_rmsnorm_op, (x, torch.randn(2, 5, 3), torch.randn(3), 1, 1e-5, False),
+    torch.library.opcheck(norm_ops.gated_rmsnorm_op, (x, torch.randn(2, 5, 3), torch.randn(3), 1, 1e-5, False),
                           test_utils=tests)
-    torch.library.opcheck(ops.rmsnorm_op, (x, torch.randn(3), 1e-5), test_utils=tests)
-    torch.library.opcheck(ops.rmsnorm_op, (x, torch.randn(3), 1e-5, torch.bfloat16), test_utils=tests)
-    torch.library.opcheck(ops.add_rmsnorm_op, (x, torch.randn(2, 5, 3), torch.randn(3), 1e-5), test_utils=tests)
-    torch.library.opcheck(ops.swiglu_op, (x, torch.randn(2, 5, 3)), test_utils=tests)
-    torch.library.opcheck(ops.cross_entropy_op, (torch.randn(4, 7), torch.tensor([1, -100, 6, 0]), -100),
+    torch.library.opcheck(norm_ops.rmsnorm_op, (x, torch.randn(3), 1e-5), test_utils=tests)
+    torch.library.opcheck(norm_ops.rmsnorm_op, (x, torch.randn(3), 1e-5, torch.bfloat16), test_utils=tests)
+    torch.library.opcheck(norm_ops.add_rmsnorm_op, (x, torch.randn(2, 5, 3), torch.randn(3), 1e-5), test_utils=tests)
+    torch.library.opcheck(act_ops.swiglu_op, (x, torch.randn(2, 5, 3)), test_utils=tests)
+    torch.library.opcheck(loss_ops.cross_entropy_op, (torch.randn(4, 7), torch.tensor([1, -100, 6, 0]), -100),
                           test_utils=tests)
-    torch.library.opcheck(ops.ssd_step_op, (torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3), torch.randn(2, 2),
+    torch.library.opcheck(ssd_ops.ssd_step_op, (torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3), torch.randn(2, 2),
                                             -torch.rand(2), torch.randn(2, 1, 4), torch.randn(2, 1, 4), None,
                                             None, None, True, None), test_utils=tests)
-    torch.library.opcheck(ops.causal_conv1d_step_op, (torch.randn(2, 3, 3), torch.randn(2, 3), torch.randn(3, 4),
+    torch.library.opcheck(conv_ops.causal_conv1d_step_op, (torch.randn(2, 3, 3), torch.randn(2, 3), torch.randn(3, 4),
                                                       None, "silu"), test_utils=tests)
 
 
@@ -104,7 +114,7 @@ def test_env_switch(monkeypatch):
     with pytest.raises(RuntimeError, match="MEGASSM_KERNELS=triton"):
         K.rmsnorm(torch.randn(2, 4), None)
     monkeypatch.setenv("MEGASSM_KERNELS", "auto")
-    assert not ops.use_triton(torch.randn(2))  # auto: CPU tensors use the reference
+    assert not dispatch.use_triton(torch.randn(2))  # auto: CPU tensors use the reference
     monkeypatch.setenv("MEGASSM_KERNELS", "torch")
     assert K.backend() == "reference"
 
@@ -150,7 +160,7 @@ def test_gated_rmsnorm_triton(triton_mode, norm_before_gate, gate):
     z = torch.randn(3, 5, 48).to(DEV) if gate else None
     w = torch.randn(48).to(DEV)
     outs = []
-    for fn in (K.gated_rmsnorm, R.gated_rmsnorm):
+    for fn in (K.gated_rmsnorm, norm_ref.gated_rmsnorm):
         leaves = [t.clone().requires_grad_(True) for t in (x, w) + ((z,) if gate else ())]
         o = fn(leaves[0], leaves[2] if gate else None, leaves[1], ngroups=4, norm_before_gate=norm_before_gate)
         gr = torch.autograd.grad(o, leaves, torch.ones_like(o) * torch.linspace(-1, 1, 48, device=DEV))
@@ -171,7 +181,7 @@ def test_gated_rmsnorm_stages_over_split_groups(triton_mode, norm_before_gate, g
     x, z = wide[..., :D], (wide[..., D:2 * D] if gate else None)
     w, dout = torch.randn(D).to(DEV), torch.randn(3, 5, D).to(DEV)
     leaves = [t.clone().requires_grad_(True) for t in (x, w) + ((z,) if gate else ())]
-    ref = R.gated_rmsnorm(leaves[0], leaves[2] if gate else None, leaves[1], ngroups=G,
+    ref = norm_ref.gated_rmsnorm(leaves[0], leaves[2] if gate else None, leaves[1], ngroups=G,
                           norm_before_gate=norm_before_gate)
     want = (ref,) + torch.autograd.grad(ref, leaves, dout)
 
@@ -181,7 +191,7 @@ def test_gated_rmsnorm_stages_over_split_groups(triton_mode, norm_before_gate, g
     def whole(ts):
         return torch.stack([t.unflatten(-1, (G, h)) for t in ts], -2).flatten(-3)
 
-    for lib in (K, R):
+    for lib in (K, norm_ref):
         dev = [(part(x, q), part(z, q), part(w, q), part(dout, q)) for q in range(2)]
         ss = sum(lib.gated_rmsnorm_sumsq(a, b, G, norm_before_gate) for a, b, _, _ in dev)
         out = whole([lib.gated_rmsnorm_apply(a, b, c, ss, 2 * h, 1e-5, norm_before_gate) for a, b, c, _ in dev])
@@ -209,7 +219,7 @@ def test_gated_rmsnorm_stages_read_strided_statistics(triton_mode, slot):
         return torch.cat([t * 2.0, t + 1.0] if slot == 0 else [t + 1.0, t * 2.0], -1)[..., slot:slot + 1]
 
     outs = []
-    for lib in (K, R):
+    for lib in (K, norm_ref):
         ss = lib.gated_rmsnorm_sumsq(x, z, 1, False)
         assert ss.shape == (2, 16, 1) and ss.is_contiguous()
         ssc = column(ss)
@@ -226,14 +236,14 @@ def test_rmsnorm_and_add_rmsnorm_triton(triton_mode):
     w = torch.randn(40).to(DEV)
     xs = [t.clone().requires_grad_(True) for t in (x, w)]
     xr = [t.clone().requires_grad_(True) for t in (x, w)]
-    o, o2 = K.rmsnorm(*xs), R.rmsnorm(*xr)
+    o, o2 = K.rmsnorm(*xs), norm_ref.rmsnorm(*xr)
     ga, gb = torch.autograd.grad(o.pow(2).sum(), xs), torch.autograd.grad(o2.pow(2).sum(), xr)
     assert rel(o, o2) < 1e-5 and all(rel(u, v) < 1e-5 for u, v in zip(ga, gb))
     for res_dtype in (None, torch.float32):
         xb = x.bfloat16()
         r = torch.randn(4, 3, 40).to(DEV) if res_dtype else None
         outs = []
-        for fn in (K.add_rmsnorm, R.add_rmsnorm):
+        for fn in (K.add_rmsnorm, norm_ref.add_rmsnorm):
             lv = [xb.clone().requires_grad_(True), w.clone().requires_grad_(True)]
             rr = r.clone().requires_grad_(True) if r is not None else None
             out, nres = fn(lv[0], rr, lv[1])
@@ -259,7 +269,7 @@ def test_rmsnorm_of_the_sum_matches_the_fused_add(triton_mode):
     do = torch.randn(2, 5, 40, generator=g).to(DEV, torch.bfloat16)
     dres = torch.randn(2, 5, 40, generator=g).to(DEV)
     results = []
-    for fused, lib in ((True, K), (False, K), (False, R)):
+    for fused, lib in ((True, K), (False, K), (False, norm_ref)):
         h, r, ww = (t.clone().requires_grad_(True) for t in (hidden, residual, w))
         if fused:
             normed, summed = lib.add_rmsnorm(h, r, ww)
@@ -291,18 +301,18 @@ def test_swiglu_triton(triton_mode, shape):
     stores instead of rounding: 2x there); strided inputs (a slice) taken."""
     g = torch.Generator().manual_seed(0)
     a, b, dh = (torch.randn(*shape, generator=g).mul(3).to(DEV) for _ in range(3))
-    ours, ref = _swiglu_grads(K.swiglu, a, b, dh), _swiglu_grads(R.swiglu, a, b, dh)
+    ours, ref = _swiglu_grads(K.swiglu, a, b, dh), _swiglu_grads(act_ref.swiglu, a, b, dh)
     for u, v in zip(ours, ref):
         assert u.dtype == torch.float32 and rel(u, v) < 1e-6
-    oracle = _swiglu_grads(R.swiglu, a.double(), b.double(), dh.double())
+    oracle = _swiglu_grads(act_ref.swiglu, a.double(), b.double(), dh.double())
     lo = [t.bfloat16() for t in (a, b, dh)]
-    ours, ref = _swiglu_grads(K.swiglu, *lo), _swiglu_grads(R.swiglu, *lo)
+    ours, ref = _swiglu_grads(K.swiglu, *lo), _swiglu_grads(act_ref.swiglu, *lo)
     factor = 2.0 if INTERP else 1.05
     for u, v, o in zip(ours, ref, oracle):
         assert u.dtype == torch.bfloat16 and rel(u, o) <= rel(v, o) * factor + 1e-6, (rel(u, o), rel(v, o))
     wide = torch.randn(shape[0], shape[1], 2 * shape[2], generator=g).to(DEV)
     sa, sb = wide[..., : shape[2]], wide[..., shape[2]:]  # strided halves
-    ours, ref = _swiglu_grads(K.swiglu, sa, sb, dh), _swiglu_grads(R.swiglu, sa, sb, dh)
+    ours, ref = _swiglu_grads(K.swiglu, sa, sb, dh), _swiglu_grads(act_ref.swiglu, sa, sb, dh)
     assert all(rel(u, v) < 1e-6 for u, v in zip(ours, ref))
 
 
@@ -322,12 +332,12 @@ def test_step_kernels_triton(triton_mode, d_mode):
     D = rn(nh) if d_mode == "head" else rn(nh, hd)
     kw = dict(D=D, z=z, dt_bias=rn(nh), dt_limit=(0.0, 2.0))
     y, new = K.ssd_step(state, x, dt, A, Bm, Cm, **kw)
-    y2, new2 = R.ssd_step(state, x, dt, A, Bm, Cm, **kw)
+    y2, new2 = ssd_ref.ssd_step(state, x, dt, A, Bm, Cm, **kw)
     assert rel(y, y2) < 1e-5 and rel(new, new2) < 1e-5 and new.dtype == torch.float32
     cs, xc, w, b = rn(bsz, 24, 3), rn(bsz, 24), rn(24, 4), rn(24)
     for act in ("silu", None):
         yc, nc = K.causal_conv1d_step(cs, xc.bfloat16(), w, b, activation=act)
-        yc2, nc2 = R.causal_conv1d_step(cs, xc.bfloat16(), w, b, activation=act)
+        yc2, nc2 = conv_ref.causal_conv1d_step(cs, xc.bfloat16(), w, b, activation=act)
         assert yc.dtype == torch.bfloat16 and nc.dtype == torch.float32
         torch.testing.assert_close(nc, nc2)
         assert rel(yc, yc2) < 1e-2
@@ -376,7 +386,7 @@ def test_gpu_conv_and_norms_real_shapes(triton_mode, dtype):
     init = torch.randn(bsz, ch, 3, device="cuda")
     sid = seq_from_starts(reset_starts(seqlen, 256, bsz), seqlen, device="cuda")
     res = []
-    for fn in (K.causal_conv1d, R.causal_conv1d):
+    for fn in (K.causal_conv1d, conv_ref.causal_conv1d):
         lv = [t.detach().clone().requires_grad_(True) for t in (x, w, b, init)]
         y, f = fn(*lv, sid, return_final_state=True)
         res.append((y, f) + torch.autograd.grad((y.float().sum() + f.sum()), lv))
@@ -387,7 +397,7 @@ def test_gpu_conv_and_norms_real_shapes(triton_mode, dtype):
     xn, zn = torch.randn(bsz, seqlen, d, device="cuda").to(dtype), torch.randn(bsz, seqlen, d, device="cuda").to(dtype)
     wn = torch.randn(d, device="cuda")
     res = []
-    for fn in (K.gated_rmsnorm, R.gated_rmsnorm):
+    for fn in (K.gated_rmsnorm, norm_ref.gated_rmsnorm):
         lv = [t.clone().requires_grad_(True) for t in (xn, zn, wn)]
         o = fn(lv[0], lv[1], lv[2], ngroups=8)
         res.append((o,) + torch.autograd.grad(o.float().pow(2).sum(), lv))
@@ -395,7 +405,7 @@ def test_gpu_conv_and_norms_real_shapes(triton_mode, dtype):
         assert rel(u, v) < tol
     r = torch.randn(bsz, seqlen, d, device="cuda")
     res = []
-    for fn in (K.add_rmsnorm, R.add_rmsnorm):
+    for fn in (K.add_rmsnorm, norm_ref.add_rmsnorm):
         lv = [t.clone().requires_grad_(True) for t in (xn, r, wn)]
         o, nr = fn(*lv)
         res.append((o, nr) + torch.autograd.grad(o.float().pow(2).sum() + nr.sum(), lv))
@@ -409,8 +419,8 @@ def test_gpu_swiglu_real_shapes(triton_mode):
     """hybrid-1.3b's MLP at micro-batch 4 x 2048 (hidden 5632), bf16: each gradient at least as close to fp64 as
     torch's own bf16 path."""
     a, b, dh = (torch.randn(4, 2048, 5632, device="cuda") * 2 for _ in range(3))
-    oracle = _swiglu_grads(R.swiglu, a.double(), b.double(), dh.double())
+    oracle = _swiglu_grads(act_ref.swiglu, a.double(), b.double(), dh.double())
     lo = [t.bfloat16() for t in (a, b, dh)]
-    ours, ref = _swiglu_grads(K.swiglu, *lo), _swiglu_grads(R.swiglu, *lo)
+    ours, ref = _swiglu_grads(K.swiglu, *lo), _swiglu_grads(act_ref.swiglu, *lo)
     for u, v, o in zip(ours, ref, oracle):
         assert rel(u, o) <= rel(v, o) * 1.05 + 1e-6, (rel(u, o), rel(v, o))

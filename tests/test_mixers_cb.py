@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from megassm.config import (AttentionConfig, BMojoConfig, CoffeeConfig, ConfigError, MambaConfig,
                             ModelConfig, load_config)
-from megassm.kernels.reference import coffee as K
+from megassm.kernels.coffee import reference as K
 from megassm.models import build_model
 from megassm.models.bmojo import BMojoMixer
 from megassm.models.coffee import (IH0_INIT, CoffeeCore, CoffeeMixer, deer_stats, ih0_final_states, ih0_toy)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels/triton is first imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the Triton kernels are first imported
 
 from megassm.config import ConfigError, LonghornConfig, Mamba1Config, ModelConfig, load_config  # noqa: E402
 from megassm.models import build_model  # noqa: E402
@@ -146,17 +146,17 @@ def test_documents_are_independent_and_reset_zeroes_rows(letter):
 def test_triton_path_in_the_mixer(monkeypatch, letter):
     """The mixer on the Triton kernels (conv, scan, step; interpreter on CPU) against its reference path:
     outputs, final states and every parameter gradient in fp32."""
-    from megassm.kernels import ops
+    from megassm.kernels import dispatch
 
     monkeypatch.setenv("MEGASSM_KERNELS", "triton")
-    if ops.triton_kernels() is None:
-        pytest.skip(f"triton kernels unavailable: {ops.triton_error()!r}")
+    if not dispatch.triton_available():
+        pytest.skip(f"triton kernels unavailable: {dispatch.triton_error()!r}")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cpu":
-        from megassm.kernels.triton import ssd_common
+        from megassm.kernels.mamba2_ssd import triton_ssd_common as ssd_common
 
         if not ssd_common._INTERPRET:
-            pytest.skip("kernels/triton was imported before TRITON_INTERPRET=1 was set")
+            pytest.skip("the Triton kernels were imported before TRITON_INTERPRET=1 was set")
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # an earlier test may have changed it; read at launch
     m = mixer(letter, dtype=torch.float32).to(dev)
     u = torch.randn(2, 19, 16, device=dev)

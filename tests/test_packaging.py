@@ -24,7 +24,7 @@ def test_no_top_level_folder_is_a_regular_package():
 def test_the_install_maps_every_package_to_its_folder():
     """Where megassm is installed from this checkout (`pip install -e .`), every package setup.py names resolves
     to its folder: setuptools' editable finder holds a fixed map of the packages whose folder is not inside
-    their parent's (megassm.kernels -> kernels/core, megassm.kernels.triton -> kernels/triton), so a new
+    their parent's (megassm.kernels -> kernels/core, megassm.kernels.norm -> kernels/norm), so a new
     subfolder of kernels/, data_tools/ or launch/ needs `pip install -e .` again."""
     import importlib.util
 

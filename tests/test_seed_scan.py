@@ -12,13 +12,17 @@ fp32 relative error < 1e-5 against an fp64 oracle; bf16 inputs within 2x the ref
 import pytest
 import torch
 
-# kernel_cases sets TRITON_INTERPRET before kernels/triton is first imported
+# kernel_cases sets TRITON_INTERPRET before the Triton kernels are first imported
 from kernel_cases import (
-    DEV, F64, INTERP, TRITON_WARNINGS, K, R, gpu, needs_cuda, needs_triton, ops, rel, seq_from_starts,
+    DEV, F64, INTERP, TRITON_WARNINGS, K, gpu, needs_cuda, needs_triton, rel, seq_from_starts,
 )
 from kernel_cases import check_fp32 as check
 from kernel_cases import check_lowp as _check_lowp
 from kernel_cases import triton_mode, torch_mode  # noqa: F401  (fixtures)
+from megassm.kernels.coffee import op as coffee_ops
+from megassm.kernels.coffee import reference as coffee_ref
+from megassm.kernels.scan import op as scan_ops
+from megassm.kernels.scan import reference as scan_ref
 
 pytestmark = TRITON_WARNINGS
 
@@ -102,8 +106,8 @@ def test_reference_chunked_matches_sequential(decay, groups, chunk):
     bsz, seqlen, d, n = 2, 37, 6, 5
     inp = cast(scan_inputs(bsz, seqlen, d, n, groups, decay, device="cpu"), to=F64)
     sid = seq_from_starts(reset_starts(seqlen, bsz, T=chunk), seqlen, device="cpu")
-    a = run_scan(R.selective_scan, inp, decay, sid, chunk_size=chunk)
-    b = run_scan(R.selective_scan_sequential, inp, decay, sid)
+    a = run_scan(scan_ref.selective_scan, inp, decay, sid, chunk_size=chunk)
+    b = run_scan(scan_ref.selective_scan_sequential, inp, decay, sid)
     check(a, b, 1e-12)
 
 
@@ -113,12 +117,12 @@ def test_reference_semantics():
     decay = "exp"
     inp = cast(scan_inputs(1, 12, 4, 3, device="cpu"), to=F64)
     sid = seq_from_starts([[5]], 12, device="cpu")
-    y, fin = R.selective_scan(inp["x"], inp["delta"], inp["A"], inp["B"], inp["C"], D=inp["D"], z=inp["z"],
+    y, fin = scan_ref.selective_scan(inp["x"], inp["delta"], inp["A"], inp["B"], inp["C"], D=inp["D"], z=inp["z"],
                               delta_bias=inp["delta_bias"], delta_softplus=True, initial_state=inp["initial_state"],
                               seq_idx=sid, return_final_state=True)
     parts = []
     for lo, hi, h0 in ((0, 5, inp["initial_state"]), (5, 12, None)):
-        parts.append(R.selective_scan_sequential(
+        parts.append(scan_ref.selective_scan_sequential(
             inp["x"][:, lo:hi], inp["delta"][:, lo:hi], inp["A"], inp["B"][:, lo:hi], inp["C"][:, lo:hi], D=inp["D"],
             z=inp["z"][:, lo:hi], delta_bias=inp["delta_bias"], delta_softplus=True, decay=decay, initial_state=h0,
             return_final_state=True))
@@ -126,15 +130,15 @@ def test_reference_semantics():
     torch.testing.assert_close(fin, parts[1][1])
     # L = 1 and the step agree with the chunked form
     one = {k: (v[:, :1] if v.dim() >= 3 and v.shape[1] == 12 else v) for k, v in inp.items()}
-    y1, f1 = R.selective_scan(one["x"], one["delta"], one["A"], one["B"], one["C"], D=one["D"], z=one["z"],
+    y1, f1 = scan_ref.selective_scan(one["x"], one["delta"], one["A"], one["B"], one["C"], D=one["D"], z=one["z"],
                               delta_bias=one["delta_bias"], delta_softplus=True, initial_state=one["initial_state"],
                               return_final_state=True)
-    ys, fs = R.selective_scan_step(one["initial_state"], one["x"][:, 0], one["delta"][:, 0], one["A"],
+    ys, fs = scan_ref.selective_scan_step(one["initial_state"], one["x"][:, 0], one["delta"][:, 0], one["A"],
                                    one["B"][:, 0], one["C"][:, 0], D=one["D"], z=one["z"][:, 0],
                                    delta_bias=one["delta_bias"], delta_softplus=True)
     torch.testing.assert_close(y1[:, 0], ys)
     torch.testing.assert_close(f1, fs)
-    y0, f0 = R.selective_scan(inp["x"][:, :0], inp["delta"][:, :0], inp["A"], inp["B"][:, :0], inp["C"][:, :0],
+    y0, f0 = scan_ref.selective_scan(inp["x"][:, :0], inp["delta"][:, :0], inp["A"], inp["B"][:, :0], inp["C"][:, :0],
                               initial_state=inp["initial_state"], return_final_state=True)
     assert y0.shape == (1, 0, 4) and torch.equal(f0, inp["initial_state"])
 
@@ -152,7 +156,7 @@ def test_longhorn_gate_and_eps():
     gate = 1 - eps[..., None] * k[..., None, :] ** 2
     assert (gate <= 1).all() and (gate >= (1 / (1 + beta * k2))[..., None] - 1e-12).all()
     x = torch.randn(3, 50, 8, generator=g, dtype=F64)
-    y, fin = R.selective_scan_sequential(x, eps, None, k, k, decay="longhorn", return_final_state=True)
+    y, fin = scan_ref.selective_scan_sequential(x, eps, None, k, k, decay="longhorn", return_final_state=True)
     assert torch.isfinite(y).all() and fin.abs().max() < 10 * x.abs().max()
 
 
@@ -175,7 +179,7 @@ def test_bad_arguments_are_named():
 
 def _op_scan(x, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, decay="exp",
              initial_state=None, seq_idx=None, return_final_state=False):
-    y, fin = ops.selective_scan_op(x, delta, A, B, C, D, z, delta_bias, delta_softplus, decay, initial_state,
+    y, fin = scan_ops.selective_scan_op(x, delta, A, B, C, D, z, delta_bias, delta_softplus, decay, initial_state,
                                    seq_idx, return_final_state)
     return (y, fin) if return_final_state else y
 
@@ -184,7 +188,7 @@ def _op_scan(x, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=
 def test_reference_through_op_is_the_reference(torch_mode, decay):
     inp = cast(scan_inputs(2, 13, 4, 3, decay=decay, device="cpu"), to=F64)
     sid = seq_from_starts([[4, 5], [8]], 13, device="cpu")
-    b = run_scan(R.selective_scan, inp, decay, sid)
+    b = run_scan(scan_ref.selective_scan, inp, decay, sid)
     for fn in (_op_scan, K.selective_scan):
         a = run_scan(fn, inp, decay, sid)
         for k in b:
@@ -197,11 +201,11 @@ def test_opcheck_and_compile(torch_mode):
     tests = ("test_schema", "test_autograd_registration", "test_faketensor")
     args = (inp["x"], inp["delta"], inp["A"], inp["B"], inp["C"], inp["D"], inp["z"], inp["delta_bias"], True, "exp",
             inp["initial_state"], sid, True)
-    torch.library.opcheck(ops.selective_scan_op, args, test_utils=tests)
+    torch.library.opcheck(scan_ops.selective_scan_op, args, test_utils=tests)
     lh = scan_inputs(1, 6, 4, 3, groups=2, decay="longhorn", init=False, gate=False, device="cpu")
-    torch.library.opcheck(ops.selective_scan_op, (lh["x"], lh["delta"], None, lh["B"], lh["C"], lh["D"], None, None,
+    torch.library.opcheck(scan_ops.selective_scan_op, (lh["x"], lh["delta"], None, lh["B"], lh["C"], lh["D"], None, None,
                                                   False, "longhorn", None, None, False), test_utils=tests)
-    torch.library.opcheck(ops.selective_scan_step_op, (torch.randn(2, 4, 3), torch.randn(2, 4), torch.randn(2, 4),
+    torch.library.opcheck(scan_ops.selective_scan_step_op, (torch.randn(2, 4, 3), torch.randn(2, 4), torch.randn(2, 4),
                                                        -torch.rand(4, 3), torch.randn(2, 3), torch.randn(2, 3),
                                                        torch.randn(4), torch.randn(2, 4), None, True, "exp"),
                           test_utils=tests)
@@ -209,7 +213,7 @@ def test_opcheck_and_compile(torch_mode):
     g = torch.Generator().manual_seed(0)
     cof = (torch.randn(2, 6, 4, generator=g), -torch.rand(4, 3, generator=g), torch.randn(4, 3, generator=g),
            torch.randn(4, 3, generator=g), torch.randn(4, 3, generator=g), torch.randn(2, 4, 3, generator=g), sid.expand(2, 6))
-    torch.library.opcheck(ops.coffee_scan_op, cof, test_utils=tests)
+    torch.library.opcheck(coffee_ops.coffee_scan_op, cof, test_utils=tests)
 
     def f(x, delta, A, B, C):
         return K.selective_scan(x, delta, A, B, C, delta_softplus=True)
@@ -239,7 +243,7 @@ def test_triton_fp32_vs_sequential_oracle(triton_mode, case):
     inp = scan_inputs(bsz, seqlen, d, n, groups, decay, **mk)
     sid = seq_from_starts(reset_starts(seqlen, bsz), seqlen) if resets else None
     ours = run_scan(K.selective_scan, inp, decay, sid)
-    oracle = run_scan(R.selective_scan_sequential, cast(inp, to=F64), decay, sid)
+    oracle = run_scan(scan_ref.selective_scan_sequential, cast(inp, to=F64), decay, sid)
     check(ours, oracle, 1e-5)
 
 
@@ -248,10 +252,11 @@ def test_triton_fp32_vs_sequential_oracle(triton_mode, case):
 def test_triton_backward_channel_loop_and_partials(triton_mode, decay):
     """The backward's layout knobs: several channel blocks per program (B/C gradient partials accumulated in a
     program-owned buffer), a block that runs past the channels, chunks shorter than the default."""
-    tk = triton_mode
+    from megassm.kernels.scan import triton_scan as tk
+
     inp = scan_inputs(2, 23, 10, 5, 1, decay)
     sid = seq_from_starts(reset_starts(23, 2, T=8), 23)
-    oracle = run_scan(R.selective_scan_sequential, cast(inp, to=F64), decay, sid)
+    oracle = run_scan(scan_ref.selective_scan_sequential, cast(inp, to=F64), decay, sid)
     g = torch.Generator().manual_seed(1)
     gy = torch.randn(oracle["y"].shape, generator=g).to(DEV)
     gf = torch.randn(oracle["final"].shape, generator=g).to(DEV)
@@ -276,8 +281,8 @@ def test_triton_bf16_within_reference_error(triton_mode, decay):
     low = cast(inp, lowp=torch.bfloat16)
     sid = seq_from_starts(reset_starts(seqlen, bsz), seqlen)
     ours = run_scan(K.selective_scan, low, decay, sid)
-    ref = run_scan(R.selective_scan, low, decay, sid)
-    oracle = run_scan(R.selective_scan_sequential, cast(low, to=F64), decay, sid)
+    ref = run_scan(scan_ref.selective_scan, low, decay, sid)
+    oracle = run_scan(scan_ref.selective_scan_sequential, cast(low, to=F64), decay, sid)
     assert ours["y"].dtype == torch.bfloat16 and ours["final"].dtype == torch.float32
     check_lowp(ours, ref, oracle, 3.0 if INTERP else 2.0)
 
@@ -301,7 +306,7 @@ def test_triton_step_matches_reference(triton_mode, decay, groups):
     one = {k: (v[:, 0] if k in ("x", "delta", "z", "B", "C") else v) for k, v in inp.items()}
     kw = dict(D=one["D"], z=one["z"], delta_bias=one.get("delta_bias"), delta_softplus=decay == "exp", decay=decay)
     y, s = K.selective_scan_step(one["initial_state"], one["x"], one["delta"], one.get("A"), one["B"], one["C"], **kw)
-    y_ref, s_ref = R.selective_scan_step(one["initial_state"].double(), one["x"].double(), one["delta"].double(),
+    y_ref, s_ref = scan_ref.selective_scan_step(one["initial_state"].double(), one["x"].double(), one["delta"].double(),
                                          None if one.get("A") is None else one["A"].double(), one["B"].double(),
                                          one["C"].double(), **{k: (v.double() if torch.is_tensor(v) else v)
                                                                 for k, v in kw.items()})
@@ -344,10 +349,10 @@ def _gpu_case(case, seed=0):
 def test_gpu_scan_fp32(triton_mode, case):
     inp, sid, decay = _gpu_case(case)
     ours = run_scan(K.selective_scan, inp, decay, sid)
-    oracle = run_scan(R.selective_scan, cast(inp, to=F64), decay, sid)
+    oracle = run_scan(scan_ref.selective_scan, cast(inp, to=F64), decay, sid)
     check(ours, oracle, 1e-5 if case[1] <= 2048 else 5e-5)  # fp32 rounding accumulates along long sequences
     if case[1] <= 1000:  # the chunked reference itself vs the token-by-token recurrence
-        check(ours, run_scan(R.selective_scan_sequential, cast(inp, to=F64), decay, sid), 1e-5)
+        check(ours, run_scan(scan_ref.selective_scan_sequential, cast(inp, to=F64), decay, sid), 1e-5)
 
 
 @gpu
@@ -357,8 +362,8 @@ def test_gpu_scan_bf16(triton_mode, case):
     inp, sid, decay = _gpu_case(case, seed=1)
     low = cast(inp, lowp=torch.bfloat16)
     ours = run_scan(K.selective_scan, low, decay, sid)
-    ref = run_scan(R.selective_scan, low, decay, sid)
-    oracle = run_scan(R.selective_scan, cast(low, to=F64), decay, sid)
+    ref = run_scan(scan_ref.selective_scan, low, decay, sid)
+    oracle = run_scan(scan_ref.selective_scan, cast(low, to=F64), decay, sid)
     check_lowp(ours, ref, oracle, 2.0)
 
 
@@ -399,7 +404,7 @@ def _coffee_check(args, sid, tol, gtol):
                            leaves.get("x0"), sid)
     assert y.dtype == torch.float32 and fin.dtype == torch.float32
     f64 = {k: v.detach().double().requires_grad_(True) for k, v in args.items() if v is not None}
-    yr, finr = R.coffee_scan(f64["v"], f64["lam"], f64["w"], f64["C"], f64.get("w_out"), f64.get("x0"), sid)
+    yr, finr = coffee_ref.coffee_scan(f64["v"], f64["lam"], f64["w"], f64["C"], f64.get("w_out"), f64.get("x0"), sid)
     assert rel(y, yr) < tol and rel(fin, finr) < tol
     gy, gf = torch.randn_like(y), torch.randn_like(fin)
     ours = torch.autograd.grad((y * gy).sum() + (fin * gf).sum(), list(leaves.values()))
@@ -415,7 +420,9 @@ def _coffee_check(args, sid, tol, gtol):
 def test_triton_coffee_scan_matches_reference(triton_mode, monkeypatch, of, x0, resets, n):
     """Several checkpoint segments (K = 8) and a partial last one; resets at a segment edge and a one-token
     document; the output filter; a state size that is not a power of two (padded lanes)."""
-    monkeypatch.setattr(triton_mode.coffee, "SEGMENT", 8)
+    from megassm.kernels.coffee import triton_coffee
+
+    monkeypatch.setattr(triton_coffee, "SEGMENT", 8)
     args, sid = _coffee_case(2, 37, 5, n, of=of, x0=x0, resets=resets)
     _coffee_check(args, sid, 1e-5, 1e-5)
 

@@ -59,7 +59,7 @@ def test_the_section_is_the_switches_with_their_defaults():
 
 def test_tile_names_match_the_triton_table():
     pytest.importorskip("triton")
-    from megassm.kernels.triton import ssd_common
+    from megassm.kernels.mamba2_ssd import triton_ssd_common as ssd_common
 
     assert set(kernel_env.SSD_TILE_NAMES) == set(ssd_common.TILES)
 

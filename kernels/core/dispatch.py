@@ -1,21 +1,24 @@
-"""The kernels' dispatch and autograd plumbing, shared by every op of kernels/core/ops.py: the backend chosen per call
-from `MEGASSM_KERNELS`, the lazy import of kernels/triton, the saving / restoring of an op's inputs for its
-backward, the reference backward by recomputation, and the eager caller that skips the custom-op dispatcher.
+"""The kernels' dispatch and autograd plumbing, shared by the custom ops of every op folder (kernels/<op>/op.py): the
+backend chosen per call from `MEGASSM_KERNELS`, the lazy import of the ops' Triton modules, the saving / restoring of
+an op's inputs for its backward, the reference backward by recomputation, and the eager caller that skips the
+custom-op dispatcher.
 
   auto    (default) Triton when the tensors are on CUDA, triton imports and the dtype is not fp64;
           the PyTorch reference otherwise.
   triton  always Triton; CPU tensors are an error unless TRITON_INTERPRET=1 (Triton's CPU interpreter,
           used by the tests). fp64 tensors still go to the reference (the kernels do not do fp64).
-  torch   always the PyTorch reference (megassm.kernels.reference).
+  torch   always the PyTorch reference (each op folder's reference.py).
 
 Reference backward: the reference forward is recomputed on detached inputs under autograd and
 differentiated with torch.autograd.grad, so gradients are the plain reference's autograd gradients exactly.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
+from types import ModuleType
 from typing import Callable, Optional
 
 import torch
@@ -26,7 +29,8 @@ from . import env
 
 logger = logging.getLogger("megassm.kernels")
 
-_triton_mod = None
+_TRITON_MODULES: list = []  # every op's Triton modules (triton_module), imported together on the first Triton call
+_triton_loaded = False
 _triton_err: Optional[BaseException] = None
 
 
@@ -38,22 +42,35 @@ def interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
-def triton_kernels():
-    """The kernels/triton package, imported on first use (Triton reads TRITON_INTERPRET when its kernels are
-    decorated, i.e. at import). Returns None when triton cannot be imported."""
-    global _triton_mod, _triton_err
-    if _triton_mod is None and _triton_err is None:
-        try:
-            from . import triton as tk  # noqa: PLC0415
+def triton_module(name: str) -> Callable[[], ModuleType]:
+    """Register `name` (an op folder's Triton module, e.g. "megassm.kernels.norm.triton_norm") and return the function
+    that gives the module: the registered modules are imported together on the first Triton call (Triton reads
+    TRITON_INTERPRET when its kernels are decorated, i.e. at import), and the backend is there only if all of
+    them import."""
+    _TRITON_MODULES.append(name)
 
-            _triton_mod = tk
-        except Exception as e:  # ImportError, or a broken triton install
-            _triton_err = e
-    return _triton_mod
+    def get() -> ModuleType:
+        if not triton_available():
+            raise RuntimeError(f"{name}: the Triton kernels cannot be imported: {_triton_err!r}")
+        module = sys.modules.get(name)  # None: registered after the others were imported (megassm.kernels.fp8)
+        return module if module is not None else importlib.import_module(name)
+
+    get.__name__ = name.rpartition(".")[2]
+    return get
 
 
 def triton_available() -> bool:
-    return triton_kernels() is not None
+    """Whether triton and every registered Triton module import (tried once, on first use)."""
+    global _triton_loaded, _triton_err
+    if not _triton_loaded and _triton_err is None:
+        try:
+            importlib.import_module("triton")  # ImportError here means: no Triton backend
+            for name in _TRITON_MODULES:
+                importlib.import_module(name)
+            _triton_loaded = True
+        except Exception as e:  # ImportError, or a broken triton install
+            _triton_err = e
+    return _triton_loaded
 
 
 def use_triton(x: Tensor) -> bool:
@@ -68,13 +85,13 @@ def use_triton(x: Tensor) -> bool:
                 "(or TRITON_INTERPRET=1 to run them in Triton's CPU interpreter). "
                 "Use MEGASSM_KERNELS=auto or torch for the PyTorch reference."
             )
-        if triton_kernels() is None:
+        if not triton_available():
             raise RuntimeError(f"MEGASSM_KERNELS=triton but triton cannot be imported: {_triton_err!r}")
         return True
-    return x.is_cuda and triton_kernels() is not None
+    return x.is_cuda and triton_available()
 
 
-def _announce(use: bool, x: Tensor) -> None:
+def announce(use: bool, x: Tensor) -> None:
     # the "last announced" flag lives on the package (tests monkeypatch it)
     K = sys.modules[__package__]
 
@@ -92,9 +109,14 @@ def _announce(use: bool, x: Tensor) -> None:
                         mode(), x.device.type)
 
 
-def _pick(x: Tensor) -> bool:
+def first_on_triton(args) -> bool:
+    """Whether an op's backward launches Triton (traceable_backward): its first input is on the Triton path."""
+    return use_triton(args[0])
+
+
+def pick(x: Tensor) -> bool:
     use = use_triton(x)
-    _announce(use, x)
+    announce(use, x)
     return use
 
 
@@ -102,7 +124,7 @@ def _pick(x: Tensor) -> bool:
 # generic autograd plumbing
 
 
-def _save(ctx, inputs, output, keep_output=False):
+def save(ctx, inputs, output, keep_output=False):
     tensors, spec = [], []
     for a in inputs:
         if isinstance(a, Tensor):
@@ -119,13 +141,13 @@ def _save(ctx, inputs, output, keep_output=False):
     ctx._n_in = n_in
 
 
-def _restore(ctx):
+def restore(ctx):
     saved = ctx.saved_tensors
     args = [saved[s] if isinstance(s, int) else s[1] for s in ctx._spec]
     return args, saved[ctx._n_in:]
 
 
-def _reference_backward(full_ref: Callable, ctx, args, grads):
+def reference_backward(full_ref: Callable, ctx, args, grads):
     """Gradients of `full_ref(*args)` (which returns the op's output tuple) by recomputation under autograd."""
     need = ctx.needs_input_grad
     leaves = []
@@ -155,29 +177,45 @@ def _reference_backward(full_ref: Callable, ctx, args, grads):
     return tuple(out)
 
 
-def _fresh(t: Tensor) -> Tensor:
+def fresh(t: Tensor) -> Tensor:
     """Outputs are dense, contiguous, offset-0 tensors (what the fake implementations promise)."""
     if t.is_contiguous() and t.storage_offset() == 0:
         return t
     return t.contiguous() if not t.is_contiguous() else t.clone()
 
 
-def _fresh_all(out):
+def fresh_all(out):
     if isinstance(out, tuple):
-        return tuple(_fresh(o) for o in out)
-    return _fresh(out)
+        return tuple(fresh(o) for o in out)
+    return fresh(out)
 
 
-def _empty_f32(x: Tensor) -> Tensor:
+def empty_f32(x: Tensor) -> Tensor:
     return x.new_empty(0, dtype=torch.promote_types(x.dtype, torch.float32))
 
 
-def _cdt(x: Tensor) -> torch.dtype:
+def compute_dtype(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
+def register_step(op, reference: Callable) -> None:
+    """A decode-step op's fake and autograd registrations. Its first two inputs are the state and the token x, its
+    outputs y like x and the new state like the state in fp32 at least; its backward (rarely needed: decoding runs
+    under no_grad, and the Triton steps have none) is the reference one, `reference` recomputed."""
+
+    def fake(state, x, *rest):
+        return x.new_empty(x.shape), state.new_empty(state.shape, dtype=compute_dtype(x))
+
+    def backward(ctx, *grads):
+        args, _ = restore(ctx)
+        return reference_backward(reference, ctx, args, grads)
+
+    op.register_fake(fake)
+    op.register_autograd(backward, setup_context=save)
+
+
 def triton_error():
-    """Why kernels/triton could not be imported (None when it was, or was not tried yet)."""
+    """Why the Triton modules could not be imported (None when they were, or were not tried yet)."""
     return _triton_err
 
 
@@ -261,7 +299,7 @@ def traceable_backward(name: str, backward: Callable, triton_for: Callable) -> C
     def formula(ctx, *grads):
         saved = ctx.saved_tensors
         # fake (or functional over fake) tensors: AOTAutograd is tracing; real ones: eager, or the graph running
-        if not any(is_fake(t) for t in saved) or not triton_for(_restore(ctx)[0]):
+        if not any(is_fake(t) for t in saved) or not triton_for(restore(ctx)[0]):
             return backward(ctx, *grads)
         needs = [bool(n) for n in ctx.needs_input_grad]
         key = _backward_key(name, backward, ctx._spec, ctx._n_in)
@@ -272,7 +310,7 @@ def traceable_backward(name: str, backward: Callable, triton_for: Callable) -> C
     return formula
 
 
-def _eager_caller(op, setup_context, backward):
+def eager_caller(op, setup_context, backward):
     """A callable that runs `op` with the same implementation and the same backward, but in eager mode through
     a plain torch.autograd.Function instead of the custom-op dispatcher. The dispatcher's Python layers cost
     ~1 ms of host time per SSD call on an H100 (benchmarks/host_overhead.py), enough to leave the GPU idle in a

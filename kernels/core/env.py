@@ -19,8 +19,8 @@ SSD_DBC_SPLITS = ("1", "2", "4", "8")  # MEGASSM_SSD_DBC_SPLIT's values, the def
 CONV_BWD_MODES = ("two_pass_defer", "two_pass", "fused")  # MEGASSM_CONV_BWD's values, the default first
 # (two_pass_defer: conv 99 -> 63 ms a mamba2-1.3b trainer step on an H100, +3.9% tokens/s, 2026-12-06; two_pass
 # and fused kept as A/B baselines; docs/kernels.md "Conv and norms")
-# the entries of kernels/triton/ssd_common.py TILES (named here so that a bad MEGASSM_SSD_TILES fails at start-up
-# without importing Triton; tests/test_settings_recorded.py checks that the two agree)
+# the entries of kernels/mamba2_ssd/triton_ssd_common.py TILES (named here so that a bad MEGASSM_SSD_TILES fails at
+# start-up without importing Triton; tests/test_settings_recorded.py checks that the two agree)
 SSD_TILE_NAMES = ("cb_bt", "states_bs", "states_bn", "scan_bt", "scan_bs", "scan_bk", "dstates_bt", "dstates_bn",
                   "dx_bs", "dx_bk", "dcb_bs", "dbc_bs", "dbc_bn")
 _FLAG_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
@@ -167,7 +167,7 @@ def conv_bwd() -> str:
 def triton_autotune() -> bool:
     """MEGASSM_TRITON_AUTOTUNE=1|0 (default 1; also true / false, yes / no, on / off): tune num_warps /
     num_stages per shape on first use, else launch each kernel's first config (the GPU tests: compiling every
-    config of every variant costs minutes). kernels/triton/ssd_common.py reads it when imported."""
+    config of every variant costs minutes). kernels/mamba2_ssd/triton_ssd_common.py reads it when imported."""
     return SWITCHES["autotune"].read()
 
 
@@ -178,8 +178,8 @@ def triton_tune_log() -> bool:
 
 
 def ssd_tiles() -> dict:
-    """MEGASSM_SSD_TILES="dx_bs=64,dbc_bs=64" (default none): {entry: tile} overriding kernels/triton/ssd_common.py
-    TILES, each a power of two >= 16. ssd_common applies it when imported."""
+    """MEGASSM_SSD_TILES="dx_bs=64,dbc_bs=64" (default none): {entry: tile} overriding
+    kernels/mamba2_ssd/triton_ssd_common.py TILES, each a power of two >= 16. ssd_common applies it when imported."""
     return SWITCHES["ssd_tiles"].read()
 
 

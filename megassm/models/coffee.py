@@ -11,7 +11,7 @@ D channels, each with n states and no mixing between them (lam, w, C: [D, n]):
 lam = -2 sigmoid(raw) in (-2, 0) (lam_param=bounded: |1 + lam g| <= 1, the stability the paper asks for but
 does not say how it enforces) or lam = raw (lam_param=free, the paper's A = 0 init). The recurrence is not
 linear in x, so it has no chunked form; training solves it in parallel with DEER Newton iterations (a linear
-scan per iteration, exact at convergence, gradients by the adjoint recurrence: kernels/reference/coffee.py), or
+scan per iteration, exact at convergence, gradients by the adjoint recurrence: kernels/coffee/reference.py), or
 token by token (solver=sequential: `kernels.coffee_scan`, one Triton kernel with the read-out fused on the GPU,
 the plain loop on CPU). Decoding is the one-token step. The number of Newton solves of
 the last forward is `mixer.last_info["iters"]` (`deer_stats(model)` collects them for logging).
@@ -32,7 +32,7 @@ from torch import nn
 
 from megassm.config import ModelConfig
 from megassm import kernels as K
-from megassm.kernels.reference.coffee import coffee_deer, coffee_readout, coffee_sequential, coffee_step
+from megassm.kernels.coffee.reference import coffee_deer, coffee_readout, coffee_sequential, coffee_step
 
 from .init import InitRule, make_linear
 from .registry import BlockKind, Cut, Split, TPLayout, register

@@ -249,7 +249,7 @@ class LanguageModel(nn.Module):
         if self.head_override is not None:
             return self.head_override.loss_terms(logits, labels)
         flat = labels.reshape(-1)
-        # per-row fp32 losses summed; the Triton path reads the logits without an fp32 copy (kernels/triton/ce.py)
+        # per-row fp32 losses summed; the Triton path reads the logits without an fp32 copy (kernels/loss/triton_ce.py)
         total = kernels.cross_entropy(logits.reshape(-1, logits.shape[-1]), flat, IGNORE_INDEX).sum()
         return total, (flat != IGNORE_INDEX).sum()
 

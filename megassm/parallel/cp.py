@@ -219,7 +219,7 @@ class _CPMamba2:
             h = incoming_state(S_all, g_all, ctx.last, ctx.first[r], r)  # [B, H, P, N]
             alive = seq_idx == ctx.first[r][:, None]  # [B, L]: tokens before the slice's first reset
             w = torch.where(alive[..., None], torch.exp(cs), torch.zeros_like(cs))  # [B, L, H]
-            # y + w * (C . h): one pass over y forward and over its gradient backward (kernels/core/readout.py)
+            # y + w * (C . h): one pass over y forward and over its gradient backward (kernels/mamba2_ssd/readout.py)
             y = kernels.state_readout_add(y, C, h, w)
             final = incoming_state(S_all, g_all, ctx.last, ctx.last[R - 1], R) if return_state else None
         return y, final

@@ -5,7 +5,7 @@
 What it fuses is the PyTorch code between our kernels: the in-projection's split, the gates and activations,
 the residual add of the MLP and attention blocks, the reshapes and casts. The kernels themselves (SSD, the
 causal conv, the gated norms, cross-entropy) are `torch.library` custom ops with fake implementations
-(kernels/core/ops.py): each stays one opaque op inside the graph, never traced into.
+(kernels/<op>/op.py): each stays one opaque op inside the graph, never traced into.
 
 Each block's bound `forward` is replaced by its compiled version, as torchtitan compiles per transformer block:
 the module tree, the parameter names and so the checkpoints are unchanged, and the hooks an engine puts on the

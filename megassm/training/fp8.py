@@ -1,4 +1,4 @@
-"""train.fp8: the model's projections computed in FP8 (kernels/core/fp8.py), opt-in.
+"""train.fp8: the model's projections computed in FP8 (kernels/fp8/op.py), opt-in.
 
 Every nn.Linear of the blocks whose sizes torch._scaled_mm takes (in and out features multiples of 16) becomes
 an `FP8Linear`: the same module (parameters, names, init, checkpoints unchanged; parallel/substitute.py) whose
@@ -40,7 +40,7 @@ log = logging.getLogger("megassm.train")
 
 
 class FP8Linear(nn.Linear):
-    """nn.Linear whose matmuls run in FP8 with per-tensor dynamic scales (kernels/core/fp8.py); with `fp8_weight` set
+    """nn.Linear whose matmuls run in FP8 with per-tensor dynamic scales (kernels/fp8/op.py); with `fp8_weight` set
     (FP8WeightCache), from the weight's operands cast once per step."""
 
     fp8_weight: tuple | None = None

@@ -217,7 +217,7 @@ def block_bytes(block, a: int, cfg: Config, *, sp_tp: int = 1, cp: int = 1, seq_
 
 def head_bytes(vocab_local: int, a: int, fused: bool = False) -> int:
     """Per token, on the last stage: the logits, their fp32 copy for the loss and the saved log-softmax; with
-    the fused Triton loss (kernels/triton/ce.py: a GPU run without the vocab-parallel head) the logits, kept
+    the fused Triton loss (kernels/loss/triton_ce.py: a GPU run without the vocab-parallel head) the logits, kept
     for the backward, and their gradient."""
     return 2 * a * vocab_local if fused else (a + 8) * vocab_local
 
