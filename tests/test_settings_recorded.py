@@ -80,6 +80,19 @@ def test_config_key_is_applied_and_recorded(tmp_path):
     assert load_config(str(run / "config.yaml")).kernels.ssd_precision == "split"  # reloads
 
 
+def test_a_trained_model_is_loaded_with_its_runs_kernel_settings(tmp_path):
+    """Evaluation and generation (load_trained) compute as the run trained: its kernels: section applied."""
+    from megassm.evaluation.loading import load_trained
+
+    run = tmp_path / "run"
+    Trainer(_cfg(run, "kernels.ssd_dbc_split=2", "run.save_final=true")).fit()
+    os.environ.pop("MEGASSM_SSD_DBC_SPLIT")
+    run_config._SET_FROM_CONFIG.clear()
+    assert kernel_env.ssd_dbc_split() != 2
+    lm = load_trained(run=str(run), device="cpu")
+    assert lm.cfg.kernels.ssd_dbc_split == 2 and kernel_env.ssd_dbc_split() == 2
+
+
 def test_a_later_default_config_unsets_what_an_earlier_one_set():
     cfg = load_config(None, ["data.builtin=stdlib", "kernels.ssd_streams=false", "kernels.backend=reference"])
     run_config.apply_settings(cfg)

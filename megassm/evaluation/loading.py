@@ -4,7 +4,7 @@
     lm.model, lm.tokenizer, lm.cfg, lm.step, lm.autocast()
 
 The config is the one the checkpoint recorded (meta.json "config"), else RUN/config.yaml two levels above it,
-else --config; overrides (key=value) apply on top. The weights are loaded by training/checkpoint/load.py
+else --config; overrides (key=value) apply on top. Its kernels: section is applied as the trainer applies it. The weights are loaded by training/checkpoint/load.py
 (canonical or sharded), verified first as every reader of checkpoints does (checkpoint_to_read). The tokenizer
 is `tokenizer` when given, else the run's: data.tokenizer, checked against the tokenizer the data shards'
 manifests record when the shards are at hand.
@@ -117,6 +117,7 @@ def load_trained(checkpoint: str | None = None, run: str | None = None, config: 
     from megassm.models import build_model
     from megassm.training import checkpoint as ckpt
     from megassm.training.checks import autocast_dtype
+    from megassm.training.run_config import apply_settings
 
     def load(path: str):
         cfg = _config_of(path, config, list(overrides))
@@ -127,6 +128,9 @@ def load_trained(checkpoint: str | None = None, run: str | None = None, config: 
         return cfg, tok, model, ckpt.load_model(path, model, verify=False)  # verified by resolve_checkpoint
 
     path, (cfg, tok, model, meta) = resolve_checkpoint(checkpoint, run, load)
+    # the run's kernels: section (the SSD's precision, tiles, backend...) in this process's environment before
+    # any kernel runs, as the trainer does: the model computes as it trained; a MEGASSM_* variable set still wins
+    apply_settings(cfg)
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     model = model.to(dev).eval()
     return TrainedModel(model=model, tokenizer=tok, cfg=cfg, checkpoint=path, step=int(meta["step"]), device=dev,
