@@ -98,10 +98,10 @@ def test_shipped_configs_load(path):
 
 
 def test_every_key_documented():
-    from megassm.config import Config, _all_keys
+    from megassm.config import Config, all_keys
 
     doc = open(os.path.join(ROOT, "docs", "config.md")).read()
-    missing = [k for k in _all_keys(Config) if f"`{k}`" not in doc]
+    missing = [k for k in all_keys(Config) if f"`{k}`" not in doc]
     assert not missing, f"keys missing from docs/config.md: {missing}"
 
 

@@ -9,7 +9,7 @@ adding a block kind is one file (plus its kernel) and one line in `_BUILTIN` bel
 "Adding a block kind" lists the fields. The readers:
 
     models/blocks.py      mixer, single_doc_hint, state
-    config.py validate    name, check, check_layout, cp / bptt (refused when None)
+    config/checks.py      name, check, check_layout, cp / bptt (refused when None)
     training/flops.py     flop_keys, flops
     training/memory.py    activation_bytes
     training/cuda_graph   cuda_graph
