@@ -27,7 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["block_signature", "head_signature", "calibrate", "median_of", "SHAPES", "DEFAULT_CONFIGS", "FAKE_WORLD"]
+__all__ = ["block_signature", "head_signature", "calibrate", "median_of", "Measurer", "SHAPES", "DEFAULT_CONFIGS", "FAKE_WORLD"]
 
 FAKE_WORLD = 8  # the fake process group's size: every TP degree measured divides it
 DEFAULT_CONFIGS = ["configs/mamba2-1.3b.yaml", "configs/hybrid-1.3b.yaml", "configs/mamba2-2.7b.yaml",
@@ -97,7 +97,7 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-class _Measurer:
+class Measurer:
     def __init__(self, device, iters: int, warmup: int):
         self.device, self.iters, self.warmup = device, iters, warmup
 
@@ -168,16 +168,16 @@ class _Measurer:
             times.append(1e3 * (time.perf_counter() - t0) / k)
         return sorted(times)[1]
 
-    def optimizer_ns_per_param(self, n: int = 200_000_000, tensors: int = 200) -> float:
-        """The trainer's step after the backward, over `n` fp32 parameters: the gradients attached (under CUDA
-        graphs they are the graph's own tensors), clipping (one multi-tensor norm, a scale), AdamW (fused on
-        CUDA), the gradients dropped (zero_grad(set_to_none=True))."""
+    def optimizer_ns_per_param(self, shapes: list[tuple]) -> float:
+        """The trainer's step after the backward, per parameter, over fp32 parameters of `shapes`: the gradients
+        attached (under CUDA graphs they are the graph's own tensors), clipping (one multi-tensor norm, a scale),
+        AdamW (fused on CUDA), the gradients dropped (zero_grad(set_to_none=True))."""
         from megassm.config import OptimConfig
         from megassm.training.optim import build_optimizer, clip_grad_norm
 
         dev = self.device
-        size = n // tensors
-        params = [torch.nn.Parameter(torch.randn(size, device=dev)) for _ in range(tensors)]
+        params = [torch.nn.Parameter(torch.randn(shape, device=dev)) for shape in shapes]
+        n = sum(p.numel() for p in params)
         grads = [torch.randn_like(p) for p in params]
         opt = build_optimizer([{"params": params, "weight_decay": 0.1}], OptimConfig(), dev.type)
 
@@ -266,7 +266,7 @@ def calibrate(configs: list[str], device: str = "cuda", budget_s: float = 420.0,
                            "the planner itself runs anywhere from a committed calibration file")
     shapes = SHAPES if shapes is None else shapes
     modes = ["graph", "eager"] if dev.type == "cuda" else ["eager"]
-    meas = _Measurer(dev, iters, warmup)
+    meas = Measurer(dev, iters, warmup)
     t_start = time.perf_counter()
     out = {"format": 1, "date": datetime.date.today().isoformat(),
            "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
@@ -303,8 +303,8 @@ def calibrate(configs: list[str], device: str = "cuda", budget_s: float = 420.0,
             return groups[tp]
 
         if time.perf_counter() - t_start < budget_s:
-            out["optimizer"] = {"ns_per_param": round(meas.optimizer_ns_per_param(
-                200_000_000 if dev.type == "cuda" else 2_000_000, 200 if dev.type == "cuda" else 20), 5)}
+            tensors, size = (200, 1_000_000) if dev.type == "cuda" else (20, 100_000)
+            out["optimizer"] = {"ns_per_param": round(meas.optimizer_ns_per_param([(size,)] * tensors), 5)}
             log(f"optimizer: {out['optimizer']['ns_per_param']:.3f} ns per parameter")
         else:
             out["not_measured"].append(dict(what="optimizer"))
