@@ -399,17 +399,21 @@ def _column(schema, inp: InputFile, key: str) -> None:
         raise DataInputError(f"{inp.path}: column '{key}' has type {t}, expected a string column")
 
 
-def _batch_tasks(inp: InputFile, batch, key: str, row: int, nbytes: int) -> Iterator[Task]:
-    """A record batch's text column, cut into tasks of about TASK_BYTES."""
-    values = arrow_texts(batch.column(batch.schema.get_field_index(key)))
+def _text_tasks(inp: InputFile, values: list, row: int, nbytes: int) -> Iterator[Task]:
+    """The texts `values` (rows from `row` on), cut into tasks of about TASK_BYTES or TASK_DOCS documents; their
+    share of the input's bytes, `nbytes`, goes with the last task (progress, --shard-input-size)."""
     start, size = 0, 0
     for j, v in enumerate(values):
         size += len(v) if v else 0
         if size >= TASK_BYTES or j + 1 - start >= TASK_DOCS:
             yield Task("strings", inp.path, row + start, values[start : j + 1], 0)
             start, size = j + 1, 0
-    # the batch's share of the file goes with its last task (progress only)
     yield Task("strings", inp.path, row + start, values[start:], nbytes)
+
+
+def _batch_tasks(inp: InputFile, batch, key: str, row: int, nbytes: int) -> Iterator[Task]:
+    """A record batch's text column, cut into tasks."""
+    yield from _text_tasks(inp, arrow_texts(batch.column(batch.schema.get_field_index(key))), row, nbytes)
 
 
 def _parquet_range_tasks(inp: InputFile, key: str) -> Iterator[Task]:
@@ -493,16 +497,9 @@ def _dataset_tasks(inp: InputFile, key: str) -> Iterator[Task]:
         if bad is not None:
             raise DataInputError(f"{inp.path}: row {row + values.index(bad)}: column '{key}' holds a "
                                  f"{type(bad).__name__}, expected a string")
-        nbytes = sum(len(v) for v in values if v) if inp.size == 0 else None
-        start, size = 0, 0
-        for j, v in enumerate(values):
-            size += len(v) if v else 0
-            if size >= TASK_BYTES or j + 1 - start >= TASK_DOCS:
-                yield Task("strings", inp.path, row + start, values[start : j + 1], 0)
-                start, size = j + 1, 0
-        # the batch's share of the input goes with its last task (progress, --shard-input-size)
-        share = nbytes if nbytes is not None else _arrow_share(inp, row, len(values))
-        yield Task("strings", inp.path, row + start, values[start:], share)
+        # a streamed dataset has no size: its batches count their texts' bytes
+        share = sum(len(v) for v in values if v) if inp.size == 0 else _arrow_share(inp, row, len(values))
+        yield from _text_tasks(inp, values, row, share)
         row += len(values)
 
 
