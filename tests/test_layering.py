@@ -140,6 +140,15 @@ def test_imports_flow_one_way():
     assert not bad, "imports that run up a layer:\n" + "\n".join(bad)
 
 
+def planted_in(tmp_path, module: str, source: str, is_pkg: bool = False) -> dict:
+    """The project's modules with `module` replaced by a file of `source` (the checkers' self-tests)."""
+    found = modules()
+    planted = tmp_path / "planted.py"
+    planted.write_text(source)
+    found[module] = (str(planted), is_pkg)
+    return found
+
+
 @pytest.mark.parametrize("module,is_pkg,source,want", [
     ("megassm.parallel.runtime", False, "def f():\n    from megassm.training.optim import clip_grad_norm\n",
      "megassm.training.optim"),
@@ -150,10 +159,7 @@ def test_imports_flow_one_way():
 ])
 def test_an_upward_import_is_caught(tmp_path, module, is_pkg, source, want):
     """The checker itself: a planted upward import (function-level, relative, aliased) is reported."""
-    found = modules()
-    planted = tmp_path / "planted.py"
-    planted.write_text(source)
-    found[module] = (str(planted), is_pkg)
+    found = planted_in(tmp_path, module, source, is_pkg)
     bad = violations(found)
     assert any(b.startswith(f"{module} (") and f"imports {want} " in b for b in bad), bad
 
@@ -251,10 +257,8 @@ def test_no_import_cycles():
 
 def test_an_import_cycle_is_caught(tmp_path):
     """The checker itself: a planted function-level import that closes a loop is reported, naming the modules."""
-    found = modules()
-    planted = tmp_path / "planted.py"
-    planted.write_text("def f():\n    from megassm.parallel.engines import build_engine\n")
-    found["megassm.parallel.dp"] = (str(planted), False)  # engines -> engine_base -> dp -> engines
+    # engines -> engine_base -> dp -> engines
+    found = planted_in(tmp_path, "megassm.parallel.dp", "def f():\n    from megassm.parallel.engines import build_engine\n")
     bad = cycles(import_graph(found))
     assert len(bad) == 1 and all(m in bad[0] for m in ("megassm.parallel.dp", "megassm.parallel.engines",
                                                        "megassm.parallel.engine_base")), bad
@@ -352,10 +356,7 @@ def test_allow_list_entries_are_used_and_give_reasons():
 ])
 def test_a_private_import_is_caught(tmp_path, module, is_pkg, source, want):
     """The checker itself: a planted reach-in (absolute, relative and function-level, through a module alias)."""
-    found = modules()
-    planted = tmp_path / "planted.py"
-    planted.write_text(source)
-    found[module] = (str(planted), is_pkg)
+    found = planted_in(tmp_path, module, source, is_pkg)
     bad = private_violations(found)
     assert any(b.startswith(f"{module} line ") and b.endswith(f"uses {want}") for b in bad), bad
 
@@ -435,10 +436,7 @@ def test_models_take_no_parallel_arguments():
 def test_a_parallel_import_in_models_is_caught(tmp_path, source, want):
     """The checker itself: a planted import of parallel code into a model module (absolute, relative,
     function-level, aliased, through importlib) is reported."""
-    found = modules()
-    planted = tmp_path / "planted.py"
-    planted.write_text(source)
-    found["megassm.models.lm"] = (str(planted), False)
+    found = planted_in(tmp_path, "megassm.models.lm", source)
     bad = parallel_imports(found)
     assert any(b.startswith("megassm.models.lm line ") and b.endswith(f"imports {want}") for b in bad), bad
 
@@ -449,9 +447,6 @@ def test_a_parallel_import_in_models_is_caught(tmp_path, source, want):
     "f = lambda x, cp: x\n",
 ])
 def test_a_parallel_argument_in_models_is_caught(tmp_path, source):
-    found = modules()
-    planted = tmp_path / "planted.py"
-    planted.write_text(source)
-    found["megassm.models.mamba2"] = (str(planted), False)
+    found = planted_in(tmp_path, "megassm.models.mamba2", source)
     bad = parallel_args(found)
     assert any(b.startswith("megassm.models.mamba2 line ") for b in bad), bad
