@@ -78,14 +78,20 @@ def test_one_gpu_step_by_hand(monkeypatch):
     rows, ends_rows, ns = _cal()
     cal = Calibration({"blocks": {block_signature(cfg.model, "M"): rows},
                        "ends": {head_signature(cfg.model, 256): ends_rows},
-                       "optimizer": {"ns_per_param": ns}, "gpu": "NVIDIA H100 80GB HBM3"}, "hand.json")
+                       "optimizer": {"large_ns_per_param": ns, "tensor_us": 0.0}, "gpu": "NVIDIA H100 80GB HBM3"},
+                      "hand.json")
     p = predict(cfg, cal, comm=False)
     from megassm.models import build_model
 
-    n = build_model(cfg.model, vocab_size=256, device="meta").num_parameters()
+    model = build_model(cfg.model, vocab_size=256, device="meta")
+    n, tensors = model.num_parameters(), len(list(model.parameters()))
     want = 2 * (4 * 2.0 + 1.0) / 1e3 + ns * 1e-9 * n
     assert math.isclose(p.step_s, want, rel_tol=1e-9), (p.step_s, want)
     assert math.isclose(p.tokens_per_s_per_gpu, 2000 / want)
+    # the optimizer: the slower of the GPU (parameters x ns) and the host (tensors x us)
+    cal.data["optimizer"]["tensor_us"] = 2 * ns * 1e-3 * n / tensors  # the host twice the GPU
+    assert math.isclose(predict(cfg, cal, comm=False).optimizer_s, 2 * ns * 1e-9 * n, rel_tol=1e-9)
+    cal.data["optimizer"]["tensor_us"] = 0.0
     # eager: the host's time where it is the longer (3 ms a block), the GPU's where it is not
     rows, ends_rows, ns = _cal(eager=3.0)
     cal.data["blocks"][block_signature(cfg.model, "M")] = rows
@@ -120,7 +126,7 @@ def h100():
 def test_the_committed_calibration_names_its_machine(h100):
     d = h100.data
     assert "H100" in d["gpu"] and d["date"] and d["torch"] and d["device"] == "cuda"
-    assert d["blocks"] and d["ends"] and d["optimizer"]["ns_per_param"] > 0 and d["fsdp2"] and d["cp"]
+    assert d["blocks"] and d["ends"] and d["optimizer"]["large_ns_per_param"] > 0 and d["fsdp2"] and d["cp"]
     for link in costs.LINKS.values():
         assert link.source  # every link class says where its figures come from
 
@@ -161,11 +167,13 @@ def test_median_of_calibrations_by_hand(tmp_path):
                    model1_ms=2 * block)
         blocks = {"M|d=8": [row] + ([dict(row, mode="eager", block_ms=extra, model1_ms=extra)] if extra else [])}
         return dict(format=1, date="2026-12-07", gpu="G", torch="t", triton="x", device="cuda", iters=1, warmup=1,
-                    blocks=blocks, ends={}, optimizer={"ns_per_param": opt}, fsdp2={"step": dict(ms=fsdp, dp=4)},
+                    blocks=blocks, ends={}, optimizer=opt, fsdp2={"step": dict(ms=fsdp, dp=4)},
                     cp=[], not_measured=[], seconds=10.0)
 
     paths = []
-    for i, t in enumerate([table(1.0, 0.02, 30.0, extra=5.0), table(3.0, 0.04, 10.0), table(2.0, 0.03, 20.0)]):
+    one, two = {"ns_per_param": 0.02}, {"ns_per_param": 0.04, "large_ns_per_param": 0.01, "tensor_us": 5.0}
+    three = {"ns_per_param": 0.03, "large_ns_per_param": 0.02, "tensor_us": 4.0}  # an earlier file has the first only
+    for i, t in enumerate([table(1.0, one, 30.0, extra=5.0), table(3.0, two, 10.0), table(2.0, three, 20.0)]):
         paths.append(tmp_path / f"c{i}.json")
         paths[-1].write_text(json.dumps(t))
     out = tmp_path / "m.json"
@@ -177,9 +185,11 @@ def test_median_of_calibrations_by_hand(tmp_path):
     assert (graph["block_ms"], graph["model1_ms"], graph["files"]) == (2.0, 4.0, 3)
     assert (eager["block_ms"], eager["files"]) == (5.0, 1)  # measured by one file only: its own figure
     assert m["optimizer"]["ns_per_param"] == 0.03 and m["fsdp2"]["step"]["ms"] == 20.0
+    assert (m["optimizer"]["large_ns_per_param"], m["optimizer"]["tensor_us"]) == (0.015, 4.5)
+    assert m["optimizer"]["files"] == {"ns_per_param": 3, "large_ns_per_param": 2, "tensor_us": 2}
     assert [x["file"] for x in m["median_of"]] == ["c0.json", "c1.json", "c2.json"] and m["seconds"] == 30.0
     Calibration.load(str(out)).block_ms("M|d=8", 1, False, 8, graph=True, ac=False)  # the planner reads it
-    paths[2].write_text(json.dumps(dict(table(2.0, 0.03, 20.0), gpu="H")))
+    paths[2].write_text(json.dumps(dict(table(2.0, three, 20.0), gpu="H")))
     r = subprocess.run([sys.executable, "-m", "megassm.planner.cli", "calibrate", "--median", *map(str, paths),
                         "--out", str(tmp_path / "n.json")], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 2 and "differ in 'gpu'" in r.stderr and not (tmp_path / "n.json").exists()
@@ -211,7 +221,7 @@ def test_calibrate_runs_on_cpu_as_a_smoke_run(tmp_path):
                        cwd=ROOT, env={**os.environ, "MEGASSM_INIT_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     t = json.loads(out.read_text())
-    assert t["device"] == "cpu" and t["optimizer"]["ns_per_param"] > 0
+    assert t["device"] == "cpu" and t["optimizer"]["large_ns_per_param"] > 0 and t["optimizer"]["tensor_us"] >= 0
     measured = {k[0] for k in t["blocks"]}
     cut = {w.get("letter") for w in t["not_measured"]}
     assert set("M*-") <= measured | cut and cut  # what the 3 s budget did not reach is listed, not dropped

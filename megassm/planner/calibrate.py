@@ -7,7 +7,9 @@ once, so what is timed is exactly its compute):
     blocks' forward + backward, the rest (embedding, final norm, head, loss) the model's ends. At each TP degree
     (the rank's local widths), with and without SP, at micro-batch x sequence shapes, replayed from a CUDA graph
     (the GPU's time: `graph`) and eager (what the host adds: `eager`); with activation checkpointing (`ac`);
-  - the optimizer: clipping + fused AdamW over many fp32 tensors, per parameter;
+  - the optimizer: clipping + fused AdamW per parameter over a few large fp32 tensors (the GPU's memory-bound
+    rate), and per tensor over many small ones (what each tensor adds on the host); the figure over 200 tensors
+    of 1M parameters the planner used before, kept for comparison;
   - FSDP2's own copies (into and out of its communication buffers), per parameter and gather / reduce-scatter, on a
     fake data-parallel group of 4.
 Measurements run in a fixed priority order until `--budget-s` is spent; what was not reached is listed in the
@@ -27,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["block_signature", "head_signature", "calibrate", "median_of", "Measurer", "SHAPES", "DEFAULT_CONFIGS", "FAKE_WORLD"]
+__all__ = ["block_signature", "head_signature", "calibrate", "median_of", "Measurer", "measure_optimizer", "SHAPES", "DEFAULT_CONFIGS", "FAKE_WORLD"]
 
 FAKE_WORLD = 8  # the fake process group's size: every TP degree measured divides it
 DEFAULT_CONFIGS = ["configs/mamba2-1.3b.yaml", "configs/hybrid-1.3b.yaml", "configs/mamba2-2.7b.yaml",
@@ -155,9 +157,9 @@ class Measurer:
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
 
-    def _median_ms(self, run) -> float:
+    def _median_ms(self, run, iters: int | None = None) -> float:
         """The median of three timed windows of iters / 3 calls each (a slow window, a host hiccup, is dropped)."""
-        k = max(1, self.iters // 3)
+        k = max(1, (iters or self.iters) // 3)
         times = []
         for _ in range(3):
             _sync(self.device)
@@ -168,7 +170,7 @@ class Measurer:
             times.append(1e3 * (time.perf_counter() - t0) / k)
         return sorted(times)[1]
 
-    def optimizer_ns_per_param(self, shapes: list[tuple]) -> float:
+    def optimizer_ns_per_param(self, shapes: list[tuple], iters: int | None = None) -> float:
         """The trainer's step after the backward, per parameter, over fp32 parameters of `shapes`: the gradients
         attached (under CUDA graphs they are the graph's own tensors), clipping (one multi-tensor norm, a scale),
         AdamW (fused on CUDA), the gradients dropped (zero_grad(set_to_none=True))."""
@@ -190,7 +192,7 @@ class Measurer:
 
         for _ in range(self.warmup):
             step()
-        ms = self._median_ms(step)
+        ms = self._median_ms(step, iters)
         del params, grads, opt
         return 1e6 * ms / n
 
@@ -255,6 +257,26 @@ def _fake_world(size: int):
         dist.destroy_process_group()
 
 
+# (tensors, parameters each): the memory-bound rate over large tensors; the per-tensor cost over small ones; the
+# synthetic figure of earlier calibration files. Smaller on CPU, where this runs only as a smoke test.
+OPTIMIZER_SETS = {"cuda": dict(large=(3, 1 << 26), small=(5000, 4096), synthetic=(200, 1_000_000)),
+                  "cpu": dict(large=(3, 1 << 18), small=(200, 256), synthetic=(20, 100_000))}
+
+
+def measure_optimizer(meas: Measurer, device_type: str, iters: int = 30) -> dict:
+    """The optimizer step as the planner models it (costs.Calibration.optimizer_s): the slower of the GPU
+    (`large_ns_per_param` x parameters, a few 64M-parameter tensors: memory bound) and the host (`tensor_us` x
+    tensors: the small tensors' cost beyond their bytes). 30 steps a figure: a step over 200M parameters is ~3 ms."""
+    sets = OPTIMIZER_SETS["cuda" if device_type == "cuda" else "cpu"]
+    (nl, sl), (ns_, ss), (n1, s1) = sets["large"], sets["small"], sets["synthetic"]
+    large = meas.optimizer_ns_per_param([(sl,)] * nl, iters)
+    small = meas.optimizer_ns_per_param([(ss,)] * ns_, iters)
+    synthetic = meas.optimizer_ns_per_param([(s1,)] * n1, iters)
+    return {"large_ns_per_param": round(large, 5), "tensor_us": round(max(0.0, small - large) * ss / 1e3, 3),
+            "ns_per_param": round(synthetic, 5),
+            "sets": {k: dict(tensors=n, params_each=size) for k, (n, size) in sets.items()}}
+
+
 def calibrate(configs: list[str], device: str = "cuda", budget_s: float = 420.0, iters: int = 12, warmup: int = 3,
               shapes: dict | None = None, log=print) -> dict:
     """Measure the table (module docstring) within `budget_s` seconds; returns the calibration file's content."""
@@ -303,9 +325,9 @@ def calibrate(configs: list[str], device: str = "cuda", budget_s: float = 420.0,
             return groups[tp]
 
         if time.perf_counter() - t_start < budget_s:
-            tensors, size = (200, 1_000_000) if dev.type == "cuda" else (20, 100_000)
-            out["optimizer"] = {"ns_per_param": round(meas.optimizer_ns_per_param([(size,)] * tensors), 5)}
-            log(f"optimizer: {out['optimizer']['ns_per_param']:.3f} ns per parameter")
+            out["optimizer"] = measure_optimizer(meas, dev.type)
+            log("optimizer: {large_ns_per_param:.4f} ns per parameter (large tensors), {tensor_us:.1f} us per "
+                "tensor; {ns_per_param:.4f} ns per parameter over 200 x 1M".format(**out["optimizer"]))
         else:
             out["not_measured"].append(dict(what="optimizer"))
         if cfgs:  # FSDP2's copies on the 7B hybrid where it is calibrated (its recipe's engine), else the first
@@ -428,8 +450,12 @@ def median_of(tables: list[dict], names: list[str]) -> dict:
         keys = sorted({k for t in tables for k in t.get(table, {})})
         out[table] = {k: _median_rows(table, [t[table][k] for t in tables if k in t.get(table, {})]) for k in keys}
     out["cp"] = _median_rows("cp", [t.get("cp", []) for t in tables])
-    opt = [t["optimizer"]["ns_per_param"] for t in tables if t.get("optimizer")]
-    out["optimizer"] = {"ns_per_param": round(statistics.median(opt), 5)} if opt else {}
+    out["optimizer"] = {}
+    for what in ("large_ns_per_param", "tensor_us", "ns_per_param"):  # earlier files have the last only
+        opt = [t["optimizer"][what] for t in tables if what in t.get("optimizer", {})]
+        if opt:
+            out["optimizer"][what] = round(statistics.median(opt), 5)
+            out["optimizer"].setdefault("files", {})[what] = len(opt)
     out["fsdp2"] = {}
     for reshard in sorted({r for t in tables for r in t.get("fsdp2", {})}):
         same = [t["fsdp2"][reshard] for t in tables if reshard in t.get("fsdp2", {})]

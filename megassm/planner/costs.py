@@ -10,7 +10,8 @@ Per rank and step:
               activation checkpointing's recompute where on, FSDP2's own copies by its measured ratio, CP's
               treatment by its measured ratio;
   optimizer = clipping + AdamW over the parameters the rank steps (its shard under FSDP2 / the distributed
-              optimizer / DeepSpeed), from the calibration's ns per parameter;
+              optimizer / DeepSpeed): the slower of the GPU (ns per parameter over large tensors) and the host
+              (us per tensor);
   comm      = each collective of training/traffic.py (the dry run's flows) through an alpha-beta model of its link
               class (inside a node, across nodes), with the overlap the trainer really has (`_exposed`);
   bubble    = the pipeline schedule's idle share, (pp - 1) / (v x m + pp - 1) of the compute.
@@ -172,11 +173,15 @@ class Calibration:
         one = [r for r in rows if r["tp"] == 1 and r["mode"] == "graph"] or [r for r in rows if r["tp"] == 1] or rows
         return self._per_token(one, tokens, "ends_ms") / tp
 
-    def optimizer_s(self, params: float) -> float:
-        ns = self.data.get("optimizer", {}).get("ns_per_param")
-        if ns is None:
-            raise MissingCalibration(f"{self.path}: the optimizer is not calibrated")
-        return ns * 1e-9 * params
+    def optimizer_s(self, params: float, tensors: int) -> float:
+        """Clipping + AdamW over `params` parameters in `tensors` tensors: the slower of the GPU (memory bound, the
+        large tensors' ns per parameter) and the host (each tensor's own cost, measured over small ones)."""
+        o = self.data.get("optimizer", {})
+        if "large_ns_per_param" not in o or "tensor_us" not in o:
+            raise MissingCalibration(f"{self.path or 'the calibration'}: the optimizer is not calibrated per "
+                                     "parameter and per tensor (files before that change have only the synthetic "
+                                     "figure: re-run megassm-plan calibrate)")
+        return max(o["large_ns_per_param"] * 1e-9 * params, o["tensor_us"] * 1e-6 * tensors)
 
     def fsdp2_ratio(self, reshard: str) -> float:
         """FSDP2's micro-batch against the plain eager one, measured on a fake data-parallel group (its copies and
@@ -295,7 +300,9 @@ def predict(cfg: Config, cal: Calibration, network: str = "ib400", gpus_per_node
         if p.engine == "deepspeed" and dp > 1 and p.zero_stage >= 1:
             shard = dp
         sharded = p.zero_stage == 1 or p.engine in ("fsdp2", "deepspeed")
-        opt = cal.optimizer_s(held / (shard if sharded else 1))
+        # the distributed optimizer and DeepSpeed step flat buffers (a few tensors); DDP and FSDP2 each parameter
+        flat = p.engine == "deepspeed" or (p.engine == "ddp" and p.zero_stage == 1 and shard > 1)
+        opt = cal.optimizer_s(held / (shard if sharded else 1), 1 if flat else sum(1 for _ in model.parameters()))
         # communication, exposed
         last_bwd = (2.0 / 3.0) * per_micro
         fwd = per_micro / 3.0
