@@ -91,7 +91,11 @@ def test_one_gpu_step_by_hand(monkeypatch):
     # the optimizer: the slower of the GPU (parameters x ns) and the host (tensors x us)
     cal.data["optimizer"]["tensor_us"] = 2 * ns * 1e-3 * n / tensors  # the host twice the GPU
     assert math.isclose(predict(cfg, cal, comm=False).optimizer_s, 2 * ns * 1e-9 * n, rel_tol=1e-9)
-    cal.data["optimizer"]["tensor_us"] = 0.0
+    cal.data["optimizer"] = {"ns_per_param": 3 * ns}  # an earlier file: its synthetic figure, and a note says so
+    p3 = predict(cfg, cal, comm=False)
+    assert math.isclose(p3.optimizer_s, 3 * ns * 1e-9 * n, rel_tol=1e-9) and "earlier file" in " ".join(p3.notes)
+    cal.data["optimizer"] = {"large_ns_per_param": ns, "tensor_us": 0.0}
+    assert not predict(cfg, cal, comm=False).notes
     # eager: the host's time where it is the longer (3 ms a block), the GPU's where it is not
     rows, ends_rows, ns = _cal(eager=3.0)
     cal.data["blocks"][block_signature(cfg.model, "M")] = rows

@@ -177,11 +177,16 @@ class Calibration:
         """Clipping + AdamW over `params` parameters in `tensors` tensors: the slower of the GPU (memory bound, the
         large tensors' ns per parameter) and the host (each tensor's own cost, measured over small ones)."""
         o = self.data.get("optimizer", {})
-        if "large_ns_per_param" not in o or "tensor_us" not in o:
-            raise MissingCalibration(f"{self.path or 'the calibration'}: the optimizer is not calibrated per "
-                                     "parameter and per tensor (files before that change have only the synthetic "
-                                     "figure: re-run megassm-plan calibrate)")
-        return max(o["large_ns_per_param"] * 1e-9 * params, o["tensor_us"] * 1e-6 * tensors)
+        if "large_ns_per_param" in o and "tensor_us" in o:
+            return max(o["large_ns_per_param"] * 1e-9 * params, o["tensor_us"] * 1e-6 * tensors)
+        if "ns_per_param" in o:  # an earlier file (the records written with it stay reproducible): predict() notes it
+            return o["ns_per_param"] * 1e-9 * params
+        raise MissingCalibration(f"{self.path or 'the calibration'}: the optimizer is not calibrated")
+
+    @property
+    def optimizer_synthetic_only(self) -> bool:
+        """An earlier calibration file: the optimizer timed over 200 tensors of 1M parameters only."""
+        return "large_ns_per_param" not in self.data.get("optimizer", {})
 
     def fsdp2_ratio(self, reshard: str) -> float:
         """FSDP2's micro-batch against the plain eager one, measured on a fake data-parallel group (its copies and
@@ -327,6 +332,9 @@ def predict(cfg: Config, cal: Calibration, network: str = "ib400", gpus_per_node
                             t.seq_len)
     peak = peak_flops_for_name(cal.gpu)
     mfu = (tps * 3.0 * fl["total"] / t.seq_len / peak) if peak else None
+    if cal.optimizer_synthetic_only:
+        notes.append(f"{cal.path or 'the calibration'} times the optimizer over 200 tensors of 1M parameters only "
+                     "(an earlier file): its step is taken at that figure, which overstates real shapes by ~20%")
     if p.engine == "deepspeed":
         notes.append("DeepSpeed: its buckets and overlap are approximated (half of its reductions exposed)")
     return Prediction(step, compute, opt, exp_in + exp_across, exp_in, exp_across, bub, tps, mfu, notes)
