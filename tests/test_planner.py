@@ -85,7 +85,9 @@ def test_one_gpu_step_by_hand(monkeypatch):
 
     model = build_model(cfg.model, vocab_size=256, device="meta")
     n, tensors = model.num_parameters(), len(list(model.parameters()))
-    want = 2 * (4 * 2.0 + 1.0) / 1e3 + ns * 1e-9 * n
+    # the table's micro-batches accumulate their gradients; a step's first writes them fresh (one data-parallel
+    # rank): one accumulation, 12 of the optimizer's 40 bytes a parameter, comes off the compute
+    want = 2 * (4 * 2.0 + 1.0) / 1e3 - 0.3 * ns * 1e-9 * n + ns * 1e-9 * n
     assert math.isclose(p.step_s, want, rel_tol=1e-9), (p.step_s, want)
     assert math.isclose(p.tokens_per_s_per_gpu, 2000 / want)
     # the optimizer: the slower of the GPU (parameters x ns) and the host (tensors x us)
@@ -101,10 +103,29 @@ def test_one_gpu_step_by_hand(monkeypatch):
     cal.data["blocks"][block_signature(cfg.model, "M")] = rows
     cfg.train.cuda_graph = False
     assert predict(cfg, cal, comm=False).compute_s > p.compute_s
-    assert math.isclose(predict(cfg, cal, comm=False).compute_s, 2 * (4 * 3.0 + 1.0) / 1e3, rel_tol=1e-9)
+    assert math.isclose(predict(cfg, cal, comm=False).compute_s, 2 * (4 * 3.0 + 1.0) / 1e3 - 0.3 * ns * 1e-9 * n,
+                        rel_tol=1e-9)
     rows, _, _ = _cal(eager=1.0)  # an eager figure below the GPU's is noise: the GPU's time stands
     cal.data["blocks"][block_signature(cfg.model, "M")] = rows
     assert math.isclose(predict(cfg, cal, comm=False).compute_s, p.compute_s, rel_tol=1e-9)
+
+
+def test_fresh_first_gradients_follow_the_engine():
+    """Which layouts' first micro-batch writes fresh gradients (parallel/engines.py build_engine), so the table's
+    accumulating micro-batch overstates it by one accumulation."""
+    def fresh(*over):
+        cfg = load_config(None, ["data.builtin=stdlib", "model.pattern=MM", "model.d_model=64", *over],
+                          validate_config=False)
+        from megassm.config import data_parallel_size
+        return costs._fresh_first_gradients(cfg, data_parallel_size(cfg))
+
+    assert fresh("parallel.world_size=1")  # the plain engine: zero_grad(set_to_none)
+    assert fresh("parallel.world_size=2", "parallel.tp=2")  # one DP rank
+    assert fresh("parallel.world_size=2", "train.cuda_graph=true", "train.device=cuda")  # DDP, all-reduce after
+    assert not fresh("parallel.world_size=2")  # torch DDP overlapped: bucket views, zeroed in place
+    assert not fresh("parallel.world_size=2", "parallel.zero_stage=1")  # the distributed optimizer's buffer
+    assert not fresh("parallel.world_size=2", "parallel.cp=2", "parallel.zero_stage=1")  # over CP, at DP 1
+    assert not fresh("parallel.world_size=2", "parallel.engine=fsdp2")
 
 
 def test_exposed_overlap_rules_by_hand():
@@ -137,7 +158,7 @@ def test_the_committed_calibration_names_its_machine(h100):
 
 # The validation band, from the committed calibration (docs/planner.md "Validation"): a trainer change that moves a
 # row out of its band, or a model change that does, fails here. The bands are the figures reached, not the goals.
-MEDIAN_MAX, ROW_MAX, WITHIN_25_MIN = 0.09, 1.40, 30
+MEDIAN_MAX, ROW_MAX, WITHIN_25_MIN = 0.06, 1.40, 30
 
 
 def test_validation_against_every_measured_row(h100):

@@ -8,7 +8,8 @@ Per rank and step:
   compute   = micro-batches x (the rank's blocks at its shapes + the model's ends), from the calibration's block
               table (graph times under train.cuda_graph, else eager: the GPU or the host, whichever is slower),
               activation checkpointing's recompute where on, FSDP2's own copies by its measured ratio, CP's
-              treatment by its measured ratio;
+              treatment by its measured ratio; less one gradient accumulation where a step's first micro-batch
+              writes fresh gradients (the table's micro-batches accumulate into held ones);
   optimizer = clipping + AdamW over the parameters the rank steps (its shard under FSDP2 / the distributed
               optimizer / DeepSpeed): the slower of the GPU (ns per parameter over large tensors) and the host
               (us per tensor);
@@ -94,6 +95,12 @@ def bubble(pp: int, virtual: int, micro: int) -> float:
         return 0.0
     return (pp - 1) / (virtual * micro + pp - 1)
 
+
+# bytes a parameter: clipping (norm: read the gradient; scale: read + write it) + fused AdamW (read the parameter,
+# gradient and both moments, write the parameter and both moments), all fp32; a gradient accumulation (read both,
+# write one)
+OPTIMIZER_BYTES = 4 + 8 + 16 + 12
+ACCUMULATE_BYTES = 12
 
 # ----------------------------------------------------------------------------------------------------
 # the compute table
@@ -183,6 +190,14 @@ class Calibration:
             return o["ns_per_param"] * 1e-9 * params
         raise MissingCalibration(f"{self.path or 'the calibration'}: the optimizer is not calibrated")
 
+    def accumulate_s(self, params: float) -> float:
+        """What adding a micro-batch's gradients into the ones already held costs (`grad += new`: 12 bytes a
+        parameter, read 8, write 4), at the memory rate the optimizer's large-tensor step measured (its clipping and
+        AdamW move ~40 bytes a parameter). The calibration times accumulating micro-batches; a step's first one writes
+        fresh gradients where the engine frees them after each step. 0 for an earlier file (no large-tensor rate)."""
+        ns = self.data.get("optimizer", {}).get("large_ns_per_param")
+        return 0.0 if ns is None else ns * 1e-9 * params * ACCUMULATE_BYTES / OPTIMIZER_BYTES
+
     @property
     def optimizer_synthetic_only(self) -> bool:
         """An earlier calibration file: the optimizer timed over 200 tensors of 1M parameters only."""
@@ -254,6 +269,18 @@ def _exposed(flow, t: float, last_bwd_s: float, fwd_s: float, overlapped_reduce:
     return t
 
 
+def _fresh_first_gradients(cfg: Config, dp: int) -> bool:
+    """Whether each step's first micro-batch writes fresh gradients (parallel/engines.py build_engine: the plain
+    engine at one data-parallel rank, and DDP outside its overlapped backward, free them after each step), rather
+    than adding into kept ones (torch DDP's bucket views, the distributed optimizer's buffer, FSDP2, DeepSpeed)."""
+    p, t = cfg.parallel, cfg.train
+    if p.engine == "ddp" and p.zero_stage == 1 and dp * p.cp > 1:
+        return False  # the distributed optimizer's gradients are its buffer's views for the whole run
+    if dp == 1:
+        return True
+    return p.engine == "ddp" and (p.pp > 1 or t.bptt or t.cuda_graph)
+
+
 def predict(cfg: Config, cal: Calibration, network: str = "ib400", gpus_per_node: int | None = None,
             vocab: int | None = None, comm: bool = True) -> Prediction:
     """Predicted step of `cfg`'s layout (its parallel.* keys, world size, batch) on GPUs of `cal`'s kind.
@@ -299,6 +326,10 @@ def predict(cfg: Config, cal: Calibration, network: str = "ib400", gpus_per_node
             per_micro *= cal.fsdp2_ratio(p.fsdp_reshard)
         compute = micro * per_micro
         held = sum(q.numel() for q in model.parameters())
+        # a step's first micro-batch writes fresh gradients where the engine frees them after each step (one
+        # data-parallel rank; DDP outside its overlapped backward); the table's micro-batches accumulate
+        if _fresh_first_gradients(cfg, dp):
+            compute -= cal.accumulate_s(held)
         shard = dp * (p.cp if (p.engine == "ddp" and p.zero_stage == 1) else 1)
         if p.engine == "fsdp2" and dp > 1:
             shard = p.shard_size or dp
