@@ -196,8 +196,9 @@ def test_median_of_calibrations_by_hand(tmp_path):
                     cp=[], not_measured=[], seconds=10.0)
 
     paths = []
-    one, two = {"ns_per_param": 0.02}, {"ns_per_param": 0.04, "large_ns_per_param": 0.01, "tensor_us": 5.0}
-    three = {"ns_per_param": 0.03, "large_ns_per_param": 0.02, "tensor_us": 4.0}  # an earlier file has the first only
+    one = {"ns_per_param": 0.02}  # an earlier file: the synthetic figure only
+    two = {"ns_per_param": 0.04, "large_ns_per_param": 0.01, "tensor_us": 5.0}
+    three = {"ns_per_param": 0.03, "large_ns_per_param": 0.02, "tensor_us": 4.0}
     for i, t in enumerate([table(1.0, one, 30.0, extra=5.0), table(3.0, two, 10.0), table(2.0, three, 20.0)]):
         paths.append(tmp_path / f"c{i}.json")
         paths[-1].write_text(json.dumps(t))
