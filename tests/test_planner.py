@@ -98,6 +98,11 @@ def test_one_gpu_step_by_hand(monkeypatch):
     assert math.isclose(p3.optimizer_s, 3 * ns * 1e-9 * n, rel_tol=1e-9) and "earlier file" in " ".join(p3.notes)
     cal.data["optimizer"] = {"large_ns_per_param": ns, "tensor_us": 0.0}
     assert not predict(cfg, cal, comm=False).notes
+    # a file that measured the accumulation itself: its figure, not the bytes at the optimizer's rate
+    cal.data["optimizer"]["accumulate_ns_per_param"] = 0.5 * ns
+    assert math.isclose(predict(cfg, cal, comm=False).compute_s, 2 * (4 * 2.0 + 1.0) / 1e3 - 0.5 * ns * 1e-9 * n,
+                        rel_tol=1e-9)
+    del cal.data["optimizer"]["accumulate_ns_per_param"]
     # eager: the host's time where it is the longer (3 ms a block), the GPU's where it is not
     rows, ends_rows, ns = _cal(eager=3.0)
     cal.data["blocks"][block_signature(cfg.model, "M")] = rows
@@ -197,7 +202,7 @@ def test_median_of_calibrations_by_hand(tmp_path):
 
     paths = []
     one = {"ns_per_param": 0.02}  # an earlier file: the synthetic figure only
-    two = {"ns_per_param": 0.04, "large_ns_per_param": 0.01, "tensor_us": 5.0}
+    two = {"ns_per_param": 0.04, "large_ns_per_param": 0.01, "tensor_us": 5.0, "accumulate_ns_per_param": 0.004}
     three = {"ns_per_param": 0.03, "large_ns_per_param": 0.02, "tensor_us": 4.0}
     for i, t in enumerate([table(1.0, one, 30.0, extra=5.0), table(3.0, two, 10.0), table(2.0, three, 20.0)]):
         paths.append(tmp_path / f"c{i}.json")
@@ -212,7 +217,9 @@ def test_median_of_calibrations_by_hand(tmp_path):
     assert (eager["block_ms"], eager["files"]) == (5.0, 1)  # measured by one file only: its own figure
     assert m["optimizer"]["ns_per_param"] == 0.03 and m["fsdp2"]["step"]["ms"] == 20.0
     assert (m["optimizer"]["large_ns_per_param"], m["optimizer"]["tensor_us"]) == (0.015, 4.5)
-    assert m["optimizer"]["files"] == {"ns_per_param": 3, "large_ns_per_param": 2, "tensor_us": 2}
+    assert m["optimizer"]["files"] == {"ns_per_param": 3, "large_ns_per_param": 2, "tensor_us": 2,
+                                       "accumulate_ns_per_param": 1}
+    assert m["optimizer"]["accumulate_ns_per_param"] == 0.004
     assert [x["file"] for x in m["median_of"]] == ["c0.json", "c1.json", "c2.json"] and m["seconds"] == 30.0
     Calibration.load(str(out)).block_ms("M|d=8", 1, False, 8, graph=True, ac=False)  # the planner reads it
     paths[2].write_text(json.dumps(dict(table(2.0, three, 20.0), gpu="H")))
@@ -248,6 +255,7 @@ def test_calibrate_runs_on_cpu_as_a_smoke_run(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     t = json.loads(out.read_text())
     assert t["device"] == "cpu" and t["optimizer"]["large_ns_per_param"] > 0 and t["optimizer"]["tensor_us"] >= 0
+    assert t["optimizer"]["accumulate_ns_per_param"] > 0
     measured = {k[0] for k in t["blocks"]}
     cut = {w.get("letter") for w in t["not_measured"]}
     assert set("M*-") <= measured | cut and cut  # what the 3 s budget did not reach is listed, not dropped

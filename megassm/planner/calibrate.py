@@ -9,7 +9,8 @@ once, so what is timed is exactly its compute):
     (the GPU's time: `graph`) and eager (what the host adds: `eager`); with activation checkpointing (`ac`);
   - the optimizer: clipping + fused AdamW per parameter over a few large fp32 tensors (the GPU's memory-bound
     rate), and per tensor over many small ones (what each tensor adds on the host); the figure over 200 tensors
-    of 1M parameters the planner used before, kept for comparison;
+    of 1M parameters the planner used before, kept for comparison; a gradient accumulation (`grad += new`) per
+    parameter, which a step's first micro-batch does not do;
   - FSDP2's own copies (into and out of its communication buffers), per parameter and gather / reduce-scatter, on a
     fake data-parallel group of 4.
 Measurements run in a fixed priority order until `--budget-s` is spent; what was not reached is listed in the
@@ -196,6 +197,25 @@ class Measurer:
         del params, grads, opt
         return 1e6 * ms / n
 
+    def accumulate_ns_per_param(self, shapes: list[tuple], iters: int | None = None) -> float:
+        """What autograd's AccumulateGrad does to a gradient already held when a micro-batch's arrives
+        (`grad += new`, fp32, one tensor at a time), per parameter: what a step's later micro-batches pay and its
+        first does not (costs.Calibration.accumulate_s)."""
+        dev = self.device
+        grads = [torch.randn(shape, device=dev) for shape in shapes]
+        news = [torch.randn_like(g) for g in grads]
+        n = sum(g.numel() for g in grads)
+
+        def step():
+            for g, new in zip(grads, news):
+                g.add_(new)
+
+        for _ in range(self.warmup):
+            step()
+        ms = self._median_ms(step, iters)
+        del grads, news
+        return 1e6 * ms / n
+
     def fsdp2_ms(self, cfg_model, pattern: str, vocab: int, micro: int, seq: int, dp_group, reshard: str) -> float:
         """Eager forward + backward of `pattern` under FSDP2 over the fake DP group (its copies, no transfer)."""
         from dataclasses import replace
@@ -272,8 +292,9 @@ def measure_optimizer(meas: Measurer, device_type: str, iters: int = 30) -> dict
     large = meas.optimizer_ns_per_param([(sl,)] * nl, iters)
     small = meas.optimizer_ns_per_param([(ss,)] * ns_, iters)
     synthetic = meas.optimizer_ns_per_param([(s1,)] * n1, iters)
+    accumulate = meas.accumulate_ns_per_param([(sl,)] * nl, iters)
     return {"large_ns_per_param": round(large, 5), "tensor_us": round(max(0.0, small - large) * ss / 1e3, 3),
-            "ns_per_param": round(synthetic, 5),
+            "accumulate_ns_per_param": round(accumulate, 5), "ns_per_param": round(synthetic, 5),
             "sets": {k: dict(tensors=n, params_each=size) for k, (n, size) in sets.items()}}
 
 
@@ -451,7 +472,8 @@ def median_of(tables: list[dict], names: list[str]) -> dict:
         out[table] = {k: _median_rows(table, [t[table][k] for t in tables if k in t.get(table, {})]) for k in keys}
     out["cp"] = _median_rows("cp", [t.get("cp", []) for t in tables])
     out["optimizer"] = {}
-    for what in ("large_ns_per_param", "tensor_us", "ns_per_param"):  # earlier files have the last only
+    for what in ("large_ns_per_param", "tensor_us", "accumulate_ns_per_param", "ns_per_param"):  # earlier files:
+        # the last only, or not the accumulation
         opt = [t["optimizer"][what] for t in tables if what in t.get("optimizer", {})]
         if opt:
             out["optimizer"][what] = round(statistics.median(opt), 5)

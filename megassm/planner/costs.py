@@ -191,11 +191,15 @@ class Calibration:
         raise MissingCalibration(f"{self.path or 'the calibration'}: the optimizer is not calibrated")
 
     def accumulate_s(self, params: float) -> float:
-        """What adding a micro-batch's gradients into the ones already held costs (`grad += new`: 12 bytes a
-        parameter, read 8, write 4), at the memory rate the optimizer's large-tensor step measured (its clipping and
-        AdamW move ~40 bytes a parameter). The calibration times accumulating micro-batches; a step's first one writes
-        fresh gradients where the engine frees them after each step. 0 for an earlier file (no large-tensor rate)."""
-        ns = self.data.get("optimizer", {}).get("large_ns_per_param")
+        """What adding a micro-batch's gradients into the ones already held costs (`grad += new`). The calibration
+        times accumulating micro-batches; a step's first one writes fresh gradients where the engine frees them after
+        each step. Measured (`accumulate_ns_per_param`) where the file has it; else its 12 bytes a parameter (read 8,
+        write 4) at the memory rate of the optimizer's large-tensor step, which moves ~40; 0 for a file with neither
+        (the earliest: the synthetic optimizer figure only)."""
+        o = self.data.get("optimizer", {})
+        if "accumulate_ns_per_param" in o:
+            return o["accumulate_ns_per_param"] * 1e-9 * params
+        ns = o.get("large_ns_per_param")
         return 0.0 if ns is None else ns * 1e-9 * params * ACCUMULATE_BYTES / OPTIMIZER_BYTES
 
     @property
