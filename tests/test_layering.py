@@ -362,7 +362,7 @@ def test_a_private_import_is_caught(tmp_path, module, is_pkg, source, want):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The models know nothing of parallelism (issue 63)
+# The models know nothing of parallelism
 # ----------------------------------------------------------------------------------------------------
 # Context and tensor parallelism are applied from outside (parallel/cp.py, parallel/tp.py): no model module
 # imports a parallel plan or torch.distributed, and no model function takes a `cp` / `tp` argument.

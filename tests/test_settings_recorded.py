@@ -1,4 +1,4 @@
-"""The kernels' switches as config keys (issue 63, "Settings recorded"): the `kernels:` section becomes the
+"""The kernels' switches as config keys: the `kernels:` section becomes the
 MEGASSM_* variables at start-up, a variable that is set wins and is recorded, run.dir/config.yaml holds the values
 in effect and every MEGASSM_* variable that was set, a bad value fails before any file is written, --print-config
 writes nothing, and a resume with other values in effect warns."""
