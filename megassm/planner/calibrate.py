@@ -148,9 +148,7 @@ class Measurer:
                 run = lambda: graphed(batch)  # noqa: E731  (then the accumulating graph, as micro-batches 2..n)
             else:
                 run = lambda: fwd_bwd(batch)  # noqa: E731
-            for _ in range(self.warmup):
-                run()
-            return self._median_ms(run)
+            return self._timed_ms(run)
         finally:
             if graphed is not None:
                 graphed.release()
@@ -158,8 +156,11 @@ class Measurer:
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
 
-    def _median_ms(self, run, iters: int | None = None) -> float:
-        """The median of three timed windows of iters / 3 calls each (a slow window, a host hiccup, is dropped)."""
+    def _timed_ms(self, run, iters: int | None = None) -> float:
+        """Milliseconds a call of `run` after `warmup` calls: the median of three timed windows of iters / 3 calls
+        each (a slow window, a host hiccup, is dropped)."""
+        for _ in range(self.warmup):
+            run()
         k = max(1, (iters or self.iters) // 3)
         times = []
         for _ in range(3):
@@ -191,9 +192,7 @@ class Measurer:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        for _ in range(self.warmup):
-            step()
-        ms = self._median_ms(step, iters)
+        ms = self._timed_ms(step, iters)
         del params, grads, opt
         return 1e6 * ms / n
 
@@ -210,9 +209,7 @@ class Measurer:
             for g, new in zip(grads, news):
                 g.add_(new)
 
-        for _ in range(self.warmup):
-            step()
-        ms = self._median_ms(step, iters)
+        ms = self._timed_ms(step, iters)
         del grads, news
         return 1e6 * ms / n
 
@@ -251,9 +248,7 @@ class Measurer:
             loss.backward()
 
         try:
-            for _ in range(self.warmup):
-                run()
-            return self._median_ms(run)
+            return self._timed_ms(run)
         finally:
             del model
             if dev.type == "cuda":
