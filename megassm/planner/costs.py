@@ -329,7 +329,8 @@ def predict(cfg: Config, cal: Calibration, network: str = "ib400", gpus_per_node
         if p.engine == "fsdp2" and dp > 1:
             per_micro *= cal.fsdp2_ratio(p.fsdp_reshard)
         compute = micro * per_micro
-        held = sum(q.numel() for q in model.parameters())
+        params = list(model.parameters())
+        held = sum(q.numel() for q in params)
         # a step's first micro-batch writes fresh gradients where the engine frees them after each step (one
         # data-parallel rank; DDP outside its overlapped backward); the table's micro-batches accumulate
         if _fresh_first_gradients(cfg, dp):
@@ -342,7 +343,7 @@ def predict(cfg: Config, cal: Calibration, network: str = "ib400", gpus_per_node
         sharded = p.zero_stage == 1 or p.engine in ("fsdp2", "deepspeed")
         # the distributed optimizer and DeepSpeed step flat buffers (a few tensors); DDP and FSDP2 each parameter
         flat = p.engine == "deepspeed" or (p.engine == "ddp" and p.zero_stage == 1 and shard > 1)
-        opt = cal.optimizer_s(held / (shard if sharded else 1), 1 if flat else sum(1 for _ in model.parameters()))
+        opt = cal.optimizer_s(held / (shard if sharded else 1), 1 if flat else len(params))
         # communication, exposed
         last_bwd = (2.0 / 3.0) * per_micro
         fwd = per_micro / 3.0
